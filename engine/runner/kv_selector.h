@@ -1,0 +1,39 @@
+// The compression hook (issue 6 implements it; the runner of issue 3 calls it). During prefill,
+// after a layer's attention has used the full K/V, the runner asks the selector which tokens each
+// KV head keeps; only those are stored in that layer's paged block table. The model layers know
+// nothing of it.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+
+#include <ATen/core/Tensor.h>
+
+#include "absl/status/statusor.h"
+
+namespace dropkv {
+
+// One layer's prefill state of one sequence. All tensors live on the model's device.
+struct LayerKvView {
+  int32_t layer_idx = 0;
+  int32_t num_layers = 0;
+  int64_t logical_len = 0;  // tokens seen so far (= RoPE position of the next token)
+  // Queries of the tokens of this forward (the chunk), after RoPE: [Hq, chunk_len, D].
+  at::Tensor queries;
+  // Every key/value this layer holds now (stored cache + this chunk), keys after RoPE:
+  // [Hkv, n, D] each. Position of entry j of head h: positions[h][j].
+  at::Tensor keys;
+  at::Tensor values;
+  at::Tensor positions;  // int64 [Hkv, n]
+  bool is_last_chunk = true;
+};
+
+class KvSelector {
+ public:
+  virtual ~KvSelector() = default;
+  // Kept entries per KV head: int64 [Hkv, k] (indices into the n entries of `view`), sorted
+  // ascending, the same k for every head of the layer; std::nullopt keeps everything.
+  virtual absl::StatusOr<std::optional<at::Tensor>> Select(const LayerKvView& view) = 0;
+};
+
+}  // namespace dropkv
