@@ -1,0 +1,204 @@
+#include "allocator/block_pool.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <unordered_set>
+
+#include "absl/strings/str_cat.h"
+
+namespace dropkv {
+
+absl::StatusOr<std::unique_ptr<BlockPool>> BlockPool::Create(const BlockPoolOptions& options) {
+  if (options.num_blocks <= 0 || options.num_blocks > INT32_MAX) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_blocks must be in [1, 2^31), got ", options.num_blocks));
+  }
+  if (options.block_size <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("block_size must be > 0, got ", options.block_size));
+  }
+  if (options.num_layers <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_layers must be > 0, got ", options.num_layers));
+  }
+  if (options.allocate_storage && (options.num_kv_heads <= 0 || options.head_dim <= 0)) {
+    return absl::InvalidArgumentError(absl::StrCat("num_kv_heads and head_dim must be > 0, got ",
+                                                   options.num_kv_heads, " and ",
+                                                   options.head_dim));
+  }
+  std::unique_ptr<BlockPool> pool(new BlockPool(options));
+  pool->in_use_.assign(options.num_blocks, 0);
+  pool->free_list_.resize(options.num_blocks);
+  // Pop from the back: block 0 is handed out first.
+  for (int64_t i = 0; i < options.num_blocks; ++i) {
+    pool->free_list_[i] = static_cast<int32_t>(options.num_blocks - 1 - i);
+  }
+  if (options.allocate_storage) {
+    try {
+      auto opts = at::TensorOptions().dtype(options.dtype).device(options.device);
+      // [num_blocks, block_size, Hkv, D]; zeroed so unwritten slots are finite.
+      pool->key_cache_ = at::zeros(
+          {options.num_blocks, options.block_size, options.num_kv_heads, options.head_dim}, opts);
+      pool->value_cache_ = at::zeros_like(pool->key_cache_);
+    } catch (const std::exception& e) {
+      return absl::ResourceExhaustedError(absl::StrCat("cannot allocate the KV pool (",
+                                                       options.num_blocks, " blocks): ", e.what()));
+    }
+  }
+  return pool;
+}
+
+int64_t BlockPool::BlocksFor(int64_t num_tokens) const {
+  return (num_tokens + options_.block_size - 1) / options_.block_size;
+}
+
+absl::StatusOr<std::vector<int32_t>> BlockPool::AllocateBlocks(int64_t num_blocks) {
+  if (num_blocks < 0) return absl::InvalidArgumentError("negative block count");
+  if (!CanAllocate(num_blocks)) {
+    return absl::ResourceExhaustedError(absl::StrCat("KV pool: need ", num_blocks, " blocks, ",
+                                                     num_free_blocks(), " free of ",
+                                                     this->num_blocks()));
+  }
+  std::vector<int32_t> out(num_blocks);
+  for (int64_t i = 0; i < num_blocks; ++i) {
+    out[i] = free_list_.back();
+    free_list_.pop_back();
+    in_use_[out[i]] = 1;
+  }
+  return out;
+}
+
+void BlockPool::FreeBlocks(std::span<const int32_t> block_ids) {
+  for (int32_t b : block_ids) {
+    if (b < 0 || b >= num_blocks() || !in_use_[b])
+      continue;  // double free: ignore, keep list sound
+    in_use_[b] = 0;
+    free_list_.push_back(b);
+  }
+}
+
+absl::Status BlockPool::AddSequence(int64_t seq) {
+  if (HasSequence(seq)) return absl::AlreadyExistsError(absl::StrCat("sequence ", seq, " exists"));
+  SequenceBlocks s;
+  s.layers.resize(options_.num_layers);
+  seqs_.emplace(seq, std::move(s));
+  return absl::OkStatus();
+}
+
+void BlockPool::FreeSequence(int64_t seq) {
+  auto it = seqs_.find(seq);
+  if (it == seqs_.end()) return;
+  for (const auto& t : it->second.layers) FreeBlocks(t.block_ids);
+  seqs_.erase(it);
+}
+
+const SequenceBlocks& BlockPool::sequence(int64_t seq) const {
+  return seqs_.at(seq);
+}
+SequenceBlocks& BlockPool::mutable_sequence(int64_t seq) {
+  return seqs_.at(seq);
+}
+const LayerBlockTable& BlockPool::table(int64_t seq, int32_t layer_idx) const {
+  return sequence(seq).layers.at(layer_idx);
+}
+int64_t BlockPool::stored_len(int64_t seq, int32_t layer_idx) const {
+  return table(seq, layer_idx).stored_len;
+}
+int64_t BlockPool::logical_len(int64_t seq) const {
+  return sequence(seq).logical_len;
+}
+void BlockPool::set_logical_len(int64_t seq, int64_t logical_len) {
+  mutable_sequence(seq).logical_len = logical_len;
+}
+int64_t BlockPool::num_blocks_of(int64_t seq) const {
+  int64_t n = 0;
+  for (const auto& t : sequence(seq).layers) n += static_cast<int64_t>(t.block_ids.size());
+  return n;
+}
+
+int64_t BlockPool::ExtraBlocks(const LayerBlockTable& t, int64_t num_tokens) const {
+  return std::max<int64_t>(
+      0, BlocksFor(t.stored_len + num_tokens) - static_cast<int64_t>(t.block_ids.size()));
+}
+
+int64_t BlockPool::BlocksToAppend(std::span<const int64_t> seqs, int64_t num_tokens) const {
+  int64_t n = 0;
+  for (int64_t s : seqs) {
+    for (const auto& t : sequence(s).layers) n += ExtraBlocks(t, num_tokens);
+  }
+  return n;
+}
+
+absl::Status BlockPool::AppendSlots(std::span<const int64_t> seqs, int64_t num_tokens) {
+  if (num_tokens < 0) return absl::InvalidArgumentError("negative token count");
+  std::unordered_set<int64_t> seen;
+  for (int64_t s : seqs) {
+    if (!HasSequence(s)) return absl::NotFoundError(absl::StrCat("unknown sequence ", s));
+    if (!seen.insert(s).second)
+      return absl::InvalidArgumentError(absl::StrCat("sequence ", s, " listed twice"));
+  }
+  const int64_t need = BlocksToAppend(seqs, num_tokens);
+  if (!CanAllocate(need)) {
+    return absl::ResourceExhaustedError(absl::StrCat("KV pool: need ", need, " blocks, ",
+                                                     num_free_blocks(), " free of ", num_blocks()));
+  }
+  for (int64_t s : seqs) {
+    for (auto& t : mutable_sequence(s).layers) {
+      auto blocks = AllocateBlocks(ExtraBlocks(t, num_tokens));  // cannot fail: checked above
+      t.block_ids.insert(t.block_ids.end(), blocks->begin(), blocks->end());
+      t.stored_len += num_tokens;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status BlockPool::AppendLayerSlots(int64_t seq, int32_t layer_idx, int64_t num_tokens) {
+  if (!HasSequence(seq)) return absl::NotFoundError(absl::StrCat("unknown sequence ", seq));
+  if (num_tokens < 0) return absl::InvalidArgumentError("negative token count");
+  auto& t = mutable_sequence(seq).layers.at(layer_idx);
+  auto blocks = AllocateBlocks(ExtraBlocks(t, num_tokens));
+  if (!blocks.ok()) return blocks.status();
+  t.block_ids.insert(t.block_ids.end(), blocks->begin(), blocks->end());
+  t.stored_len += num_tokens;
+  return absl::OkStatus();
+}
+
+absl::Status BlockPool::ReplaceLayer(int64_t seq, int32_t layer_idx, int64_t stored_len,
+                                     std::vector<int32_t>* old_block_ids) {
+  if (!HasSequence(seq)) return absl::NotFoundError(absl::StrCat("unknown sequence ", seq));
+  if (stored_len < 0) return absl::InvalidArgumentError("negative stored length");
+  auto blocks = AllocateBlocks(BlocksFor(stored_len));
+  if (!blocks.ok()) return blocks.status();
+  auto& t = mutable_sequence(seq).layers.at(layer_idx);
+  *old_block_ids = std::move(t.block_ids);
+  t.block_ids = std::move(*blocks);
+  t.stored_len = stored_len;
+  return absl::OkStatus();
+}
+
+void BlockPool::Restore(int64_t seq, SequenceBlocks snapshot) {
+  auto& cur = mutable_sequence(seq);
+  std::unordered_set<int32_t> keep;
+  for (const auto& t : snapshot.layers) keep.insert(t.block_ids.begin(), t.block_ids.end());
+  std::vector<int32_t> to_free;
+  for (const auto& t : cur.layers) {
+    for (int32_t b : t.block_ids) {
+      if (!keep.contains(b)) to_free.push_back(b);
+    }
+  }
+  FreeBlocks(to_free);
+  cur = std::move(snapshot);
+}
+
+at::Tensor BlockPool::SlotIndices(int64_t seq, int32_t layer_idx, int64_t begin,
+                                  int64_t end) const {
+  const auto& t = table(seq, layer_idx);
+  auto out = at::empty({end - begin}, at::kLong);
+  int64_t* p = out.data_ptr<int64_t>();
+  const int64_t bs = options_.block_size;
+  for (int64_t j = begin; j < end; ++j) p[j - begin] = int64_t{t.block_ids[j / bs]} * bs + j % bs;
+  return out;
+}
+
+}  // namespace dropkv

@@ -1,0 +1,124 @@
+// The paged KV block pool: one pool of blocks shared by every layer of one model, a block table
+// per (sequence, layer), stored lengths per layer and a logical length (next RoPE position) per
+// sequence. A block holds `block_size` slots x num_kv_heads x head_dim for K and for V.
+// No model knowledge. Not thread-safe: the engine thread owns it.
+//
+// Failure is a value: every allocating call is all-or-nothing and returns RESOURCE_EXHAUSTED with
+// the state unchanged when the free list is too short (ask CanAllocate first, then commit).
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <unordered_map>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace dropkv {
+
+struct BlockPoolOptions {
+  int64_t num_blocks = 0;   // > 0
+  int32_t block_size = 16;  // slots per block, > 0
+  int32_t num_layers = 0;   // block tables per sequence, > 0
+  int32_t num_kv_heads = 0;
+  int32_t head_dim = 0;
+  // Storage tensors are allocated only when true (accounting-only pools keep tests cheap).
+  bool allocate_storage = true;
+  at::ScalarType dtype = at::kFloat;
+  at::Device device = at::Device(at::kCPU);
+};
+
+// One layer's cache of one sequence: slot j lives at block_ids[j / block_size], offset
+// j % block_size. stored_len <= block_ids.size() * block_size.
+struct LayerBlockTable {
+  std::vector<int32_t> block_ids;
+  int64_t stored_len = 0;
+};
+
+// Everything the pool knows about one sequence (also the snapshot type of Snapshot/Restore).
+struct SequenceBlocks {
+  int64_t logical_len = 0;
+  std::vector<LayerBlockTable> layers;  // [num_layers]
+};
+
+class BlockPool {
+ public:
+  static absl::StatusOr<std::unique_ptr<BlockPool>> Create(const BlockPoolOptions& options);
+
+  const BlockPoolOptions& options() const { return options_; }
+  int32_t block_size() const { return options_.block_size; }
+  int32_t num_layers() const { return options_.num_layers; }
+  int64_t num_blocks() const { return options_.num_blocks; }
+  int64_t num_free_blocks() const { return static_cast<int64_t>(free_list_.size()); }
+  int64_t num_used_blocks() const { return num_blocks() - num_free_blocks(); }
+  bool CanAllocate(int64_t num_blocks) const { return num_blocks <= num_free_blocks(); }
+  // Blocks needed to hold `num_tokens` slots.
+  int64_t BlocksFor(int64_t num_tokens) const;
+
+  // Storage: [num_blocks, block_size, num_kv_heads, head_dim] each (undefined without storage).
+  const at::Tensor& key_cache() const { return key_cache_; }
+  const at::Tensor& value_cache() const { return value_cache_; }
+
+  // --- raw blocks -------------------------------------------------------------------------------
+  // `num_blocks` free blocks, or RESOURCE_EXHAUSTED with nothing taken.
+  absl::StatusOr<std::vector<int32_t>> AllocateBlocks(int64_t num_blocks);
+  // Returns blocks to the free list. Precondition: each is allocated and owned by no table.
+  void FreeBlocks(std::span<const int32_t> block_ids);
+
+  // --- sequences -------------------------------------------------------------------------------
+  bool HasSequence(int64_t seq) const { return seqs_.contains(seq); }
+  // Registers `seq` with empty tables; ALREADY_EXISTS when known.
+  absl::Status AddSequence(int64_t seq);
+  // Frees every block of `seq` and forgets it; unknown ids are ignored.
+  void FreeSequence(int64_t seq);
+  int64_t num_sequences() const { return static_cast<int64_t>(seqs_.size()); }
+
+  // Precondition for the accessors below: HasSequence(seq).
+  const SequenceBlocks& sequence(int64_t seq) const;
+  const LayerBlockTable& table(int64_t seq, int32_t layer_idx) const;
+  int64_t stored_len(int64_t seq, int32_t layer_idx) const;
+  int64_t logical_len(int64_t seq) const;
+  void set_logical_len(int64_t seq, int64_t logical_len);
+  // Blocks held by `seq` over all layers.
+  int64_t num_blocks_of(int64_t seq) const;
+
+  // Blocks AppendSlots would take for these sequences (all layers, `num_tokens` each).
+  int64_t BlocksToAppend(std::span<const int64_t> seqs, int64_t num_tokens) const;
+  // Grows every layer of every listed sequence by `num_tokens` slots (stored_len += num_tokens).
+  // All-or-nothing. Duplicated ids are INVALID_ARGUMENT.
+  absl::Status AppendSlots(std::span<const int64_t> seqs, int64_t num_tokens);
+  // Grows one layer by `num_tokens` slots. All-or-nothing.
+  absl::Status AppendLayerSlots(int64_t seq, int32_t layer_idx, int64_t num_tokens);
+  // Gives one layer fresh blocks for `stored_len` slots and hands the previous blocks to the
+  // caller in `old_block_ids`: they stay allocated until the caller frees them (or a Restore puts
+  // them back), so a compaction can read the old slots while writing the new ones and can still
+  // be undone. All-or-nothing.
+  absl::Status ReplaceLayer(int64_t seq, int32_t layer_idx, int64_t stored_len,
+                            std::vector<int32_t>* old_block_ids);
+
+  // A copy of `seq`'s tables; Restore(seq, snapshot) puts them back and frees every block the
+  // current tables hold that the snapshot does not. Together they undo a failed multi-step update.
+  SequenceBlocks Snapshot(int64_t seq) const { return sequence(seq); }
+  void Restore(int64_t seq, SequenceBlocks snapshot);
+
+  // Flat slot indices (block_id * block_size + offset) of slots [begin, end) of a layer:
+  // int64 [end - begin] on the CPU.
+  at::Tensor SlotIndices(int64_t seq, int32_t layer_idx, int64_t begin, int64_t end) const;
+
+ private:
+  explicit BlockPool(const BlockPoolOptions& options) : options_(options) {}
+  SequenceBlocks& mutable_sequence(int64_t seq);
+  int64_t ExtraBlocks(const LayerBlockTable& t, int64_t num_tokens) const;
+
+  BlockPoolOptions options_;
+  std::vector<int32_t> free_list_;  // LIFO: recently freed blocks are reused first
+  std::vector<uint8_t> in_use_;     // [num_blocks]
+  std::unordered_map<int64_t, SequenceBlocks> seqs_;
+  at::Tensor key_cache_;
+  at::Tensor value_cache_;
+};
+
+}  // namespace dropkv

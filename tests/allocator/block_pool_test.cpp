@@ -1,0 +1,152 @@
+#include "allocator/block_pool.h"
+
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+
+#include <vector>
+
+namespace dropkv {
+namespace {
+
+std::unique_ptr<BlockPool> MakePool(int64_t num_blocks, int32_t block_size = 4,
+                                    int32_t num_layers = 3, bool storage = false) {
+  BlockPoolOptions o;
+  o.num_blocks = num_blocks;
+  o.block_size = block_size;
+  o.num_layers = num_layers;
+  o.num_kv_heads = 2;
+  o.head_dim = 8;
+  o.allocate_storage = storage;
+  auto pool = BlockPool::Create(o);
+  EXPECT_TRUE(pool.ok()) << pool.status();
+  return std::move(*pool);
+}
+
+TEST(BlockPoolTest, RejectsBadOptions) {
+  BlockPoolOptions o;
+  o.num_blocks = 0;
+  o.num_layers = 1;
+  auto r = BlockPool::Create(o);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("num_blocks"), std::string::npos);
+}
+
+TEST(BlockPoolTest, StorageShape) {
+  auto pool = MakePool(5, 4, 2, /*storage=*/true);
+  EXPECT_EQ(pool->key_cache().sizes(), (std::vector<int64_t>{5, 4, 2, 8}));
+  EXPECT_EQ(pool->value_cache().sizes(), (std::vector<int64_t>{5, 4, 2, 8}));
+}
+
+TEST(BlockPoolTest, AppendAllocatesPerLayerAndFreeReturnsAll) {
+  auto pool = MakePool(20);
+  ASSERT_TRUE(pool->AddSequence(7).ok());
+  const std::vector<int64_t> seqs = {7};
+  EXPECT_EQ(pool->BlocksToAppend(seqs, 5), 3 * 2);
+  ASSERT_TRUE(pool->AppendSlots(seqs, 5).ok());
+  EXPECT_EQ(pool->num_used_blocks(), 6);
+  EXPECT_EQ(pool->num_blocks_of(7), 6);
+  for (int l = 0; l < 3; ++l) EXPECT_EQ(pool->stored_len(7, l), 5);
+  // 3 more tokens fit in the second block of each layer: no new block.
+  EXPECT_EQ(pool->BlocksToAppend(seqs, 3), 0);
+  ASSERT_TRUE(pool->AppendSlots(seqs, 3).ok());
+  EXPECT_EQ(pool->num_used_blocks(), 6);
+  ASSERT_TRUE(pool->AppendSlots(seqs, 1).ok());
+  EXPECT_EQ(pool->num_used_blocks(), 9);
+  pool->FreeSequence(7);
+  EXPECT_EQ(pool->num_free_blocks(), 20);
+  EXPECT_FALSE(pool->HasSequence(7));
+  pool->FreeSequence(7);  // unknown: ignored
+  EXPECT_EQ(pool->num_free_blocks(), 20);
+}
+
+TEST(BlockPoolTest, PerLayerLengthsDiffer) {
+  auto pool = MakePool(20);
+  ASSERT_TRUE(pool->AddSequence(1).ok());
+  ASSERT_TRUE(pool->AppendLayerSlots(1, 0, 9).ok());
+  ASSERT_TRUE(pool->AppendLayerSlots(1, 2, 1).ok());
+  EXPECT_EQ(pool->stored_len(1, 0), 9);
+  EXPECT_EQ(pool->stored_len(1, 1), 0);
+  EXPECT_EQ(pool->stored_len(1, 2), 1);
+  EXPECT_EQ(pool->table(1, 0).block_ids.size(), 3u);
+  EXPECT_EQ(pool->table(1, 1).block_ids.size(), 0u);
+  EXPECT_EQ(pool->num_blocks_of(1), 4);
+  pool->set_logical_len(1, 100);
+  EXPECT_EQ(pool->logical_len(1), 100);
+  // Slot indices map through the table.
+  auto slots = pool->SlotIndices(1, 0, 3, 6);
+  const auto& ids = pool->table(1, 0).block_ids;
+  EXPECT_EQ(slots[0].item<int64_t>(), ids[0] * 4 + 3);
+  EXPECT_EQ(slots[1].item<int64_t>(), ids[1] * 4 + 0);
+  EXPECT_EQ(slots[2].item<int64_t>(), ids[1] * 4 + 1);
+}
+
+TEST(BlockPoolTest, ExhaustionLeavesStateUnchanged) {
+  auto pool = MakePool(5);
+  ASSERT_TRUE(pool->AddSequence(1).ok());
+  ASSERT_TRUE(pool->AddSequence(2).ok());
+  const std::vector<int64_t> s1 = {1};
+  ASSERT_TRUE(pool->AppendSlots(s1, 4).ok());  // 3 blocks
+  const auto before = pool->Snapshot(1);
+  const std::vector<int64_t> both = {1, 2};
+  // seq 1 needs 3 more, seq 2 needs 3: 6 > 2 free.
+  auto st = pool->AppendSlots(both, 1);
+  EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(pool->num_free_blocks(), 2);
+  EXPECT_EQ(pool->stored_len(1, 0), 4);
+  EXPECT_EQ(pool->stored_len(2, 0), 0);
+  EXPECT_EQ(pool->table(1, 1).block_ids, before.layers[1].block_ids);
+  EXPECT_EQ(pool->AppendLayerSlots(2, 0, 100).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(pool->stored_len(2, 0), 0);
+  EXPECT_EQ(pool->num_free_blocks(), 2);
+  auto raw = pool->AllocateBlocks(3);
+  EXPECT_EQ(raw.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(pool->num_free_blocks(), 2);
+  EXPECT_FALSE(pool->AppendSlots(std::vector<int64_t>{2, 2}, 1).ok());  // duplicates
+  EXPECT_EQ(pool->AddSequence(1).code(), absl::StatusCode::kAlreadyExists);
+}
+
+TEST(BlockPoolTest, ReplaceLayerAndRestoreUndo) {
+  auto pool = MakePool(12);
+  ASSERT_TRUE(pool->AddSequence(3).ok());
+  ASSERT_TRUE(pool->AppendSlots(std::vector<int64_t>{3}, 6).ok());  // 2 blocks x 3 layers
+  pool->set_logical_len(3, 6);
+  const auto snap = pool->Snapshot(3);
+  std::vector<int32_t> old;
+  ASSERT_TRUE(pool->ReplaceLayer(3, 1, 3, &old).ok());
+  EXPECT_EQ(old, snap.layers[1].block_ids);
+  EXPECT_EQ(pool->stored_len(3, 1), 3);
+  EXPECT_EQ(pool->num_used_blocks(), 7);  // old blocks still held by the caller
+  ASSERT_TRUE(pool->AppendLayerSlots(3, 0, 10).ok());
+  pool->set_logical_len(3, 16);
+  pool->Restore(3, snap);
+  EXPECT_EQ(pool->num_used_blocks(), 6);
+  EXPECT_EQ(pool->logical_len(3), 6);
+  for (int l = 0; l < 3; ++l) {
+    EXPECT_EQ(pool->table(3, l).block_ids, snap.layers[l].block_ids);
+    EXPECT_EQ(pool->stored_len(3, l), 6);
+  }
+  // Commit path: replace, then free the old blocks.
+  ASSERT_TRUE(pool->ReplaceLayer(3, 2, 1, &old).ok());
+  pool->FreeBlocks(old);
+  EXPECT_EQ(pool->num_used_blocks(), 5);
+  pool->FreeSequence(3);
+  EXPECT_EQ(pool->num_free_blocks(), 12);
+}
+
+TEST(BlockPoolTest, ManySequencesNoLeak) {
+  auto pool = MakePool(64, 2, 4);
+  for (int round = 0; round < 5; ++round) {
+    for (int64_t s = 0; s < 8; ++s) {
+      ASSERT_TRUE(pool->AddSequence(s).ok());
+      ASSERT_TRUE(pool->AppendSlots(std::vector<int64_t>{s}, 1 + (s + round) % 3).ok());
+    }
+    for (int64_t s = 0; s < 8; ++s) pool->FreeSequence(s);
+    EXPECT_EQ(pool->num_free_blocks(), 64);
+    EXPECT_EQ(pool->num_sequences(), 0);
+  }
+}
+
+}  // namespace
+}  // namespace dropkv
