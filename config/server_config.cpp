@@ -1,0 +1,855 @@
+// One table of settings drives every source: YAML keys, flags, environment variables, help text
+// and --print-config all come from kSettings, so a setting is defined exactly once.
+#include "config/server_config.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <CLI/CLI.hpp>
+#include <array>
+#include <cerrno>
+#include <charconv>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <iostream>
+#include <limits>
+#include <sstream>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+
+extern char** environ;
+
+namespace dropkv {
+namespace {
+
+// Debian's abseil has its own string_view type (not an alias of std's): convert at the API edge.
+absl::string_view A(std::string_view s) {
+  return absl::string_view(s.data(), s.size());
+}
+
+// ---- scalar parsers: each error says what was expected and what was given ------------------
+
+std::string Quote(absl::string_view s) {
+  return absl::StrCat("'", s, "'");
+}
+
+absl::StatusOr<int64_t> ParseInt(absl::string_view text) {
+  absl::string_view t = absl::StripAsciiWhitespace(text);
+  int64_t v = 0;
+  auto [ptr, ec] = std::from_chars(t.data(), t.data() + t.size(), v);
+  if (t.empty() || ec != std::errc() || ptr != t.data() + t.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("expected an integer, got ", Quote(text)));
+  }
+  return v;
+}
+
+absl::StatusOr<double> ParseDouble(absl::string_view text) {
+  std::string t(absl::StripAsciiWhitespace(text));
+  char* end = nullptr;
+  double v = t.empty() ? 0.0 : std::strtod(t.c_str(), &end);
+  if (t.empty() || end != t.c_str() + t.size() || !std::isfinite(v)) {
+    return absl::InvalidArgumentError(absl::StrCat("expected a number, got ", Quote(text)));
+  }
+  return v;
+}
+
+absl::StatusOr<bool> ParseBool(absl::string_view text) {
+  std::string t = absl::AsciiStrToLower(absl::StripAsciiWhitespace(text));
+  if (t == "true" || t == "yes" || t == "on" || t == "1") return true;
+  if (t == "false" || t == "no" || t == "off" || t == "0") return false;
+  return absl::InvalidArgumentError(
+      absl::StrCat("expected a boolean (true/false), got ", Quote(text)));
+}
+
+std::string FormatDouble(double v) {
+  std::array<char, 64> buf{};
+  auto [ptr, ec] = std::to_chars(buf.data(), buf.data() + buf.size(), v);
+  std::string s(buf.data(), ptr);
+  // Keep doubles recognisable as numbers with a fraction in YAML ("1" -> "1.0").
+  if (s.find_first_of(".eE") == std::string::npos) s += ".0";
+  return s;
+}
+
+template <typename E, size_t N>
+absl::StatusOr<E> ParseEnum(absl::string_view text,
+                            const std::array<std::pair<E, const char*>, N>& names) {
+  std::string t = absl::AsciiStrToLower(absl::StripAsciiWhitespace(text));
+  std::vector<std::string> accepted;
+  for (const auto& [value, name] : names) {
+    if (t == name) return value;
+    accepted.push_back(name);
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("expected one of ", absl::StrJoin(accepted, "|"), ", got ", Quote(text)));
+}
+template <typename E, size_t N>
+absl::string_view EnumName(E value, const std::array<std::pair<E, const char*>, N>& names) {
+  for (const auto& [v, name] : names) {
+    if (v == value) return name;
+  }
+  return "unknown";
+}
+
+constexpr std::array<std::pair<ScoreMethod, const char*>, 9> kScoreMethods{{
+    {ScoreMethod::kNone, "none"},
+    {ScoreMethod::kDropKV, "dropkv"},
+    {ScoreMethod::kSnapKV, "snapkv"},
+    {ScoreMethod::kH2O, "h2o"},
+    {ScoreMethod::kH2OVl1, "h2o_vl1"},
+    {ScoreMethod::kH2OVl2, "h2o_vl2"},
+    {ScoreMethod::kStreamingLLM, "streaming_llm"},
+    {ScoreMethod::kKNorm, "knorm"},
+    {ScoreMethod::kRandom, "random"},
+}};
+constexpr std::array<std::pair<BudgetAllocator, const char*>, 8> kAllocators{{
+    {BudgetAllocator::kUniform, "uniform"},
+    {BudgetAllocator::kPyramid, "pyramid"},
+    {BudgetAllocator::kMLP, "mlp"},
+    {BudgetAllocator::kMGA, "mga"},
+    {BudgetAllocator::kMLMA2, "mlma2"},
+    {BudgetAllocator::kMLMA4, "mlma4"},
+    {BudgetAllocator::kMLMA6, "mlma6"},
+    {BudgetAllocator::kExplicit, "explicit"},
+}};
+constexpr std::array<std::pair<ChunkPolicy, const char*>, 3> kChunkPolicies{{
+    {ChunkPolicy::kLastChunk, "last_chunk"},
+    {ChunkPolicy::kEveryChunk, "every_chunk"},
+    {ChunkPolicy::kBudget, "budget"},
+}};
+constexpr std::array<std::pair<PoolingType, const char*>, 3> kPoolings{{
+    {PoolingType::kMax, "max"},
+    {PoolingType::kAvg, "avg"},
+    {PoolingType::kNone, "none"},
+}};
+constexpr std::array<std::pair<LogFormat, const char*>, 2> kLogFormats{{
+    {LogFormat::kText, "text"},
+    {LogFormat::kJson, "json"},
+}};
+constexpr std::array<std::pair<int, const char*>, 7> kLogLevels{{
+    {0, "trace"},
+    {1, "debug"},
+    {2, "info"},
+    {3, "warn"},
+    {4, "error"},
+    {5, "critical"},
+    {6, "off"},
+}};
+
+// ---- the settings table --------------------------------------------------------------------
+
+enum class Kind { kString, kInt, kDouble, kBool, kBytes, kEnum, kDoubleList };
+
+absl::string_view KindName(Kind kind) {
+  switch (kind) {
+    case Kind::kString:
+      return "string";
+    case Kind::kInt:
+      return "integer";
+    case Kind::kDouble:
+      return "number";
+    case Kind::kBool:
+      return "boolean";
+    case Kind::kBytes:
+      return "byte size";
+    case Kind::kEnum:
+      return "name";
+    case Kind::kDoubleList:
+      return "list of numbers";
+  }
+  return "value";
+}
+
+struct Setting {
+  std::string key;          // YAML path, "compression.keep_ratio"
+  std::string alias_flags;  // extra CLI11 names, e.g. ",--model"
+  Kind kind;
+  std::string help;
+  // Parses `text` into the config; the error says what is wrong with the value (no key prefix).
+  std::function<absl::Status(ServerConfig&, absl::string_view)> set;
+  // The canonical text of the current value (help defaults, --print-config).
+  std::function<std::string(const ServerConfig&)> get;
+};
+
+template <typename T>
+absl::Status CheckRange(T v, T min, T max) {
+  if (v < min || v > max) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("value ", v, " is out of range [", min, ", ", max, "]"));
+  }
+  return absl::OkStatus();
+}
+
+template <typename T, typename Ref>
+Setting IntSetting(std::string key, std::string help, Ref ref, T min, T max,
+                   Kind kind = Kind::kInt) {
+  Setting s{std::move(key), "", kind, std::move(help), nullptr, nullptr};
+  s.set = [ref, min, max, kind](ServerConfig& c, absl::string_view text) -> absl::Status {
+    absl::StatusOr<int64_t> v = kind == Kind::kBytes
+                                    ? ParseByteSize(std::string_view(text.data(), text.size()))
+                                    : ParseInt(text);
+    if (!v.ok()) return v.status();
+    if (*v < static_cast<int64_t>(min) || *v > static_cast<int64_t>(max)) {
+      return CheckRange<int64_t>(*v, min, max);
+    }
+    ref(c) = static_cast<T>(*v);
+    return absl::OkStatus();
+  };
+  s.get = [ref](const ServerConfig& c) {
+    return std::to_string(ref(const_cast<ServerConfig&>(c)));
+  };
+  return s;
+}
+
+template <typename Ref>
+Setting DoubleSetting(std::string key, std::string help, Ref ref, double min, double max,
+                      bool min_exclusive = false) {
+  Setting s{std::move(key), "", Kind::kDouble, std::move(help), nullptr, nullptr};
+  s.set = [ref, min, max, min_exclusive](ServerConfig& c, absl::string_view text) -> absl::Status {
+    absl::StatusOr<double> v = ParseDouble(text);
+    if (!v.ok()) return v.status();
+    if ((min_exclusive ? *v <= min : *v < min) || *v > max) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "value ", *v, " is out of range ", min_exclusive ? "(" : "[", min, ", ", max, "]"));
+    }
+    ref(c) = *v;
+    return absl::OkStatus();
+  };
+  s.get = [ref](const ServerConfig& c) { return FormatDouble(ref(const_cast<ServerConfig&>(c))); };
+  return s;
+}
+
+template <typename Ref>
+Setting StringSetting(std::string key, std::string help, Ref ref,
+                      std::function<absl::Status(absl::string_view)> check = nullptr) {
+  Setting s{std::move(key), "", Kind::kString, std::move(help), nullptr, nullptr};
+  s.set = [ref, check](ServerConfig& c, absl::string_view text) -> absl::Status {
+    if (check) {
+      absl::Status st = check(text);
+      if (!st.ok()) return st;
+    }
+    ref(c) = std::string(text);
+    return absl::OkStatus();
+  };
+  s.get = [ref](const ServerConfig& c) { return ref(const_cast<ServerConfig&>(c)); };
+  return s;
+}
+
+template <typename E, size_t N, typename Ref>
+Setting EnumSetting(std::string key, std::string help, Ref ref,
+                    const std::array<std::pair<E, const char*>, N>& names) {
+  Setting s{std::move(key), "", Kind::kEnum, std::move(help), nullptr, nullptr};
+  s.set = [ref, &names](ServerConfig& c, absl::string_view text) -> absl::Status {
+    absl::StatusOr<E> v = ParseEnum(text, names);
+    if (!v.ok()) return v.status();
+    ref(c) = *v;
+    return absl::OkStatus();
+  };
+  s.get = [ref, &names](const ServerConfig& c) {
+    return std::string(EnumName(ref(const_cast<ServerConfig&>(c)), names));
+  };
+  return s;
+}
+
+template <typename Ref>
+Setting BoolSetting(std::string key, std::string help, Ref ref) {
+  Setting s{std::move(key), "", Kind::kBool, std::move(help), nullptr, nullptr};
+  s.set = [ref](ServerConfig& c, absl::string_view text) -> absl::Status {
+    absl::StatusOr<bool> v = ParseBool(text);
+    if (!v.ok()) return v.status();
+    ref(c) = *v;
+    return absl::OkStatus();
+  };
+  s.get = [ref](const ServerConfig& c) {
+    return std::string(ref(const_cast<ServerConfig&>(c)) ? "true" : "false");
+  };
+  return s;
+}
+
+absl::Status CheckDevice(absl::string_view text) {
+  if (text == "auto" || text == "cpu" || text == "cuda") return absl::OkStatus();
+  if (absl::ConsumePrefix(&text, "cuda:")) {
+    absl::StatusOr<int64_t> idx = ParseInt(text);
+    if (idx.ok() && *idx >= 0 && *idx < 64) return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("expected auto|cpu|cuda|cuda:N, got ", Quote(text)));
+}
+
+absl::Status CheckNamed(absl::string_view text, std::initializer_list<const char*> names) {
+  for (const char* n : names) {
+    if (text == n) return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("expected one of ", absl::StrJoin(names, "|"), ", got ", Quote(text)));
+}
+
+absl::Status CheckNonEmpty(absl::string_view text) {
+  if (text.empty()) return absl::InvalidArgumentError("must not be empty");
+  return absl::OkStatus();
+}
+
+constexpr int32_t kInt32Max = std::numeric_limits<int32_t>::max();
+constexpr int64_t kInt64Max = std::numeric_limits<int64_t>::max();
+
+std::vector<Setting> MakeSettings() {
+  using C = ServerConfig;
+  std::vector<Setting> v;
+  // model
+  v.push_back(StringSetting("model_dir", "Hugging Face model folder; empty = built-in demo model",
+                            [](C& c) -> std::string& { return c.model_dir; }));
+  v.back().alias_flags = ",--model";
+  v.push_back(StringSetting(
+      "device", "auto|cpu|cuda|cuda:N", [](C& c) -> std::string& { return c.device; },
+      CheckDevice));
+  v.push_back(StringSetting(
+      "dtype", "auto|float32|bfloat16|float16 (auto: bf16 on GPU, fp32 on CPU)",
+      [](C& c) -> std::string& { return c.dtype; },
+      [](absl::string_view t) {
+        return CheckNamed(t, {"auto", "float32", "bfloat16", "float16"});
+      }));
+  // network
+  v.push_back(StringSetting(
+      "host", "gRPC bind address (0.0.0.0 = all interfaces)",
+      [](C& c) -> std::string& { return c.host; }, CheckNonEmpty));
+  v.push_back(IntSetting<int32_t>(
+      "port", "gRPC port", [](C& c) -> int32_t& { return c.port; }, 1, 65535));
+  v.push_back(IntSetting<int32_t>(
+      "metrics_port", "Prometheus /metrics HTTP port; 0 = off",
+      [](C& c) -> int32_t& { return c.metrics_port; }, 0, 65535));
+  v.push_back(IntSetting<int64_t>(
+      "max_message_bytes", "gRPC max message size (bytes, e.g. 16MiB)",
+      [](C& c) -> int64_t& { return c.max_message_bytes; }, 1024, kInt32Max, Kind::kBytes));
+  v.push_back(StringSetting("tls_cert_file", "PEM certificate chain (TLS on when set)",
+                            [](C& c) -> std::string& { return c.tls_cert_file; }));
+  v.push_back(StringSetting("tls_key_file", "PEM private key (with tls_cert_file)",
+                            [](C& c) -> std::string& { return c.tls_key_file; }));
+  v.push_back(StringSetting("auth_token_file", "file with the bearer token; empty = no auth",
+                            [](C& c) -> std::string& { return c.auth_token_file; }));
+  v.push_back(DoubleSetting(
+      "shutdown_grace_seconds", "on SIGTERM, drain running requests this long before cancelling",
+      [](C& c) -> double& { return c.shutdown_grace_seconds; }, 0.0, 3600.0));
+  // scheduler and KV cache
+  v.push_back(IntSetting<int32_t>(
+      "max_batch", "most sequences in one decode step",
+      [](C& c) -> int32_t& { return c.max_batch; }, 1, 4096));
+  v.push_back(IntSetting<int32_t>(
+      "block_size", "KV slots per paged block", [](C& c) -> int32_t& { return c.block_size; }, 1,
+      1024));
+  v.push_back(IntSetting<int64_t>(
+      "kv_memory", "KV pool size (bytes, e.g. 4GiB)",
+      [](C& c) -> int64_t& { return c.kv_memory_bytes; }, 1 << 20, kInt64Max, Kind::kBytes));
+  v.push_back(IntSetting<int64_t>(
+      "kv_blocks", "exact KV block count; 0 = from kv_memory",
+      [](C& c) -> int64_t& { return c.kv_blocks; }, 0, 1LL << 32));
+  v.push_back(IntSetting<int32_t>(
+      "max_queue_requests", "waiting requests before RESOURCE_EXHAUSTED",
+      [](C& c) -> int32_t& { return c.max_queue_requests; }, 1, 1 << 20));
+  v.push_back(IntSetting<int64_t>(
+      "max_queue_prompt_tokens", "waiting prompt tokens before RESOURCE_EXHAUSTED; 0 = no cap",
+      [](C& c) -> int64_t& { return c.max_queue_prompt_tokens; }, 0, 1LL << 40));
+  v.push_back(IntSetting<int32_t>(
+      "max_new_tokens_limit", "largest max_new_tokens accepted",
+      [](C& c) -> int32_t& { return c.max_new_tokens_limit; }, 1, 1 << 24));
+  v.push_back(IntSetting<int32_t>(
+      "max_prompt_tokens", "longest prompt; 0 = model context",
+      [](C& c) -> int32_t& { return c.max_prompt_tokens; }, 0, 1 << 24));
+  v.push_back(IntSetting<int32_t>(
+      "prefill_tokens_per_step", "prefill tokens per scheduler step",
+      [](C& c) -> int32_t& { return c.prefill_tokens_per_step; }, 1, 1 << 24));
+  // logging
+  v.push_back(EnumSetting(
+      "log_format", "text|json", [](C& c) -> LogFormat& { return c.log_format; }, kLogFormats));
+  v.push_back(StringSetting(
+      "log_level", "trace|debug|info|warn|error|critical|off",
+      [](C& c) -> std::string& { return c.log_level; },
+      [](absl::string_view t) {
+        return CheckNamed(t, {"trace", "debug", "info", "warn", "error", "critical", "off"});
+      }));
+  v.push_back(BoolSetting("log_prompts", "include prompt text in request log lines",
+                          [](C& c) -> bool& { return c.log_prompts; }));
+  // compression defaults
+  v.push_back(EnumSetting(
+      "compression.method",
+      "scorer: none|dropkv|snapkv|h2o|h2o_vl1|h2o_vl2|streaming_llm|knorm|random",
+      [](C& c) -> ScoreMethod& { return c.compression.method; }, kScoreMethods));
+  v.push_back(DoubleSetting(
+      "compression.keep_ratio", "fraction of KV tokens kept, (0, 1]",
+      [](C& c) -> double& { return c.compression.keep_ratio; }, 0.0, 1.0,
+      /*min_exclusive=*/true));
+  {
+    Setting s{"compression.budget_tokens",
+              "",
+              Kind::kInt,
+              "absolute per-layer average budget; 0 = use keep_ratio",
+              nullptr,
+              nullptr};
+    s.set = [](C& c, absl::string_view text) -> absl::Status {
+      absl::StatusOr<int64_t> v = ParseInt(text);
+      if (!v.ok()) return v.status();
+      if (*v < 0) return CheckRange<int64_t>(*v, 0, kInt64Max);
+      c.compression.budget_tokens = *v == 0 ? std::nullopt : std::optional<int64_t>(*v);
+      return absl::OkStatus();
+    };
+    s.get = [](const C& c) { return std::to_string(c.compression.budget_tokens.value_or(0)); };
+    v.push_back(std::move(s));
+  }
+  v.push_back(EnumSetting(
+      "compression.allocator", "layer budgets: uniform|pyramid|mlp|mga|mlma2|mlma4|mlma6|explicit",
+      [](C& c) -> BudgetAllocator& { return c.compression.allocator; }, kAllocators));
+  {
+    Setting s{"compression.explicit_layer_prune",
+              "",
+              Kind::kDoubleList,
+              "allocator explicit: pruned fraction per layer, comma-separated in flags/env",
+              nullptr,
+              nullptr};
+    s.set = [](C& c, absl::string_view text) -> absl::Status {
+      std::vector<double> values;
+      absl::string_view t = absl::StripAsciiWhitespace(text);
+      if (!t.empty()) {
+        for (absl::string_view part : absl::StrSplit(t, ',')) {
+          absl::StatusOr<double> d = ParseDouble(part);
+          if (!d.ok()) {
+            return absl::InvalidArgumentError(
+                absl::StrCat("element ", values.size(), ": ", d.status().message()));
+          }
+          if (*d < 0.0 || *d >= 1.0) {
+            return absl::InvalidArgumentError(
+                absl::StrCat("element ", values.size(), ": value ", *d, " is out of range [0, 1)"));
+          }
+          values.push_back(*d);
+        }
+      }
+      c.compression.explicit_layer_prune = std::move(values);
+      return absl::OkStatus();
+    };
+    s.get = [](const C& c) {
+      std::vector<std::string> parts;
+      for (double d : c.compression.explicit_layer_prune) parts.push_back(FormatDouble(d));
+      return absl::StrJoin(parts, ",");
+    };
+    v.push_back(std::move(s));
+  }
+  v.push_back(StringSetting("compression.profile_path",
+                            "InfoNCE budget profile (JSON) for allocators mga and mlma*",
+                            [](C& c) -> std::string& { return c.compression.profile_path; }));
+  v.push_back(IntSetting<int32_t>(
+      "compression.window", "observation window W",
+      [](C& c) -> int32_t& { return c.compression.window; }, 1, 1 << 16));
+  v.push_back(EnumSetting(
+      "compression.pooling", "score smoothing: max|avg|none",
+      [](C& c) -> PoolingType& { return c.compression.pooling; }, kPoolings));
+  v.push_back(IntSetting<int32_t>(
+      "compression.pooling_kernel", "pooling kernel size (odd)",
+      [](C& c) -> int32_t& { return c.compression.pooling_kernel; }, 1, 1023));
+  v.push_back(BoolSetting("compression.protect_sinks", "always keep the first num_sinks tokens",
+                          [](C& c) -> bool& { return c.compression.protect_sinks; }));
+  v.push_back(IntSetting<int32_t>(
+      "compression.num_sinks", "attention-sink tokens kept",
+      [](C& c) -> int32_t& { return c.compression.num_sinks; }, 0, 1 << 16));
+  v.push_back(EnumSetting(
+      "compression.chunk_policy", "chunked prefill: last_chunk|every_chunk|budget",
+      [](C& c) -> ChunkPolicy& { return c.compression.chunk_policy; }, kChunkPolicies));
+  v.push_back(IntSetting<int32_t>(
+      "compression.chunk_size", "prefill chunk tokens; 0 = one pass",
+      [](C& c) -> int32_t& { return c.compression.chunk_size; }, 0, 1 << 24));
+  v.push_back(IntSetting<int64_t>(
+      "compression.budget_cap_tokens", "chunk_policy budget: compress when a layer passes this",
+      [](C& c) -> int64_t& { return c.compression.budget_cap_tokens; }, 0, 1LL << 32));
+  v.push_back(IntSetting<int64_t>(
+      "compression.random_seed", "seed of the random scorer",
+      [](C& c) -> int64_t& { return reinterpret_cast<int64_t&>(c.compression.random_seed); }, 0,
+      kInt64Max));
+  return v;
+}
+
+const std::vector<Setting>& Settings() {
+  static const std::vector<Setting> settings = MakeSettings();
+  return settings;
+}
+
+const Setting* FindSetting(absl::string_view key) {
+  for (const Setting& s : Settings()) {
+    if (s.key == key) return &s;
+  }
+  return nullptr;
+}
+
+absl::Status ApplyValue(ServerConfig& config, const Setting& setting, absl::string_view text,
+                        absl::string_view source) {
+  absl::Status st = setting.set(config, text);
+  if (!st.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(source, ": ", setting.key, ": ", st.message()));
+  }
+  return absl::OkStatus();
+}
+
+std::string NodeLocation(const YAML::Node& node) {
+  YAML::Mark mark = node.Mark();
+  if (mark.line < 0) return "";
+  return absl::StrCat(" (line ", mark.line + 1, ")");
+}
+
+absl::string_view NodeTypeName(const YAML::Node& node) {
+  switch (node.Type()) {
+    case YAML::NodeType::Map:
+      return "a map";
+    case YAML::NodeType::Sequence:
+      return "a list";
+    case YAML::NodeType::Null:
+      return "nothing (null)";
+    default:
+      return "a scalar";
+  }
+}
+
+absl::Status ApplyYamlMap(ServerConfig& config, const YAML::Node& map, const std::string& prefix,
+                          absl::string_view source) {
+  for (const auto& item : map) {
+    std::string name = item.first.as<std::string>();
+    std::string key = prefix.empty() ? name : absl::StrCat(prefix, ".", name);
+    const YAML::Node& value = item.second;
+    if (prefix.empty() && name == "compression") {
+      if (!value.IsMap()) {
+        return absl::InvalidArgumentError(absl::StrCat(source,
+                                                       ": compression: expected a map, got ",
+                                                       NodeTypeName(value), NodeLocation(value)));
+      }
+      absl::Status st = ApplyYamlMap(config, value, "compression", source);
+      if (!st.ok()) return st;
+      continue;
+    }
+    const Setting* setting = FindSetting(key);
+    if (setting == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(source, ": unknown key '", key, "'",
+                                                     NodeLocation(item.first),
+                                                     " (docs/configuration.md lists the keys)"));
+    }
+    std::string text;
+    if (setting->kind == Kind::kDoubleList) {
+      if (!value.IsSequence() && !value.IsNull()) {
+        return absl::InvalidArgumentError(absl::StrCat(source, ": ", key,
+                                                       ": expected a list of numbers, got ",
+                                                       NodeTypeName(value), NodeLocation(value)));
+      }
+      std::vector<std::string> parts;
+      for (const auto& element : value) {
+        if (!element.IsScalar()) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              source, ": ", key, ": element ", parts.size(), ": expected a number, got ",
+              NodeTypeName(element), NodeLocation(element)));
+        }
+        parts.push_back(element.Scalar());
+      }
+      text = absl::StrJoin(parts, ",");
+    } else if (value.IsScalar()) {
+      text = value.Scalar();
+    } else if (value.IsNull() && setting->kind == Kind::kString) {
+      text = "";
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat(source, ": ", key, ": expected a ",
+                                                     KindName(setting->kind), ", got ",
+                                                     NodeTypeName(value), NodeLocation(value)));
+    }
+    absl::Status st = setting->set(config, text);
+    if (!st.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(source, ": ", key, ": ", st.message(), NodeLocation(value)));
+    }
+  }
+  return absl::OkStatus();
+}
+
+std::string HelpText(const Setting& s, const ServerConfig& defaults) {
+  std::string def = s.get(defaults);
+  return absl::StrCat(s.help, " [default: ", def.empty() ? "\"\"" : def,
+                      "; env: ", ServerConfigEnvName(s.key), "; yaml: ", s.key, "]");
+}
+
+}  // namespace
+
+// ---- public helpers -------------------------------------------------------------------------
+
+absl::StatusOr<ScoreMethod> ParseScoreMethod(std::string_view name) {
+  return ParseEnum(A(name), kScoreMethods);
+}
+absl::StatusOr<BudgetAllocator> ParseBudgetAllocator(std::string_view name) {
+  return ParseEnum(A(name), kAllocators);
+}
+absl::StatusOr<ChunkPolicy> ParseChunkPolicy(std::string_view name) {
+  return ParseEnum(A(name), kChunkPolicies);
+}
+absl::StatusOr<PoolingType> ParsePoolingType(std::string_view name) {
+  return ParseEnum(A(name), kPoolings);
+}
+std::string_view ScoreMethodName(ScoreMethod method) {
+  absl::string_view n = EnumName(method, kScoreMethods);
+  return {n.data(), n.size()};
+}
+std::string_view BudgetAllocatorName(BudgetAllocator allocator) {
+  absl::string_view n = EnumName(allocator, kAllocators);
+  return {n.data(), n.size()};
+}
+std::string_view ChunkPolicyName(ChunkPolicy policy) {
+  absl::string_view n = EnumName(policy, kChunkPolicies);
+  return {n.data(), n.size()};
+}
+std::string_view PoolingTypeName(PoolingType pooling) {
+  absl::string_view n = EnumName(pooling, kPoolings);
+  return {n.data(), n.size()};
+}
+
+absl::StatusOr<int64_t> ParseByteSize(std::string_view text_std) {
+  absl::string_view text = A(text_std);
+  std::string t = absl::AsciiStrToLower(absl::StripAsciiWhitespace(text));
+  struct Suffix {
+    const char* name;
+    double factor;
+  };
+  // Longest suffixes first so "kib" is not read as "b".
+  static constexpr Suffix kSuffixes[] = {
+      {"kib", 1024.0}, {"mib", 1048576.0}, {"gib", 1073741824.0}, {"tib", 1099511627776.0},
+      {"kb", 1e3},     {"mb", 1e6},        {"gb", 1e9},           {"tb", 1e12},
+      {"k", 1024.0},   {"m", 1048576.0},   {"g", 1073741824.0},   {"t", 1099511627776.0},
+      {"b", 1.0}};
+  double factor = 1.0;
+  absl::string_view number = t;
+  for (const Suffix& s : kSuffixes) {
+    if (absl::EndsWith(t, s.name)) {
+      factor = s.factor;
+      number = absl::string_view(t).substr(0, t.size() - absl::string_view(s.name).size());
+      break;
+    }
+  }
+  number = absl::StripAsciiWhitespace(number);
+  absl::StatusOr<double> value = ParseDouble(number);
+  if (number.empty() || !value.ok() || *value < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("expected a byte size such as 4GiB, 512MiB or 1048576, got ", Quote(text)));
+  }
+  double bytes = std::round(*value * factor);
+  if (bytes > 9.0e18) {
+    return absl::InvalidArgumentError(absl::StrCat("byte size ", Quote(text), " is too large"));
+  }
+  return static_cast<int64_t>(bytes);
+}
+
+std::vector<std::string> ServerConfigKeys() {
+  std::vector<std::string> keys;
+  for (const Setting& s : Settings()) keys.push_back(s.key);
+  return keys;
+}
+
+std::string ServerConfigEnvName(std::string_view key) {
+  std::string name = absl::StrCat("DROPKV_", A(key));
+  for (char& ch : name) ch = ch == '.' ? '_' : absl::ascii_toupper(ch);
+  return name;
+}
+
+std::string ServerConfigFlagName(std::string_view key) {
+  std::string name = absl::StrCat("--", A(key));
+  for (char& ch : name) {
+    if (ch == '.' || ch == '_') ch = '-';
+  }
+  return name;
+}
+
+absl::Status ValidateServerConfig(const ServerConfig& c) {
+  auto err = [](absl::string_view key, absl::string_view what) {
+    return absl::InvalidArgumentError(absl::StrCat(key, ": ", what));
+  };
+  if (c.tls_cert_file.empty() != c.tls_key_file.empty()) {
+    return err(c.tls_cert_file.empty() ? "tls_cert_file" : "tls_key_file",
+               "tls_cert_file and tls_key_file must be set together");
+  }
+  if (c.metrics_port != 0 && c.metrics_port == c.port) {
+    return err("metrics_port", absl::StrCat("must differ from port (", c.port, ")"));
+  }
+  if (c.max_prompt_tokens != 0 && c.prefill_tokens_per_step < 1) {
+    return err("prefill_tokens_per_step", "must be >= 1");
+  }
+  const CompressionParams& p = c.compression;
+  if (p.pooling_kernel % 2 == 0) {
+    return err("compression.pooling_kernel", absl::StrCat("must be odd, got ", p.pooling_kernel));
+  }
+  if (p.allocator == BudgetAllocator::kExplicit && p.explicit_layer_prune.empty()) {
+    return err("compression.explicit_layer_prune", "allocator explicit needs one value per layer");
+  }
+  bool needs_profile =
+      p.allocator == BudgetAllocator::kMGA || p.allocator == BudgetAllocator::kMLMA2 ||
+      p.allocator == BudgetAllocator::kMLMA4 || p.allocator == BudgetAllocator::kMLMA6;
+  if (needs_profile && p.profile_path.empty()) {
+    return err("compression.profile_path",
+               absl::StrCat("allocator ", A(BudgetAllocatorName(p.allocator)), " needs a profile"));
+  }
+  if (p.chunk_policy == ChunkPolicy::kBudget && p.budget_cap_tokens <= 0) {
+    return err("compression.budget_cap_tokens", "chunk_policy budget needs a cap > 0");
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ServerConfig> ParseServerConfigYaml(std::string_view yaml_text,
+                                                   std::string_view source_name_std,
+                                                   const ServerConfig& base) {
+  absl::string_view source_name = A(source_name_std);
+  ServerConfig config = base;
+  YAML::Node root;
+  try {
+    root = YAML::Load(std::string(yaml_text));
+  } catch (const YAML::Exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat(source_name, ": not valid YAML: ", e.what()));
+  }
+  if (root.IsNull()) return config;  // an empty file changes nothing
+  if (!root.IsMap()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        source_name, ": expected a map of settings at the top, got ", NodeTypeName(root)));
+  }
+  try {
+    absl::Status st = ApplyYamlMap(config, root, "", source_name);
+    if (!st.ok()) return st;
+  } catch (const YAML::Exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat(source_name, ": ", e.what()));
+  }
+  return config;
+}
+
+std::string ServerConfigToYaml(const ServerConfig& config) {
+  YAML::Emitter out;
+  out << YAML::BeginMap;
+  bool in_compression = false;
+  for (const Setting& s : Settings()) {
+    absl::string_view key = s.key;
+    bool is_compression = absl::ConsumePrefix(&key, "compression.");
+    if (is_compression && !in_compression) {
+      out << YAML::Key << "compression" << YAML::Value << YAML::BeginMap;
+      in_compression = true;
+    }
+    out << YAML::Key << std::string(key) << YAML::Value;
+    std::string value = s.get(config);
+    if (s.kind == Kind::kDoubleList) {
+      out << YAML::Flow << YAML::BeginSeq;
+      if (!value.empty()) {
+        for (absl::string_view part : absl::StrSplit(value, ',')) out << std::string(part);
+      }
+      out << YAML::EndSeq;
+    } else if (s.kind == Kind::kString) {
+      out << YAML::DoubleQuoted << value;
+    } else {
+      out << value;
+    }
+  }
+  if (in_compression) out << YAML::EndMap;
+  out << YAML::EndMap;
+  return std::string(out.c_str()) + "\n";
+}
+
+absl::StatusOr<ServerConfig> LoadServerConfigFrom(const std::vector<std::string>& args,
+                                                  const std::map<std::string, std::string>& env,
+                                                  std::ostream& out) {
+  const ServerConfig defaults;
+  CLI::App app{
+      "dropkv-server: LLM inference over gRPC with DropKV KV-cache compression.\n"
+      "Settings: defaults <- YAML file (--config) <- flags <- DROPKV_* environment variables.",
+      "dropkv-server"};
+  app.get_formatter()->column_width(40);
+  std::string config_file;
+  bool print_config = false;
+  app.add_option("--config", config_file, "YAML config file (env: DROPKV_CONFIG)");
+  app.add_flag("--print-config", print_config, "print the effective config as YAML and exit");
+
+  const std::vector<Setting>& settings = Settings();
+  std::vector<std::string> flag_values(settings.size());
+  std::vector<CLI::Option*> options(settings.size());
+  for (size_t i = 0; i < settings.size(); ++i) {
+    const Setting& s = settings[i];
+    std::string names = ServerConfigFlagName(s.key) + s.alias_flags;
+    if (s.kind == Kind::kBool) {
+      // "--log-prompts" alone means true; "--log-prompts=false" works too.
+      std::string flag = ServerConfigFlagName(s.key) + "{true}" + s.alias_flags;
+      options[i] = app.add_flag(flag, flag_values[i], HelpText(s, defaults));
+    } else {
+      options[i] = app.add_option(names, flag_values[i], HelpText(s, defaults));
+    }
+  }
+
+  std::vector<std::string> reversed(args.rbegin(), args.rend());  // CLI11 wants them reversed
+  try {
+    app.parse(reversed);
+  } catch (const CLI::CallForHelp&) {
+    out << app.help();
+    ServerConfig config;
+    config.exit_after_load = true;
+    return config;
+  } catch (const CLI::ParseError& e) {
+    return absl::InvalidArgumentError(absl::StrCat("command line: ", e.what()));
+  }
+
+  auto env_value = [&env](const std::string& name) -> std::optional<std::string> {
+    auto it = env.find(name);
+    if (it == env.end()) return std::nullopt;
+    return it->second;
+  };
+  if (auto v = env_value("DROPKV_CONFIG"); v.has_value()) config_file = *v;
+
+  ServerConfig config;
+  if (!config_file.empty()) {
+    std::string text;
+    {
+      FILE* f = std::fopen(config_file.c_str(), "rb");
+      if (f == nullptr) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("config: cannot open '", config_file, "': ", std::strerror(errno)));
+      }
+      char buf[65536];
+      size_t n = 0;
+      while ((n = std::fread(buf, 1, sizeof(buf), f)) > 0) text.append(buf, n);
+      std::fclose(f);
+    }
+    absl::StatusOr<ServerConfig> parsed =
+        ParseServerConfigYaml(text, absl::StrCat("config file ", config_file), config);
+    if (!parsed.ok()) return parsed.status();
+    config = *std::move(parsed);
+    config.config_file = config_file;
+  }
+  for (size_t i = 0; i < settings.size(); ++i) {
+    if (options[i]->count() == 0) continue;
+    absl::Status st = ApplyValue(config, settings[i], flag_values[i],
+                                 absl::StrCat("flag ", ServerConfigFlagName(settings[i].key)));
+    if (!st.ok()) return st;
+  }
+  for (const Setting& s : settings) {
+    std::string name = ServerConfigEnvName(s.key);
+    if (auto v = env_value(name); v.has_value()) {
+      absl::Status st = ApplyValue(config, s, *v, absl::StrCat("environment ", name));
+      if (!st.ok()) return st;
+    }
+  }
+  absl::Status valid = ValidateServerConfig(config);
+  if (!valid.ok()) return absl::InvalidArgumentError(absl::StrCat("config: ", valid.message()));
+  if (print_config) {
+    out << ServerConfigToYaml(config);
+    config.exit_after_load = true;
+  }
+  return config;
+}
+
+absl::StatusOr<ServerConfig> LoadServerConfig(int argc, char** argv) {
+  std::vector<std::string> args;
+  for (int i = 1; i < argc; ++i) args.emplace_back(argv[i]);
+  std::map<std::string, std::string> env;
+  for (char** e = environ; e != nullptr && *e != nullptr; ++e) {
+    absl::string_view entry(*e);
+    if (!absl::StartsWith(entry, "DROPKV_")) continue;
+    size_t eq = entry.find('=');
+    if (eq == absl::string_view::npos) continue;
+    env.emplace(std::string(entry.substr(0, eq)), std::string(entry.substr(eq + 1)));
+  }
+  return LoadServerConfigFrom(args, env, std::cout);
+}
+
+}  // namespace dropkv

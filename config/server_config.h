@@ -1,0 +1,106 @@
+// The server's one typed configuration: every setting with its default, and the loader that
+// layers defaults <- YAML file (--config) <- command-line flags <- DROPKV_* environment variables.
+// Environment wins over flags on purpose (issue 9): a deployment (ConfigMap + env in a Pod spec)
+// can pin a value whatever the container's command line says. docs/configuration.md lists all keys.
+// No LibTorch, no gRPC: main() loads this once and hands each module the fields it needs.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <iosfwd>
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "engine/request.h"
+
+namespace dropkv {
+
+enum class LogFormat { kText, kJson };
+
+struct ServerConfig {
+  // --- model ---
+  std::string model_dir;  // Hugging Face model folder; empty = the runner's built-in demo model
+  std::string device = "auto";  // auto | cpu | cuda | cuda:N (auto = cuda:0 when present, else cpu)
+  std::string dtype =
+      "auto";  // auto | float32 | bfloat16 | float16 (auto = bf16 on GPU, fp32 on CPU)
+
+  // --- network ---
+  std::string host = "127.0.0.1";                // gRPC bind address (0.0.0.0 to serve other hosts)
+  int32_t port = 50051;                          // gRPC port, 1..65535
+  int32_t metrics_port = 9400;                   // Prometheus /metrics port; 0 = no endpoint
+  int64_t max_message_bytes = 16 * 1024 * 1024;  // gRPC max receive/send message size
+  std::string tls_cert_file;                     // PEM certificate chain; set with tls_key_file
+  std::string tls_key_file;                      // PEM private key; empty both = plaintext
+  std::string auth_token_file;                   // file holding the bearer token; empty = no auth
+  double shutdown_grace_seconds = 30.0;          // SIGTERM: drain this long, then cancel the rest
+
+  // --- scheduler and KV cache ---
+  int32_t max_batch = 32;                     // most sequences in one decode step
+  int32_t block_size = 16;                    // KV slots per paged block
+  int64_t kv_memory_bytes = 4LL << 30;        // KV pool size (YAML key kv_memory, "4GiB" works)
+  int64_t kv_blocks = 0;                      // > 0: exact block count, wins over kv_memory
+  int32_t max_queue_requests = 256;           // waiting requests beyond this get RESOURCE_EXHAUSTED
+  int64_t max_queue_prompt_tokens = 1 << 20;  // prompt tokens waiting beyond this: same; 0 = no cap
+  int32_t max_new_tokens_limit = 4096;        // largest max_new_tokens a request may ask for
+  int32_t max_prompt_tokens = 0;              // longest prompt accepted; 0 = the model's context
+  int32_t prefill_tokens_per_step = 2048;     // prefill token budget of one scheduler step
+
+  // --- logging ---
+  LogFormat log_format = LogFormat::kText;  // text (human-readable) | json (one JSON object a line)
+  std::string log_level = "info";           // trace | debug | info | warn | error | critical | off
+  bool log_prompts = false;                 // true: request log lines include the prompt text
+
+  // --- compression defaults (a request's own settings win) ---
+  CompressionParams compression;
+
+  // --- not settings: how this config came to be ---
+  std::string config_file;       // the YAML file read, "" when none
+  bool exit_after_load = false;  // --help or --print-config was handled: the caller exits 0
+};
+
+// Loads defaults <- file <- flags <- environment (the process's own environ), validates, and
+// handles --help / --print-config by printing to stdout and setting exit_after_load.
+// Errors are INVALID_ARGUMENT and name the key and where the value came from.
+absl::StatusOr<ServerConfig> LoadServerConfig(int argc, char** argv);
+
+// The same with explicit inputs (tests): args exclude the program name; env maps names to values.
+absl::StatusOr<ServerConfig> LoadServerConfigFrom(const std::vector<std::string>& args,
+                                                  const std::map<std::string, std::string>& env,
+                                                  std::ostream& out);
+
+// Parses YAML text as a config file over `base` (no flags, no env). source_name is used in errors.
+absl::StatusOr<ServerConfig> ParseServerConfigYaml(std::string_view yaml_text,
+                                                   std::string_view source_name,
+                                                   const ServerConfig& base = ServerConfig{});
+
+// Checks cross-field rules and ranges that the per-key parsers cannot (e.g. TLS cert without key).
+absl::Status ValidateServerConfig(const ServerConfig& config);
+
+// The effective config as YAML that ParseServerConfigYaml reads back unchanged.
+std::string ServerConfigToYaml(const ServerConfig& config);
+
+// Every setting's key ("port", "compression.keep_ratio"), in documentation order.
+std::vector<std::string> ServerConfigKeys();
+// "compression.keep_ratio" -> "DROPKV_COMPRESSION_KEEP_RATIO" / "--compression-keep-ratio".
+std::string ServerConfigEnvName(std::string_view key);
+std::string ServerConfigFlagName(std::string_view key);
+
+// Parsers of the enum names used in config and requests (errors name the accepted values).
+absl::StatusOr<ScoreMethod> ParseScoreMethod(std::string_view name);
+absl::StatusOr<BudgetAllocator> ParseBudgetAllocator(std::string_view name);
+absl::StatusOr<ChunkPolicy> ParseChunkPolicy(std::string_view name);
+absl::StatusOr<PoolingType> ParsePoolingType(std::string_view name);
+std::string_view ScoreMethodName(ScoreMethod method);
+std::string_view BudgetAllocatorName(BudgetAllocator allocator);
+std::string_view ChunkPolicyName(ChunkPolicy policy);
+std::string_view PoolingTypeName(PoolingType pooling);
+
+// "4GiB" / "512 MiB" / "1.5GB" / "4096" -> bytes (binary suffixes are 1024-based, SI 1000-based).
+absl::StatusOr<int64_t> ParseByteSize(std::string_view text);
+
+}  // namespace dropkv
