@@ -1,0 +1,52 @@
+// What the server and the scheduler need from compression without pulling in tensors: names of
+// the settings, validation of a request's CompressionParams, the canonical budget conversion and
+// the kept-token count per layer (admission control).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "engine/compression/budget.h"
+#include "engine/request.h"
+
+namespace dropkv::compression {
+
+// Lower-case names used by flags, config and the API: "dropkv", "snapkv", "h2o", "h2o_vl1",
+// "h2o_vl2", "streaming_llm", "knorm", "random", "none"; allocators "uniform", "pyramid", "mlp",
+// "mga", "mlma2", "mlma4", "mlma6", "explicit"; chunk policies "last_chunk", "every_chunk",
+// "budget"; pooling "max", "avg", "none". Parse errors list the accepted names.
+std::string_view ScoreMethodName(ScoreMethod method);
+std::string_view BudgetAllocatorName(BudgetAllocator allocator);
+std::string_view ChunkPolicyName(ChunkPolicy policy);
+std::string_view PoolingTypeName(PoolingType pooling);
+absl::StatusOr<ScoreMethod> ParseScoreMethod(std::string_view name);
+absl::StatusOr<BudgetAllocator> ParseBudgetAllocator(std::string_view name);
+absl::StatusOr<ChunkPolicy> ParseChunkPolicy(std::string_view name);
+absl::StatusOr<PoolingType> ParsePoolingType(std::string_view name);
+
+// INVALID_ARGUMENT naming the field when a setting is out of range or inconsistent with the model
+// depth (profile / explicit list length, chunk_size < window, ...). Reads the profile file for
+// MGA / MLMA. `method == kNone` is always valid.
+absl::Status ValidateCompression(const CompressionParams& params, int32_t num_layers);
+
+// The canonical budget of `params` for a sequence that has seen `num_tokens` tokens: the
+// allocator options with keep_ratio resolved (budget_tokens wins over keep_ratio) and the profile
+// loaded. `profile` may carry an already loaded profile (skips the file read).
+absl::StatusOr<BudgetOptions> ResolveBudgetOptions(const CompressionParams& params,
+                                                   int32_t num_layers, int64_t num_tokens,
+                                                   const LayerProfile* profile = nullptr);
+
+// Tokens each layer stores after the prefill of a `prompt_len`-token prompt (every chunk policy
+// ends at the same final budget keep_l(prompt_len)); kNone keeps prompt_len everywhere.
+absl::StatusOr<std::vector<int64_t>> KeptTokensPerLayer(const CompressionParams& params,
+                                                        int32_t num_layers, int64_t prompt_len);
+
+// Whether the method protects the first num_sinks tokens (StreamingLLM always; others when
+// params.protect_sinks).
+int32_t ProtectedSinks(const CompressionParams& params);
+
+}  // namespace dropkv::compression
