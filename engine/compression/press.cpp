@@ -1,0 +1,249 @@
+#include "engine/compression/press.h"
+
+#include <ATen/ATen.h>
+
+#include <exception>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "engine/compression/compression.h"
+#include "kernels/dropkv_score.h"
+#include "kernels/scorers.h"
+#include "kernels/selection.h"
+
+namespace dropkv::compression {
+namespace {
+
+kernels::PoolType ToKernelPool(PoolingType p) {
+  switch (p) {
+    case PoolingType::kMax:
+      return kernels::PoolType::kPoolTypeMax;
+    case PoolingType::kAvg:
+      return kernels::PoolType::kPoolTypeAvg;
+    case PoolingType::kNone:
+      return kernels::PoolType::kPoolTypeNone;
+  }
+  return kernels::PoolType::kPoolTypeNone;
+}
+
+bool IsH2o(ScoreMethod m) {
+  return m == ScoreMethod::kH2O || m == ScoreMethod::kH2OVl1 || m == ScoreMethod::kH2OVl2;
+}
+
+class KeepAllSelector final : public KvSelector {
+ public:
+  absl::StatusOr<std::optional<at::Tensor>> Select(const LayerKvView&) override {
+    return std::optional<at::Tensor>();
+  }
+};
+
+// One sequence's press. Per-layer state lives in `layers_`, indexed by layer_idx.
+class Press final : public KvSelector {
+ public:
+  Press(CompressionParams params, PressModelInfo model, PressOverrides overrides,
+        std::optional<LayerProfile> profile)
+      : params_(std::move(params)),
+        model_(model),
+        overrides_(overrides),
+        profile_(std::move(profile)),
+        layers_(model.num_layers) {}
+
+  absl::StatusOr<std::optional<at::Tensor>> Select(const LayerKvView& view) override {
+    try {
+      return SelectImpl(view);
+    } catch (const std::exception& e) {  // ATen errors stop here
+      return absl::InternalError(
+          absl::StrCat("compression of layer ", view.layer_idx, ": ", e.what()));
+    }
+  }
+
+ private:
+  struct LayerState {
+    // H2O: attention mass each stored entry received so far, before any normalisation.
+    at::Tensor h2o_sum;  // fp32 [Hkv, n_stored]
+  };
+
+  absl::Status CheckView(const LayerKvView& v) const {
+    if (v.layer_idx < 0 || v.layer_idx >= model_.num_layers) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("layer_idx ", v.layer_idx, " out of [0, ", model_.num_layers, ")"));
+    }
+    if (!v.keys.defined() || v.keys.dim() != 3 || !v.values.defined() ||
+        v.values.sizes() != v.keys.sizes()) {
+      return absl::InvalidArgumentError("LayerKvView: keys and values must be [Hkv, n, D]");
+    }
+    if (!v.queries.defined() || v.queries.dim() != 3 || v.queries.size(2) != v.keys.size(2) ||
+        v.queries.size(0) % v.keys.size(0) != 0 || v.queries.size(1) > v.keys.size(1)) {
+      return absl::InvalidArgumentError(
+          "LayerKvView: queries must be [Hq, chunk_len, D] with Hq % Hkv == 0, chunk_len <= n");
+    }
+    return absl::OkStatus();
+  }
+
+  // Whether this call compresses (algorithms.md section 5).
+  bool ShouldCompress(const LayerKvView& v, int64_t n) const {
+    switch (params_.chunk_policy) {
+      case ChunkPolicy::kLastChunk:
+        return v.is_last_chunk;
+      case ChunkPolicy::kEveryChunk:
+        return true;
+      case ChunkPolicy::kBudget:
+        return v.is_last_chunk ||
+               n + std::max<int64_t>(params_.chunk_size, 1) > params_.budget_cap_tokens;
+    }
+    return true;
+  }
+
+  absl::StatusOr<std::optional<at::Tensor>> SelectImpl(const LayerKvView& v) {
+    if (absl::Status s = CheckView(v); !s.ok()) return s;
+    const int64_t n = v.keys.size(1);
+    const int64_t chunk_len = v.queries.size(1);
+    LayerState& state = layers_[v.layer_idx];
+    // Batched views for the kernels: [1, H, ., D].
+    const at::Tensor q = v.queries.unsqueeze(0);
+    const at::Tensor k = v.keys.unsqueeze(0);
+    const at::Tensor val = v.values.unsqueeze(0);
+
+    if (IsH2o(params_.method)) {
+      // Accumulate every chunk's attention, compressing or not (H2O sums over all prompt queries).
+      kernels::H2oParams hp;  // raw sums; normalisation and V norm are applied at selection
+      absl::StatusOr<at::Tensor> s = kernels::H2oScores(q, k, val, hp);
+      if (!s.ok()) return s.status();
+      at::Tensor chunk_sum = (*s)[0];  // [Hkv, n]
+      const int64_t n_prev = n - chunk_len;
+      if (state.h2o_sum.defined() && state.h2o_sum.size(1) == n_prev) {
+        chunk_sum.slice(1, 0, n_prev).add_(state.h2o_sum);
+      }  // else: first chunk, or the runner dropped a step (state restarts from this chunk)
+      state.h2o_sum = chunk_sum;
+    }
+    if (!ShouldCompress(v, n)) return std::optional<at::Tensor>();
+
+    absl::StatusOr<BudgetOptions> bo = ResolveBudgetOptions(
+        params_, model_.num_layers, v.logical_len, profile_ ? &*profile_ : nullptr);
+    if (!bo.ok()) return bo.status();
+    bo->rounding = overrides_.rounding;
+    absl::StatusOr<std::vector<int64_t>> budgets =
+        AllocateLayerBudgets(*bo, model_.num_layers, v.logical_len);
+    if (!budgets.ok()) return budgets.status();
+    const int64_t keep = std::min<int64_t>((*budgets)[v.layer_idx], n);
+    if (keep >= n) return std::optional<at::Tensor>();
+    if (keep < 1) return absl::InternalError("layer budget below 1 token");
+
+    absl::StatusOr<at::Tensor> scores = Score(v, q, k, val, state, chunk_len);
+    if (!scores.ok()) return scores.status();
+
+    kernels::SelectParams sp;
+    sp.pool = kernels::PoolType::kPoolTypeNone;
+    sp.window = overrides_.protect_window_all_methods ? params_.window : 0;
+    sp.num_sinks = ProtectedSinks(params_);
+    if (params_.method == ScoreMethod::kDropKV) {
+      sp.pool = ToKernelPool(params_.pooling);
+      sp.pool_kernel = params_.pooling_kernel;
+      sp.window = params_.window;
+    } else if (params_.method == ScoreMethod::kSnapKV) {
+      sp.window = params_.window;  // SnapKvScores already lifted it; harmless
+    }
+    // Protection cannot cover more than the budget (n <= W is never compressed; keep >= W).
+    sp.window = static_cast<int32_t>(std::min<int64_t>(sp.window, keep));
+    sp.num_sinks = static_cast<int32_t>(std::min<int64_t>(sp.num_sinks, keep - sp.window));
+    absl::StatusOr<at::Tensor> idx = kernels::SelectTopK(*scores, keep, sp);
+    if (!idx.ok()) return idx.status();
+    at::Tensor kept = (*idx)[0];  // int64 [Hkv, keep], ascending
+    if (state.h2o_sum.defined()) state.h2o_sum = state.h2o_sum.gather(1, kept);
+    return std::optional<at::Tensor>(kept);
+  }
+
+  // fp32 [1, Hkv, n], higher = keep.
+  absl::StatusOr<at::Tensor> Score(const LayerKvView& v, const at::Tensor& q, const at::Tensor& k,
+                                   const at::Tensor& val, const LayerState& state,
+                                   int64_t chunk_len) const {
+    const int64_t n = k.size(2);
+    const int64_t num_window = std::min<int64_t>({params_.window, chunk_len, n});
+    const at::Tensor q_window = q.slice(2, chunk_len - num_window, chunk_len);  // [1, Hq, w, D]
+    switch (params_.method) {
+      case ScoreMethod::kDropKV: {
+        kernels::DropKvParams dp;
+        // bf16/fp16 runs round p like the reference (algorithms.md section 1); fp32 does not.
+        if (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf) {
+          dp.p_round_dtype = q.scalar_type();
+        }
+        return kernels::DropKvScores(q_window, k, val, dp);
+      }
+      case ScoreMethod::kSnapKV: {
+        kernels::SnapKvParams sp;
+        sp.pool_kernel = overrides_.snapkv_pool_kernel;
+        return kernels::SnapKvScores(q_window, k, sp);
+      }
+      case ScoreMethod::kH2O:
+      case ScoreMethod::kH2OVl1:
+      case ScoreMethod::kH2OVl2: {
+        at::Tensor s = state.h2o_sum.unsqueeze(0).clone();  // [1, Hkv, n]
+        if (overrides_.h2o_divide_by_num_queries) {
+          // Queries that saw entry j: every prompt position >= its position.
+          at::Tensor count = (v.logical_len - v.positions).clamp_min(1).to(at::kFloat);
+          s.div_(count.unsqueeze(0));
+        }
+        if (params_.method != ScoreMethod::kH2O) {
+          const int p = params_.method == ScoreMethod::kH2OVl1 ? 1 : 2;
+          s.mul_(at::linalg_vector_norm(val.to(at::kFloat), p, {-1}));
+        }
+        return s;
+      }
+      case ScoreMethod::kStreamingLLM:
+        return kernels::StreamingLlmScores(k, params_.num_sinks);
+      case ScoreMethod::kKNorm:
+        return kernels::KNormScores(k);
+      case ScoreMethod::kRandom:
+        // Reproducible per (seed, layer, tokens seen).
+        return kernels::RandomScores(k, params_.random_seed * 1000003ULL +
+                                            static_cast<uint64_t>(v.layer_idx) * 7919ULL +
+                                            static_cast<uint64_t>(v.logical_len));
+      case ScoreMethod::kNone:
+        break;
+    }
+    return absl::InternalError("no scorer for method none");
+  }
+
+  CompressionParams params_;
+  PressModelInfo model_;
+  PressOverrides overrides_;
+  std::optional<LayerProfile> profile_;
+  std::vector<LayerState> layers_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<KvSelector>> CreateKvSelector(const CompressionParams& params,
+                                                             const PressModelInfo& model,
+                                                             const PressOverrides& overrides) {
+  if (params.method == ScoreMethod::kNone) return std::make_unique<KeepAllSelector>();
+  if (model.num_layers <= 0 || model.num_kv_heads <= 0 || model.num_q_heads <= 0 ||
+      model.num_q_heads % model.num_kv_heads != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("model geometry: num_layers ", model.num_layers,
+                                                   ", num_q_heads ", model.num_q_heads,
+                                                   ", num_kv_heads ", model.num_kv_heads));
+  }
+  std::optional<LayerProfile> profile;
+  if (overrides.profile != nullptr) {
+    profile = *overrides.profile;
+  } else if (!params.profile_path.empty()) {
+    absl::StatusOr<LayerProfile> loaded = LoadLayerProfile(params.profile_path);
+    if (!loaded.ok()) return loaded.status();
+    profile = std::move(*loaded);
+  }
+  // Validate with the loaded profile (ValidateCompression would re-read the file).
+  {
+    CompressionParams v = params;
+    if (profile.has_value()) {
+      absl::StatusOr<BudgetOptions> bo =
+          ResolveBudgetOptions(params, model.num_layers, 0, &*profile);
+      if (!bo.ok()) return bo.status();
+      if (absl::Status s = ValidateBudgetOptions(*bo, model.num_layers); !s.ok()) return s;
+      v.allocator = BudgetAllocator::kUniform;  // profile checked above
+    }
+    if (absl::Status s = ValidateCompression(v, model.num_layers); !s.ok()) return s;
+  }
+  return std::make_unique<Press>(params, model, overrides, std::move(profile));
+}
+
+}  // namespace dropkv::compression
