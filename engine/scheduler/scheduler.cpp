@@ -1,0 +1,569 @@
+#include "engine/scheduler/scheduler.h"
+
+#include <algorithm>
+#include <condition_variable>
+#include <deque>
+#include <random>
+
+#include <ATen/ATen.h>
+#include <cstdio>
+
+#include "absl/strings/str_cat.h"
+#include "engine/runner/model_runner.h"
+#include "engine/scheduler/sampler.h"
+#include "engine/tokenizer/tokenizer.h"
+
+namespace dropkv {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double MsBetween(SteadyTime a, SteadyTime b) {
+  return std::chrono::duration<double, std::milli>(b - a).count();
+}
+
+// U+FFFD at the end means the tokenizer decoded an incomplete UTF-8 sequence: hold it back.
+bool EndsWithReplacementChar(const std::string& s) {
+  return s.size() >= 3 && s.compare(s.size() - 3, 3, "\xEF\xBF\xBD") == 0;
+}
+
+}  // namespace
+
+// One request inside the engine.
+struct Sequence {
+  SequenceId seq_id = -1;  // the runner's id of the current admission (new after a preemption)
+  GenerationRequest request;
+  std::shared_ptr<RequestChannel> channel;
+  int64_t admission_idx = -1;  // larger = newer; preemption picks the largest
+  int64_t num_prefilled = 0;   // prompt tokens in the cache
+  bool prefill_done = false;
+  std::vector<int32_t> generated;
+  int64_t num_generated_fed = 0;  // generated tokens in the cache (the rest are replayed)
+  int64_t blocks_needed = 0;      // BlocksForPrompt at admission
+  std::mt19937_64 rng;
+  // Output state.
+  size_t num_tokens_sent = 0;
+  size_t num_chars_sent = 0;  // of the decoded generated text
+  std::vector<TokenLogprobInfo> pending_logprobs;
+  GenerationSummary summary;
+  bool admitted_once = false;
+  bool first_token_seen = false;
+  SteadyTime admit_time, first_token_time;
+};
+
+struct Scheduler::Impl {
+  ModelRunner& runner;
+  const Tokenizer* tokenizer;
+  KvBlockCountsFn kv_counts;
+  SchedulerOptions options;
+
+  mutable std::mutex mu;  // guards waiting, stats, draining; running is engine-thread only
+  std::condition_variable work_cv;
+  std::deque<std::unique_ptr<Sequence>> waiting;
+  int64_t num_waiting_prompt_tokens = 0;
+  SchedulerStats stats;
+  bool draining = false;
+  bool cancel_all = false;
+
+  std::vector<std::unique_ptr<Sequence>> running;  // in admission order
+  int64_t next_seq_id = 1;
+  int64_t next_admission_idx = 0;
+
+  std::thread engine_thread;
+  std::atomic<bool> stop{false};
+
+  Impl(ModelRunner& r, const Tokenizer* t, KvBlockCountsFn k, SchedulerOptions o)
+      : runner(r), tokenizer(t), kv_counts(std::move(k)), options(std::move(o)) {}
+
+  // --- finishing -----------------------------------------------------------------------------
+  void Finish(Sequence& seq, FinishReason reason, absl::Status error = absl::OkStatus()) {
+    GenerationEvent event;
+    EmitPending(seq, event, /*final=*/true);
+    event.finished = true;
+    event.finish_reason = reason;
+    event.error = std::move(error);
+    seq.summary.num_prompt_tokens = static_cast<int32_t>(seq.request.prompt_ids.size());
+    seq.summary.num_completion_tokens = static_cast<int32_t>(seq.generated.size());
+    const SteadyTime now = Clock::now();
+    if (seq.first_token_seen) seq.summary.decode_ms = MsBetween(seq.first_token_time, now);
+    event.summary = seq.summary;
+    seq.channel->Push(std::move(event));
+  }
+
+  // Moves the tokens / text not yet sent into `event`. Text is held back while it ends in an
+  // incomplete UTF-8 character or in a prefix of a stop string (unless `final`).
+  void EmitPending(Sequence& seq, GenerationEvent& event, bool final) {
+    event.token_ids.assign(seq.generated.begin() + seq.num_tokens_sent, seq.generated.end());
+    seq.num_tokens_sent = seq.generated.size();
+    event.logprobs = std::move(seq.pending_logprobs);
+    seq.pending_logprobs.clear();
+    if (tokenizer == nullptr) return;
+    auto text_or = tokenizer->Decode(seq.generated, /*skip_special_tokens=*/true);
+    if (!text_or.ok()) return;
+    std::string text = std::move(*text_or);
+    size_t safe_len = text.size();
+    if (!final) {
+      if (EndsWithReplacementChar(text)) safe_len -= 3;
+      // Longest suffix of text[0, safe_len) that is a proper prefix of a stop string.
+      for (const std::string& stop : seq.request.sampling.stop_strings) {
+        for (size_t k = std::min(stop.size() - 1, safe_len); k > 0; --k) {
+          if (text.compare(safe_len - k, k, stop, 0, k) == 0) {
+            safe_len -= k;
+            break;
+          }
+        }
+      }
+    }
+    if (safe_len > seq.num_chars_sent) {
+      event.text = text.substr(seq.num_chars_sent, safe_len - seq.num_chars_sent);
+      seq.num_chars_sent = safe_len;
+    }
+  }
+
+  // After a new token: returns the finish reason, or kNone to go on. Truncates at a stop string.
+  FinishReason CheckStop(Sequence& seq) {
+    const SamplingParams& p = seq.request.sampling;
+    const int32_t token = seq.generated.back();
+    if (!p.ignore_eos && std::find(options.eos_token_ids.begin(), options.eos_token_ids.end(),
+                                   token) != options.eos_token_ids.end())
+      return FinishReason::kStop;
+    if (std::find(p.stop_token_ids.begin(), p.stop_token_ids.end(), token) !=
+        p.stop_token_ids.end())
+      return FinishReason::kStop;
+    if (!p.stop_strings.empty() && tokenizer != nullptr) {
+      auto text_or = tokenizer->Decode(seq.generated, true);
+      if (text_or.ok()) {
+        size_t cut = std::string::npos;
+        for (const std::string& stop : p.stop_strings) {
+          // Only text after what was already sent can hold a new match.
+          const size_t from =
+              seq.num_chars_sent > stop.size() ? seq.num_chars_sent - stop.size() : 0;
+          const size_t at = text_or->find(stop, from);
+          if (at != std::string::npos) cut = std::min(cut, at);
+        }
+        if (cut != std::string::npos) {
+          // Send the text before the stop string now; nothing after it is ever sent.
+          GenerationEvent event;
+          event.token_ids.assign(seq.generated.begin() + seq.num_tokens_sent, seq.generated.end());
+          seq.num_tokens_sent = seq.generated.size();
+          event.logprobs = std::move(seq.pending_logprobs);
+          seq.pending_logprobs.clear();
+          if (cut > seq.num_chars_sent)
+            event.text = text_or->substr(seq.num_chars_sent, cut - seq.num_chars_sent);
+          seq.num_chars_sent = text_or->size();  // suppress the rest at Finish
+          if (!event.token_ids.empty() || !event.text.empty()) seq.channel->Push(std::move(event));
+          stop_string_hit = true;
+          return FinishReason::kStop;
+        }
+      }
+    }
+    if (static_cast<int32_t>(seq.generated.size()) >= p.max_new_tokens)
+      return FinishReason::kLength;
+    if (options.max_context_len > 0 &&
+        static_cast<int64_t>(seq.request.prompt_ids.size() + seq.generated.size()) >=
+            options.max_context_len)
+      return FinishReason::kLength;
+    return FinishReason::kNone;
+  }
+  bool stop_string_hit = false;
+
+  // Samples from `logits` [vocab] and handles the outcome. Returns true when the sequence finished.
+  bool AcceptLogits(Sequence& seq, const at::Tensor& logits) {
+    std::vector<int32_t> history = seq.request.prompt_ids;
+    if (seq.request.sampling.repetition_penalty != 1.0f ||
+        seq.request.sampling.presence_penalty != 0.0f ||
+        seq.request.sampling.frequency_penalty != 0.0f)
+      history.insert(history.end(), seq.generated.begin(), seq.generated.end());
+    else
+      history.clear();
+    SampledToken sampled = SampleToken(logits, seq.request.sampling, history, seq.rng);
+    seq.generated.push_back(sampled.token_id);
+    if (seq.request.sampling.return_logprobs || seq.request.sampling.num_top_logprobs > 0)
+      seq.pending_logprobs.push_back(sampled.logprob);
+    const SteadyTime now = Clock::now();
+    if (!seq.first_token_seen) {
+      seq.first_token_seen = true;
+      seq.first_token_time = now;
+      seq.summary.ttft_ms = MsBetween(seq.request.arrival_time, now);
+    }
+    stop_string_hit = false;
+    const FinishReason reason = CheckStop(seq);
+    if (reason != FinishReason::kNone) {
+      if (stop_string_hit) {
+        seq.num_tokens_sent = seq.generated.size();
+      }
+      Finish(seq, reason);
+      return true;
+    }
+    GenerationEvent event;
+    EmitPending(seq, event, /*final=*/false);
+    seq.channel->Push(std::move(event));
+    return false;
+  }
+
+  void RecordPrefillDone(Sequence& seq) {
+    seq.prefill_done = true;
+    seq.summary.prefill_ms = MsBetween(seq.admit_time, Clock::now());
+    if (seq.generated.empty()) {
+      const SequenceCacheInfo info = runner.CacheInfo(seq.seq_id);
+      seq.summary.kv_tokens_kept_per_layer = info.stored_len_per_layer;
+      int64_t kept = 0;
+      for (int64_t n : info.stored_len_per_layer) kept += n;
+      seq.summary.num_kv_tokens_kept = kept;
+      const int64_t full = static_cast<int64_t>(info.stored_len_per_layer.size()) *
+                           static_cast<int64_t>(seq.request.prompt_ids.size());
+      seq.summary.kv_bytes_saved =
+          std::max<int64_t>(0, full - kept) * options.kv_bytes_per_token_per_layer;
+    }
+  }
+
+  // --- preemption ----------------------------------------------------------------------------
+  // Releases the newest running sequence and puts it at the front of the waiting queue.
+  void PreemptNewest(StepReport& report) {
+    auto newest = std::max_element(
+        running.begin(), running.end(),
+        [](const auto& a, const auto& b) { return a->admission_idx < b->admission_idx; });
+    std::unique_ptr<Sequence> seq = std::move(*newest);
+    running.erase(newest);
+    runner.Release(seq->seq_id);
+    seq->seq_id = -1;
+    seq->num_prefilled = 0;
+    seq->prefill_done = false;
+    seq->num_generated_fed = 0;
+    ++seq->summary.num_preemptions;
+    ++report.num_preempted;
+    std::lock_guard<std::mutex> lock(mu);
+    num_waiting_prompt_tokens += static_cast<int64_t>(seq->request.prompt_ids.size());
+    ++stats.num_preemptions;
+    waiting.push_front(std::move(seq));
+  }
+
+  // --- the step ------------------------------------------------------------------------------
+  void Reap(StepReport& report) {
+    const SteadyTime now = Clock::now();
+    auto expired = [&](const Sequence& s) {
+      return cancel_all || s.channel->cancelled() ||
+             (s.request.deadline && *s.request.deadline <= now);
+    };
+    std::vector<std::unique_ptr<Sequence>> gone;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      for (auto it = waiting.begin(); it != waiting.end();) {
+        if (expired(**it)) {
+          num_waiting_prompt_tokens -= static_cast<int64_t>((*it)->request.prompt_ids.size());
+          gone.push_back(std::move(*it));
+          it = waiting.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      cancel_all = false;
+    }
+    for (auto it = running.begin(); it != running.end();) {
+      if (expired(**it)) {
+        runner.Release((*it)->seq_id);
+        gone.push_back(std::move(*it));
+        it = running.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    for (auto& seq : gone) Finish(*seq, FinishReason::kCancelled);
+    report.num_reaped += static_cast<int32_t>(gone.size());
+    report.num_finished += static_cast<int32_t>(gone.size());
+  }
+
+  void Admit(StepReport& report) {
+    const KvBlockCounts counts = kv_counts();
+    // Blocks promised to admitted sequences whose prefill has not allocated them yet.
+    int64_t num_promised = 0;
+    for (const auto& seq : running) {
+      if (seq->prefill_done || seq->seq_id < 0) {
+        if (!seq->prefill_done) num_promised += seq->blocks_needed;
+        continue;
+      }
+      num_promised +=
+          std::max<int64_t>(0, seq->blocks_needed - runner.CacheInfo(seq->seq_id).num_blocks);
+    }
+    int64_t num_available = counts.num_free - num_promised;
+    while (static_cast<int32_t>(running.size()) < options.max_batch) {
+      std::unique_ptr<Sequence> seq;
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        if (waiting.empty()) break;
+        Sequence& head = *waiting.front();
+        const int64_t reserve =
+            std::min<int64_t>(options.decode_reserve_tokens, head.request.sampling.max_new_tokens);
+        // Recompute covers the prompt; the replayed tokens take decode room like before.
+        head.blocks_needed =
+            runner.BlocksForPrompt(static_cast<int64_t>(head.request.prompt_ids.size()),
+                                   head.request.compression, reserve);
+        if (head.blocks_needed > counts.num_total) {
+          seq = std::move(waiting.front());
+          waiting.pop_front();
+          num_waiting_prompt_tokens -= static_cast<int64_t>(seq->request.prompt_ids.size());
+        } else if (head.blocks_needed > num_available) {
+          break;  // FCFS: nobody overtakes the head
+        } else {
+          seq = std::move(waiting.front());
+          waiting.pop_front();
+          num_waiting_prompt_tokens -= static_cast<int64_t>(seq->request.prompt_ids.size());
+          num_available -= seq->blocks_needed;
+        }
+      }
+      if (seq->blocks_needed > counts.num_total) {
+        Finish(*seq, FinishReason::kError,
+               absl::ResourceExhaustedError(
+                   absl::StrCat("request ", seq->request.request_id, " needs ", seq->blocks_needed,
+                                " KV blocks; the pool has ", counts.num_total)));
+        ++report.num_finished;
+        continue;
+      }
+      seq->seq_id = next_seq_id++;
+      seq->admission_idx = next_admission_idx++;
+      seq->admit_time = Clock::now();
+      if (!seq->admitted_once) {
+        seq->admitted_once = true;
+        seq->summary.queue_ms = MsBetween(seq->request.arrival_time, seq->admit_time);
+      }
+      running.push_back(std::move(seq));
+      ++report.num_admitted;
+    }
+  }
+
+  void PrefillChunks(StepReport& report) {
+    int64_t budget = options.max_prefill_tokens_per_step;
+    for (size_t i = 0; i < running.size() && budget > 0;) {
+      Sequence& seq = *running[i];
+      if (seq.prefill_done) {
+        ++i;
+        continue;
+      }
+      const int64_t prompt_len = static_cast<int64_t>(seq.request.prompt_ids.size());
+      const int64_t remaining = prompt_len - seq.num_prefilled;
+      // A compression chunk size fixes the chunk boundaries (they change what every_chunk keeps).
+      const int64_t chunk_size =
+          seq.request.compression.chunk_size > 0 ? seq.request.compression.chunk_size : prompt_len;
+      const int64_t chunk_len = std::min(remaining, chunk_size);
+      // A fixed-size chunk waits for a step with enough budget unless it is the first one this
+      // step.
+      if (chunk_len > budget && budget < options.max_prefill_tokens_per_step) break;
+      const bool is_last = seq.num_prefilled + chunk_len == prompt_len;
+      std::span<const int32_t> chunk(seq.request.prompt_ids.data() + seq.num_prefilled,
+                                     static_cast<size_t>(chunk_len));
+      auto logits_or = runner.Prefill(seq.seq_id, chunk, is_last, seq.request.compression);
+      if (!logits_or.ok()) {
+        if (absl::IsResourceExhausted(logits_or.status()) && running.size() > 1) {
+          // Make room: the newest sequence goes back to waiting (it may be this one).
+          const bool self_newest = std::all_of(running.begin(), running.end(), [&](const auto& s) {
+            return s->admission_idx <= seq.admission_idx;
+          });
+          PreemptNewest(report);
+          if (self_newest) break;
+          continue;  // retry this sequence with the freed room
+        }
+        // spdlog clashes with torch's bundled fmt in this TU; the status reaches the client.
+        std::fprintf(stderr, "prefill of request %s failed: %s\n", seq.request.request_id.c_str(),
+                     logits_or.status().ToString().c_str());
+        runner.Release(seq.seq_id);
+        Finish(seq, FinishReason::kError, logits_or.status());
+        running.erase(running.begin() + static_cast<std::ptrdiff_t>(i));
+        ++report.num_finished;
+        continue;
+      }
+      seq.num_prefilled += chunk_len;
+      budget -= chunk_len;
+      report.num_prefill_tokens += chunk_len;
+      if (!is_last) continue;  // the same sequence gets its next chunk if the budget allows
+      RecordPrefillDone(seq);
+      if (!seq.generated.empty()) {  // recompute after preemption: replay through decode
+        ++i;
+        continue;
+      }
+      if (AcceptLogits(seq, *logits_or)) {
+        runner.Release(seq.seq_id);
+        running.erase(running.begin() + static_cast<std::ptrdiff_t>(i));
+        ++report.num_finished;
+        continue;
+      }
+      ++i;
+    }
+  }
+
+  void DecodeBatch(StepReport& report) {
+    while (true) {
+      std::vector<Sequence*> batch;
+      for (auto& seq : running)
+        if (seq->prefill_done) batch.push_back(seq.get());
+      if (batch.empty()) return;
+      std::vector<SequenceId> seq_ids;
+      std::vector<int32_t> tokens;
+      for (Sequence* seq : batch) {
+        seq_ids.push_back(seq->seq_id);
+        tokens.push_back(seq->generated[seq->num_generated_fed]);
+      }
+      auto logits_or = runner.Decode(seq_ids, tokens);
+      if (!logits_or.ok()) {
+        if (absl::IsResourceExhausted(logits_or.status()) && running.size() > 1) {
+          PreemptNewest(report);
+          continue;
+        }
+        // A lone sequence that cannot grow, or a runner failure: these sequences end with an error.
+        std::fprintf(stderr, "decode failed: %s\n", logits_or.status().ToString().c_str());
+        for (Sequence* seq : batch) {
+          runner.Release(seq->seq_id);
+          Finish(*seq, FinishReason::kError, logits_or.status());
+        }
+        std::erase_if(running, [](const auto& s) { return s->prefill_done; });
+        report.num_finished += static_cast<int32_t>(batch.size());
+        return;
+      }
+      report.num_decoded += static_cast<int32_t>(batch.size());
+      // [batch, vocab] -> CPU once; rows are sampled on the CPU.
+      at::Tensor logits = logits_or->to(at::kCPU, at::kFloat);
+      std::vector<Sequence*> finished;
+      for (size_t row = 0; row < batch.size(); ++row) {
+        Sequence& seq = *batch[row];
+        ++seq.num_generated_fed;
+        if (seq.num_generated_fed < static_cast<int64_t>(seq.generated.size())) continue;  // replay
+        if (AcceptLogits(seq, logits[static_cast<int64_t>(row)])) finished.push_back(&seq);
+      }
+      for (Sequence* seq : finished) runner.Release(seq->seq_id);
+      std::erase_if(running, [&](const auto& s) {
+        return std::find(finished.begin(), finished.end(), s.get()) != finished.end();
+      });
+      report.num_finished += static_cast<int32_t>(finished.size());
+      return;
+    }
+  }
+
+  StepReport Step() {
+    StepReport report;
+    Reap(report);
+    Admit(report);
+    PrefillChunks(report);
+    DecodeBatch(report);
+    const KvBlockCounts counts = kv_counts();
+    std::lock_guard<std::mutex> lock(mu);
+    stats.num_waiting = static_cast<int32_t>(waiting.size());
+    stats.num_running = static_cast<int32_t>(running.size());
+    stats.num_waiting_prompt_tokens = num_waiting_prompt_tokens;
+    stats.kv_blocks_total = counts.num_total;
+    stats.kv_blocks_free = counts.num_free;
+    stats.num_finished += report.num_finished;
+    report.num_running_after = stats.num_running;
+    report.num_waiting_after = stats.num_waiting;
+    return report;
+  }
+
+  void Loop() {
+    while (!stop.load()) {
+      {
+        std::unique_lock<std::mutex> lock(mu);
+        work_cv.wait_for(lock, std::chrono::milliseconds(50), [&] {
+          return stop.load() || !waiting.empty() || !running.empty() || cancel_all;
+        });
+      }
+      if (stop.load()) break;
+      bool has_work;
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        has_work = !waiting.empty() || !running.empty() || cancel_all;
+      }
+      if (!has_work) continue;
+      const StepReport report = Step();
+      // Waiting for blocks that nobody is about to free: do not spin.
+      if (report.num_admitted == 0 && report.num_prefill_tokens == 0 && report.num_decoded == 0 &&
+          report.num_finished == 0)
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
+};
+
+Scheduler::Scheduler(ModelRunner& runner, const Tokenizer* tokenizer, KvBlockCountsFn kv_counts,
+                     SchedulerOptions options)
+    : impl_(std::make_unique<Impl>(runner, tokenizer, std::move(kv_counts), std::move(options))) {
+  const KvBlockCounts counts = impl_->kv_counts();
+  impl_->stats.kv_blocks_total = counts.num_total;
+  impl_->stats.kv_blocks_free = counts.num_free;
+}
+
+Scheduler::~Scheduler() {
+  Stop();
+}
+
+absl::Status Scheduler::Submit(GenerationRequest request, std::shared_ptr<RequestChannel> channel) {
+  auto seq = std::make_unique<Sequence>();
+  const int64_t prompt_len = static_cast<int64_t>(request.prompt_ids.size());
+  seq->rng.seed(request.sampling.seed.value_or(std::random_device{}()));
+  seq->request = std::move(request);
+  seq->channel = std::move(channel);
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    if (impl_->draining) {
+      ++impl_->stats.num_rejected;
+      return absl::UnavailableError("server is shutting down");
+    }
+    const SchedulerOptions& o = impl_->options;
+    if (static_cast<int32_t>(impl_->waiting.size()) >= o.max_waiting_requests) {
+      ++impl_->stats.num_rejected;
+      return absl::ResourceExhaustedError(
+          absl::StrCat("waiting queue full: ", impl_->waiting.size(), " requests (limit ",
+                       o.max_waiting_requests, ")"));
+    }
+    if (impl_->num_waiting_prompt_tokens + prompt_len > o.max_waiting_prompt_tokens) {
+      ++impl_->stats.num_rejected;
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "waiting queue full: ", impl_->num_waiting_prompt_tokens, " prompt tokens queued + ",
+          prompt_len, " > limit ", o.max_waiting_prompt_tokens));
+    }
+    impl_->num_waiting_prompt_tokens += prompt_len;
+    impl_->waiting.push_back(std::move(seq));
+    impl_->stats.num_waiting = static_cast<int32_t>(impl_->waiting.size());
+    impl_->stats.num_waiting_prompt_tokens = impl_->num_waiting_prompt_tokens;
+  }
+  impl_->work_cv.notify_one();
+  return absl::OkStatus();
+}
+
+StepReport Scheduler::Step() {
+  return impl_->Step();
+}
+
+bool Scheduler::HasWork() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return !impl_->waiting.empty() || !impl_->running.empty();
+}
+
+void Scheduler::Start() {
+  impl_->stop = false;
+  impl_->engine_thread = std::thread([this] { impl_->Loop(); });
+}
+
+void Scheduler::Stop() {
+  impl_->stop = true;
+  impl_->work_cv.notify_all();
+  if (impl_->engine_thread.joinable()) impl_->engine_thread.join();
+}
+
+void Scheduler::BeginDrain() {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->draining = true;
+  impl_->stats.draining = true;
+}
+
+void Scheduler::CancelAll() {
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    impl_->cancel_all = true;
+  }
+  impl_->work_cv.notify_all();
+}
+
+SchedulerStats Scheduler::Stats() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  SchedulerStats s = impl_->stats;
+  return s;
+}
+
+}  // namespace dropkv

@@ -1,0 +1,113 @@
+// Continuous batching (issue 7; DESIGN.md decision 7). One engine thread owns the ModelRunner and
+// calls Step() in a loop; server threads only Submit() requests and read their RequestChannel.
+//
+// One Step():
+//   1. reap      - cancelled or past-deadline sequences leave (waiting or running); blocks return.
+//   2. admit     - FCFS from the waiting queue while the pool has room for the head's compressed
+//                  footprint + decode reserve (ModelRunner::BlocksForPrompt) and the batch has a
+//                  slot.
+//   3. prefill   - prompt chunks, oldest first, up to `max_prefill_tokens_per_step` tokens.
+//   4. decode    - one batched decode step for every sequence whose prefill is done; out of blocks:
+//                  preempt the newest sequence (release, requeue at the front, recompute) and
+//                  retry.
+//   5. sample    - one token per row; stop checks (EOS, stop ids, stop strings, max_new_tokens,
+//                  context); one event per sequence pushed to its channel.
+// A preempted sequence is recomputed by prefilling its prompt again and replaying its generated
+// tokens through decode steps (teacher forcing), so its output is what it would have been.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "engine/scheduler/generation.h"
+
+namespace dropkv {
+
+class ModelRunner;
+class Tokenizer;
+
+struct SchedulerOptions {
+  int32_t max_batch = 32;                       // running sequences (prefilling + decoding)
+  int64_t max_prefill_tokens_per_step = 512;    // prompt tokens prefilled per Step()
+  int32_t max_waiting_requests = 256;           // beyond: RESOURCE_EXHAUSTED at Submit()
+  int64_t max_waiting_prompt_tokens = 1 << 20;  // beyond: RESOURCE_EXHAUSTED at Submit()
+  int64_t decode_reserve_tokens = 16;           // per layer, capped by the request's max_new_tokens
+  int64_t max_context_len = 0;                  // prompt + generated; 0 = unlimited
+  std::vector<int32_t> eos_token_ids;
+  int32_t num_layers = 0;                    // for usage (kv bytes saved)
+  int64_t kv_bytes_per_token_per_layer = 0;  // K + V of one token of one layer, all KV heads
+};
+
+struct KvBlockCounts {
+  int64_t num_total = 0;
+  int64_t num_free = 0;
+};
+// Reads the runner's block pool; called on the engine thread only.
+using KvBlockCountsFn = std::function<KvBlockCounts()>;
+
+struct SchedulerStats {
+  int32_t num_waiting = 0;
+  int32_t num_running = 0;
+  int64_t num_waiting_prompt_tokens = 0;
+  int64_t kv_blocks_total = 0;
+  int64_t kv_blocks_free = 0;
+  int64_t num_preemptions = 0;
+  int64_t num_finished = 0;
+  int64_t num_rejected = 0;
+  bool draining = false;
+};
+
+// What one Step() did (tests script iterations against it).
+struct StepReport {
+  int32_t num_reaped = 0;
+  int32_t num_admitted = 0;
+  int64_t num_prefill_tokens = 0;
+  int32_t num_decoded = 0;  // rows of the decode batch
+  int32_t num_preempted = 0;
+  int32_t num_finished = 0;
+  int32_t num_running_after = 0;
+  int32_t num_waiting_after = 0;
+};
+
+class Scheduler {
+ public:
+  // `tokenizer` may be null: then events carry no text and stop strings are not supported.
+  Scheduler(ModelRunner& runner, const Tokenizer* tokenizer, KvBlockCountsFn kv_counts,
+            SchedulerOptions options);
+  ~Scheduler();
+  Scheduler(const Scheduler&) = delete;
+  Scheduler& operator=(const Scheduler&) = delete;
+
+  // Thread-safe. Queues the request (FCFS). RESOURCE_EXHAUSTED when the waiting queue is full (by
+  // requests or prompt tokens), UNAVAILABLE while draining. On error nothing is queued and the
+  // channel receives nothing.
+  absl::Status Submit(GenerationRequest request, std::shared_ptr<RequestChannel> channel);
+
+  // Engine thread only (or the test thread when no engine thread is started).
+  StepReport Step();
+  bool HasWork() const;
+
+  // Runs Step() on an own engine thread until Stop(). The runner must not be used elsewhere then.
+  void Start();
+  void Stop();  // finishes the current step, joins; unfinished requests stay where they are
+
+  // Draining: Submit() answers UNAVAILABLE from now on.
+  void BeginDrain();
+  // Cancels every waiting and running request (each gets a final kCancelled event).
+  void CancelAll();
+
+  // Thread-safe snapshot (KV counts as of the end of the last step).
+  SchedulerStats Stats() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace dropkv

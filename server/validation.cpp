@@ -1,0 +1,349 @@
+#include "server/validation.h"
+
+#include <array>
+#include <cmath>
+#include <random>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "dropkv/v1/inference.pb.h"
+#include "engine/tokenizer/tokenizer.h"
+
+namespace dropkv {
+namespace {
+
+absl::Status Invalid(absl::string_view field, absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat(field, ": ", what));
+}
+
+constexpr std::array<std::pair<ScoreMethod, const char*>, 9> kMethods = {{
+    {ScoreMethod::kNone, "none"},
+    {ScoreMethod::kDropKV, "dropkv"},
+    {ScoreMethod::kSnapKV, "snapkv"},
+    {ScoreMethod::kH2O, "h2o"},
+    {ScoreMethod::kH2OVl1, "h2o_vl1"},
+    {ScoreMethod::kH2OVl2, "h2o_vl2"},
+    {ScoreMethod::kStreamingLLM, "streaming_llm"},
+    {ScoreMethod::kKNorm, "knorm"},
+    {ScoreMethod::kRandom, "random"},
+}};
+constexpr std::array<std::pair<BudgetAllocator, const char*>, 8> kAllocators = {{
+    {BudgetAllocator::kUniform, "uniform"},
+    {BudgetAllocator::kPyramid, "pyramid"},
+    {BudgetAllocator::kMLP, "mlp"},
+    {BudgetAllocator::kMGA, "mga"},
+    {BudgetAllocator::kMLMA2, "mlma2"},
+    {BudgetAllocator::kMLMA4, "mlma4"},
+    {BudgetAllocator::kMLMA6, "mlma6"},
+    {BudgetAllocator::kExplicit, "explicit"},
+}};
+constexpr std::array<std::pair<PoolingType, const char*>, 3> kPoolings = {
+    {{PoolingType::kMax, "max"}, {PoolingType::kAvg, "avg"}, {PoolingType::kNone, "none"}}};
+constexpr std::array<std::pair<ChunkPolicy, const char*>, 3> kChunkPolicies = {
+    {{ChunkPolicy::kLastChunk, "last_chunk"},
+     {ChunkPolicy::kEveryChunk, "every_chunk"},
+     {ChunkPolicy::kBudget, "budget"}}};
+
+template <typename E, size_t N>
+absl::StatusOr<E> FromName(const std::array<std::pair<E, const char*>, N>& table,
+                           const std::string& name, absl::string_view field) {
+  std::string accepted;
+  for (const auto& [value, n] : table) {
+    if (name == n) return value;
+    absl::StrAppend(&accepted, accepted.empty() ? "" : "|", n);
+  }
+  return Invalid(field, absl::StrCat("unknown value '", name, "' (accepted: ", accepted, ")"));
+}
+template <typename E, size_t N>
+std::string ToName(const std::array<std::pair<E, const char*>, N>& table, E value) {
+  for (const auto& [v, n] : table)
+    if (v == value) return n;
+  return "unknown";
+}
+
+std::string NewRequestId() {
+  static thread_local std::mt19937_64 rng{std::random_device{}()};
+  return absl::StrCat("req-", absl::Hex(rng(), absl::kZeroPad16));
+}
+
+absl::Status CheckTokenIds(const google::protobuf::RepeatedField<int32_t>& ids,
+                           absl::string_view field, int32_t vocab_size) {
+  for (int i = 0; i < ids.size(); ++i) {
+    if (ids[i] < 0 || (vocab_size > 0 && ids[i] >= vocab_size))
+      return Invalid(
+          absl::StrCat(field, "[", i, "]"),
+          absl::StrCat("unknown token id ", ids[i], " (vocabulary size ", vocab_size, ")"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<SamplingParams> MapSampling(const v1::SamplingParams& s,
+                                           const ValidationLimits& limits) {
+  SamplingParams p;
+  if (s.has_temperature()) {
+    if (!(s.temperature() >= 0.0f) || !std::isfinite(s.temperature()))
+      return Invalid("sampling.temperature", absl::StrCat("must be >= 0, got ", s.temperature()));
+    p.temperature = s.temperature();
+  }
+  if (s.has_top_k()) {
+    if (s.top_k() < 0)
+      return Invalid("sampling.top_k", absl::StrCat("must be >= 0, got ", s.top_k()));
+    p.top_k = s.top_k();
+  }
+  if (s.has_top_p()) {
+    if (!(s.top_p() > 0.0f && s.top_p() <= 1.0f))
+      return Invalid("sampling.top_p", absl::StrCat("must be in (0, 1], got ", s.top_p()));
+    p.top_p = s.top_p();
+  }
+  if (s.has_min_p()) {
+    if (!(s.min_p() >= 0.0f && s.min_p() < 1.0f))
+      return Invalid("sampling.min_p", absl::StrCat("must be in [0, 1), got ", s.min_p()));
+    p.min_p = s.min_p();
+  }
+  if (s.has_repetition_penalty()) {
+    if (!(s.repetition_penalty() > 0.0f) || !std::isfinite(s.repetition_penalty()))
+      return Invalid("sampling.repetition_penalty",
+                     absl::StrCat("must be > 0, got ", s.repetition_penalty()));
+    p.repetition_penalty = s.repetition_penalty();
+  }
+  if (s.has_presence_penalty()) {
+    if (!std::isfinite(s.presence_penalty()))
+      return Invalid("sampling.presence_penalty", "must be finite");
+    p.presence_penalty = s.presence_penalty();
+  }
+  if (s.has_frequency_penalty()) {
+    if (!std::isfinite(s.frequency_penalty()))
+      return Invalid("sampling.frequency_penalty", "must be finite");
+    p.frequency_penalty = s.frequency_penalty();
+  }
+  if (s.has_seed()) p.seed = s.seed();
+  p.ignore_eos = s.ignore_eos();
+  p.return_logprobs = s.return_logprobs();
+  if (s.num_top_logprobs() < 0 || s.num_top_logprobs() > limits.max_top_logprobs)
+    return Invalid(
+        "sampling.num_top_logprobs",
+        absl::StrCat("must be in [0, ", limits.max_top_logprobs, "], got ", s.num_top_logprobs()));
+  p.num_top_logprobs = s.num_top_logprobs();
+  return p;
+}
+
+}  // namespace
+
+absl::StatusOr<ScoreMethod> ScoreMethodFromName(const std::string& name) {
+  return FromName(kMethods, name, "compression.method");
+}
+absl::StatusOr<BudgetAllocator> BudgetAllocatorFromName(const std::string& name) {
+  return FromName(kAllocators, name, "compression.allocator");
+}
+std::string ScoreMethodToName(ScoreMethod method) {
+  return ToName(kMethods, method);
+}
+std::string BudgetAllocatorToName(BudgetAllocator allocator) {
+  return ToName(kAllocators, allocator);
+}
+std::string PoolingToName(PoolingType pooling) {
+  return ToName(kPoolings, pooling);
+}
+std::string ChunkPolicyToName(ChunkPolicy policy) {
+  return ToName(kChunkPolicies, policy);
+}
+
+absl::StatusOr<CompressionParams> MapCompression(const v1::CompressionSettings& c,
+                                                 const CompressionParams& defaults,
+                                                 int64_t max_context_len) {
+  CompressionParams p = defaults;
+  if (!c.method().empty()) {
+    auto m = ScoreMethodFromName(c.method());
+    if (!m.ok()) return m.status();
+    p.method = *m;
+  }
+  switch (c.budget_case()) {
+    case v1::CompressionSettings::kKeepRatio:
+      if (!(c.keep_ratio() > 0.0 && c.keep_ratio() <= 1.0))
+        return Invalid("compression.keep_ratio",
+                       absl::StrCat("must be in (0, 1], got ", c.keep_ratio()));
+      p.keep_ratio = c.keep_ratio();
+      p.budget_tokens.reset();
+      break;
+    case v1::CompressionSettings::kCompressionRatio:
+      if (!(c.compression_ratio() >= 0.0 && c.compression_ratio() < 1.0))
+        return Invalid("compression.compression_ratio",
+                       absl::StrCat("must be in [0, 1), got ", c.compression_ratio()));
+      p.keep_ratio = 1.0 - c.compression_ratio();
+      p.budget_tokens.reset();
+      break;
+    case v1::CompressionSettings::kBudgetTokens:
+      if (c.budget_tokens() < 1 || (max_context_len > 0 && c.budget_tokens() > max_context_len))
+        return Invalid("compression.budget_tokens", absl::StrCat("must be in [1, ", max_context_len,
+                                                                 "], got ", c.budget_tokens()));
+      p.budget_tokens = c.budget_tokens();
+      break;
+    case v1::CompressionSettings::BUDGET_NOT_SET:
+      break;
+  }
+  if (!c.allocator().empty()) {
+    auto a = BudgetAllocatorFromName(c.allocator());
+    if (!a.ok()) return a.status();
+    p.allocator = *a;
+  }
+  if (c.has_window()) {
+    if (c.window() < 1)
+      return Invalid("compression.window", absl::StrCat("must be >= 1, got ", c.window()));
+    p.window = c.window();
+  }
+  if (!c.pooling().empty()) {
+    auto k = FromName(kPoolings, c.pooling(), "compression.pooling");
+    if (!k.ok()) return k.status();
+    p.pooling = *k;
+  }
+  if (c.has_pooling_kernel()) {
+    if (c.pooling_kernel() < 1 || c.pooling_kernel() % 2 == 0)
+      return Invalid("compression.pooling_kernel",
+                     absl::StrCat("must be odd and >= 1, got ", c.pooling_kernel()));
+    p.pooling_kernel = c.pooling_kernel();
+  }
+  if (!c.chunk_policy().empty()) {
+    auto k = FromName(kChunkPolicies, c.chunk_policy(), "compression.chunk_policy");
+    if (!k.ok()) return k.status();
+    p.chunk_policy = *k;
+  }
+  if (c.has_chunk_size()) {
+    if (c.chunk_size() < 0 || (c.chunk_size() > 0 && c.chunk_size() < p.window))
+      return Invalid("compression.chunk_size",
+                     absl::StrCat("must be 0 or >= window (", p.window, "), got ", c.chunk_size()));
+    p.chunk_size = c.chunk_size();
+  }
+  if (c.has_budget_cap_tokens()) {
+    if (c.budget_cap_tokens() < 0)
+      return Invalid("compression.budget_cap_tokens",
+                     absl::StrCat("must be >= 0, got ", c.budget_cap_tokens()));
+    p.budget_cap_tokens = c.budget_cap_tokens();
+  }
+  if (c.has_protect_sinks()) p.protect_sinks = c.protect_sinks();
+  if (c.has_num_sinks()) {
+    if (c.num_sinks() < 0)
+      return Invalid("compression.num_sinks", absl::StrCat("must be >= 0, got ", c.num_sinks()));
+    p.num_sinks = c.num_sinks();
+  }
+  if (c.has_random_seed()) p.random_seed = c.random_seed();
+  if (p.chunk_policy == ChunkPolicy::kBudget && p.budget_cap_tokens <= 0 &&
+      p.method != ScoreMethod::kNone)
+    return Invalid("compression.budget_cap_tokens", "chunk_policy 'budget' needs a cap > 0");
+  if ((p.allocator == BudgetAllocator::kExplicit && p.explicit_layer_prune.empty()) &&
+      p.method != ScoreMethod::kNone)
+    return Invalid("compression.allocator", "'explicit' needs a server-side per-layer profile");
+  return p;
+}
+
+absl::StatusOr<GenerationRequest> ValidateGenerateRequest(const v1::GenerateRequest& request,
+                                                          const ValidationLimits& limits,
+                                                          const Tokenizer* tokenizer) {
+  // Size first: everything below may be proportional to it.
+  const size_t request_bytes = request.ByteSizeLong();
+  if (limits.max_request_bytes > 0 &&
+      static_cast<int64_t>(request_bytes) > limits.max_request_bytes)
+    return Invalid("request", absl::StrCat("oversized: ", request_bytes, " bytes (limit ",
+                                           limits.max_request_bytes, ")"));
+  GenerationRequest out;
+  // request_id: echoed back and logged, so keep it short and printable.
+  if (request.request_id().size() > static_cast<size_t>(limits.max_request_id_len))
+    return Invalid("request_id", absl::StrCat("longer than ", limits.max_request_id_len, " bytes"));
+  for (unsigned char ch : request.request_id())
+    if (ch < 0x21 || ch > 0x7e)
+      return Invalid("request_id", "must be printable ASCII without spaces");
+  out.request_id = request.request_id().empty() ? NewRequestId() : request.request_id();
+
+  // Input: exactly one of prompt / token_ids / chat.
+  const int num_inputs = static_cast<int>(request.has_prompt()) +
+                         static_cast<int>(request.has_token_ids()) +
+                         static_cast<int>(request.has_chat());
+  if (num_inputs == 0) return Invalid("input", "one of prompt, token_ids or chat is required");
+  if (num_inputs > 1)
+    return Invalid("input", "set exactly one of prompt, token_ids or chat, not several");
+  if (request.has_prompt()) {
+    if (request.prompt().empty()) return Invalid("prompt", "is empty");
+    if (tokenizer == nullptr)
+      return Invalid("prompt", "this server has no tokenizer; send token_ids");
+    const bool add_special = !request.has_add_special_tokens() || request.add_special_tokens();
+    auto ids = tokenizer->Encode(request.prompt(), add_special);
+    if (!ids.ok()) return Invalid("prompt", ids.status().message());
+    out.prompt_ids = std::move(*ids);
+  } else if (request.has_token_ids()) {
+    if (request.token_ids().ids().empty()) return Invalid("token_ids.ids", "is empty");
+    absl::Status st = CheckTokenIds(request.token_ids().ids(), "token_ids.ids", limits.vocab_size);
+    if (!st.ok()) return st;
+    out.prompt_ids.assign(request.token_ids().ids().begin(), request.token_ids().ids().end());
+  } else {
+    if (request.chat().messages().empty()) return Invalid("chat.messages", "is empty");
+    if (tokenizer == nullptr)
+      return Invalid("chat", "this server has no tokenizer; send token_ids");
+    std::vector<ChatMessage> messages;
+    for (int i = 0; i < request.chat().messages_size(); ++i) {
+      const auto& m = request.chat().messages(i);
+      if (m.role() != "system" && m.role() != "user" && m.role() != "assistant")
+        return Invalid(absl::StrCat("chat.messages[", i, "].role"),
+                       absl::StrCat("must be system|user|assistant, got '", m.role(), "'"));
+      messages.push_back({m.role(), m.content()});
+    }
+    auto text = tokenizer->ApplyChatTemplate(messages, /*add_generation_prompt=*/true);
+    if (!text.ok()) return Invalid("chat", text.status().message());
+    // The template already holds the special tokens (HF apply_chat_template does the same).
+    auto ids = tokenizer->Encode(*text, /*add_special_tokens=*/false);
+    if (!ids.ok()) return Invalid("chat", ids.status().message());
+    out.prompt_ids = std::move(*ids);
+  }
+  if (out.prompt_ids.empty()) return Invalid("input", "the prompt has no tokens");
+
+  const int64_t prompt_len = static_cast<int64_t>(out.prompt_ids.size());
+  const int64_t max_prompt =
+      limits.max_prompt_tokens > 0 ? limits.max_prompt_tokens : limits.max_context_len;
+  if (max_prompt > 0 && prompt_len >= max_prompt)
+    return Invalid("input", absl::StrCat("prompt of ", prompt_len,
+                                         " tokens is longer than the model context (limit ",
+                                         max_prompt - 1, ")"));
+
+  if (request.max_new_tokens() <= 0 || request.max_new_tokens() > limits.max_new_tokens_limit)
+    return Invalid("max_new_tokens", absl::StrCat("must be in [1, ", limits.max_new_tokens_limit,
+                                                  "], got ", request.max_new_tokens()));
+
+  auto sampling = MapSampling(request.sampling(), limits);
+  if (!sampling.ok()) return sampling.status();
+  out.sampling = std::move(*sampling);
+  out.sampling.max_new_tokens = request.max_new_tokens();
+
+  if (request.stop_size() > limits.max_stop_strings)
+    return Invalid("stop", absl::StrCat("too many stop strings: ", request.stop_size(), " (limit ",
+                                        limits.max_stop_strings, ")"));
+  for (int i = 0; i < request.stop_size(); ++i) {
+    const std::string& s = request.stop(i);
+    if (s.empty()) return Invalid(absl::StrCat("stop[", i, "]"), "is empty");
+    if (s.size() > static_cast<size_t>(limits.max_stop_string_bytes))
+      return Invalid(absl::StrCat("stop[", i, "]"),
+                     absl::StrCat("longer than ", limits.max_stop_string_bytes, " bytes"));
+    if (tokenizer == nullptr) return Invalid("stop", "this server has no tokenizer");
+    out.sampling.stop_strings.push_back(s);
+  }
+  if (request.stop_token_ids_size() > limits.max_stop_token_ids)
+    return Invalid("stop_token_ids", absl::StrCat("too many: ", request.stop_token_ids_size(),
+                                                  " (limit ", limits.max_stop_token_ids, ")"));
+  absl::Status st = CheckTokenIds(request.stop_token_ids(), "stop_token_ids", limits.vocab_size);
+  if (!st.ok()) return st;
+  out.sampling.stop_token_ids.assign(request.stop_token_ids().begin(),
+                                     request.stop_token_ids().end());
+
+  auto compression =
+      MapCompression(request.compression(), limits.default_compression, limits.max_context_len);
+  if (!compression.ok()) return compression.status();
+  out.compression = std::move(*compression);
+  return out;
+}
+
+grpc::Status ToGrpcStatus(const absl::Status& status) {
+  if (status.ok()) return grpc::Status::OK;
+  // absl and gRPC share the canonical code numbers (0..16).
+  return grpc::Status(static_cast<grpc::StatusCode>(static_cast<int>(status.code())),
+                      std::string(status.message()));
+}
+
+}  // namespace dropkv

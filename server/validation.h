@@ -1,0 +1,60 @@
+// Request validation at the gRPC edge (issue 7): every field of a GenerateRequest is checked before
+// anything is queued, and the proto is mapped to the engine's plain structs (engine/request.h).
+// Errors are INVALID_ARGUMENT and start with the proto field path ("sampling.top_p: ...").
+// ToGrpcStatus is the one place absl codes become gRPC codes.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include <grpcpp/support/status.h>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "engine/request.h"
+#include "engine/scheduler/generation.h"
+
+namespace dropkv {
+
+class Tokenizer;
+namespace v1 {
+class GenerateRequest;
+class CompressionSettings;
+}  // namespace v1
+
+struct ValidationLimits {
+  int32_t vocab_size = 0;               // token ids must be in [0, vocab_size)
+  int64_t max_context_len = 0;          // prompt_len + max_new_tokens may not exceed it; 0 = none
+  int32_t max_new_tokens_limit = 4096;  // largest max_new_tokens accepted
+  int64_t max_prompt_tokens = 0;        // 0 = the context length
+  int64_t max_request_bytes = 4 << 20;  // serialized request size ("oversized request")
+  int32_t max_stop_strings = 16;
+  int32_t max_stop_string_bytes = 256;
+  int32_t max_stop_token_ids = 64;
+  int32_t max_top_logprobs = 20;
+  int32_t max_request_id_len = 128;
+  CompressionParams default_compression;  // fields a request leaves unset
+};
+
+// Checks `request` and maps it. `tokenizer` may be null: then only token-id input is accepted.
+absl::StatusOr<GenerationRequest> ValidateGenerateRequest(const v1::GenerateRequest& request,
+                                                          const ValidationLimits& limits,
+                                                          const Tokenizer* tokenizer);
+
+// Maps one CompressionSettings over `defaults` (also used for the server's own defaults).
+absl::StatusOr<CompressionParams> MapCompression(const v1::CompressionSettings& settings,
+                                                 const CompressionParams& defaults,
+                                                 int64_t max_context_len);
+
+// Name tables of the API's enum strings (docs/api.md lists them).
+absl::StatusOr<ScoreMethod> ScoreMethodFromName(const std::string& name);
+absl::StatusOr<BudgetAllocator> BudgetAllocatorFromName(const std::string& name);
+std::string ScoreMethodToName(ScoreMethod method);
+std::string BudgetAllocatorToName(BudgetAllocator allocator);
+std::string PoolingToName(PoolingType pooling);
+std::string ChunkPolicyToName(ChunkPolicy policy);
+
+// absl::Status -> grpc::Status, code for code, message unchanged.
+grpc::Status ToGrpcStatus(const absl::Status& status);
+
+}  // namespace dropkv
