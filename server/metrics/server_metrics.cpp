@@ -1,0 +1,455 @@
+// ServerMetrics on prometheus-cpp's core (registry, families, text serializer); the HTTP side is
+// our own small server so no civetweb thread ever runs with LibTorch loaded.
+#include "server/metrics/server_metrics.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <mutex>
+#include <thread>
+
+#include <prometheus/counter.h>
+#include <prometheus/family.h>
+#include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
+#include <prometheus/registry.h>
+#include <prometheus/text_serializer.h>
+
+namespace dropkv {
+
+namespace {
+
+using prometheus::Counter;
+using prometheus::Family;
+using prometheus::Gauge;
+using prometheus::Histogram;
+
+// Buckets in seconds. TTFT spans a cached short prompt (ms) to a 32K-token prefill (tens of s).
+const Histogram::BucketBoundaries kTtftBuckets = {0.005, 0.01, 0.025, 0.05, 0.1,  0.25, 0.5,
+                                                  1.0,   2.5,  5.0,   10.0, 20.0, 40.0, 80.0};
+const Histogram::BucketBoundaries kItlBuckets = {0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06,
+                                                 0.08,  0.1,    0.15,  0.25, 0.5,  1.0,  2.5};
+const Histogram::BucketBoundaries kDurationBuckets = {0.05, 0.1,  0.25, 0.5,  1.0,   2.5,   5.0,
+                                                      10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0};
+const Histogram::BucketBoundaries kQueueBuckets = {0.001, 0.005, 0.01, 0.025, 0.05, 0.1,  0.25,
+                                                   0.5,   1.0,   2.5,  5.0,   10.0, 30.0, 60.0};
+// Fraction of KV tokens evicted: 0 = nothing dropped, 0.9 = 10x smaller cache.
+const Histogram::BucketBoundaries kRatioBuckets = {0.0, 0.1, 0.2, 0.3, 0.4,  0.5,
+                                                   0.6, 0.7, 0.8, 0.9, 0.95, 0.99};
+const Histogram::BucketBoundaries kScoringBuckets = {
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0};
+
+constexpr absl::StatusCode kAllCodes[] = {
+    absl::StatusCode::kOk,
+    absl::StatusCode::kCancelled,
+    absl::StatusCode::kUnknown,
+    absl::StatusCode::kInvalidArgument,
+    absl::StatusCode::kDeadlineExceeded,
+    absl::StatusCode::kNotFound,
+    absl::StatusCode::kAlreadyExists,
+    absl::StatusCode::kPermissionDenied,
+    absl::StatusCode::kResourceExhausted,
+    absl::StatusCode::kFailedPrecondition,
+    absl::StatusCode::kAborted,
+    absl::StatusCode::kOutOfRange,
+    absl::StatusCode::kUnimplemented,
+    absl::StatusCode::kInternal,
+    absl::StatusCode::kUnavailable,
+    absl::StatusCode::kDataLoss,
+    absl::StatusCode::kUnauthenticated,
+};
+constexpr int kNumCodes = 17;
+
+int CodeIndex(absl::StatusCode code) {
+  for (int i = 0; i < kNumCodes; ++i) {
+    if (kAllCodes[i] == code) return i;
+  }
+  return 2;  // kUnknown
+}
+
+}  // namespace
+
+std::string ServerMetrics::StatusLabel(absl::StatusCode code) {
+  switch (code) {
+    case absl::StatusCode::kOk:
+      return "ok";
+    case absl::StatusCode::kCancelled:
+      return "cancelled";
+    case absl::StatusCode::kInvalidArgument:
+      return "invalid_argument";
+    case absl::StatusCode::kDeadlineExceeded:
+      return "deadline_exceeded";
+    case absl::StatusCode::kNotFound:
+      return "not_found";
+    case absl::StatusCode::kAlreadyExists:
+      return "already_exists";
+    case absl::StatusCode::kPermissionDenied:
+      return "permission_denied";
+    case absl::StatusCode::kResourceExhausted:
+      return "resource_exhausted";
+    case absl::StatusCode::kFailedPrecondition:
+      return "failed_precondition";
+    case absl::StatusCode::kAborted:
+      return "aborted";
+    case absl::StatusCode::kOutOfRange:
+      return "out_of_range";
+    case absl::StatusCode::kUnimplemented:
+      return "unimplemented";
+    case absl::StatusCode::kInternal:
+      return "internal";
+    case absl::StatusCode::kUnavailable:
+      return "unavailable";
+    case absl::StatusCode::kDataLoss:
+      return "data_loss";
+    case absl::StatusCode::kUnauthenticated:
+      return "unauthenticated";
+    default:
+      return "unknown";
+  }
+}
+
+struct ServerMetrics::Impl {
+  std::shared_ptr<prometheus::Registry> registry = std::make_shared<prometheus::Registry>();
+  prometheus::Labels model_labels;
+  int32_t max_layer_labels = 128;
+
+  Gauge* requests_running = nullptr;
+  Gauge* requests_waiting = nullptr;
+  Family<Counter>* requests_total = nullptr;
+  // Lazily added per status code; Family::Add is mutex-protected and returns the same series.
+  std::atomic<Counter*> requests_by_code[kNumCodes] = {};
+  Counter* prompt_tokens = nullptr;
+  Counter* generation_tokens = nullptr;
+  Histogram* ttft = nullptr;
+  Histogram* itl = nullptr;
+  Histogram* duration = nullptr;
+  Histogram* queue = nullptr;
+  Gauge* kv_blocks_used = nullptr;
+  Gauge* kv_blocks_total = nullptr;
+  Gauge* kv_usage_ratio = nullptr;
+  Counter* preemptions = nullptr;
+  Counter* kv_tokens_evicted = nullptr;
+  Counter* kv_tokens_kept = nullptr;
+  Histogram* compression_ratio = nullptr;
+  Histogram* scoring = nullptr;
+  Family<Gauge>* layer_kept = nullptr;
+  std::mutex layer_mutex;            // guards layer_gauges growth
+  std::vector<Gauge*> layer_gauges;  // [min(num_layers, max_layer_labels) + overflow]
+
+  Counter* CounterForCode(absl::StatusCode code) {
+    int idx = CodeIndex(code);
+    Counter* c = requests_by_code[idx].load(std::memory_order_acquire);
+    if (c == nullptr) {
+      c = &requests_total->Add(WithModel({{"status", StatusLabel(code)}}));
+      requests_by_code[idx].store(c, std::memory_order_release);
+    }
+    return c;
+  }
+
+  prometheus::Labels WithModel(prometheus::Labels labels) const {
+    labels.insert(model_labels.begin(), model_labels.end());
+    return labels;
+  }
+};
+
+ServerMetrics::ServerMetrics(std::string model_name, int32_t max_layer_labels)
+    : impl_(std::make_unique<Impl>()) {
+  Impl& m = *impl_;
+  m.model_labels = {{"model", model_name}};
+  m.max_layer_labels = std::max<int32_t>(1, max_layer_labels);
+  auto& reg = *m.registry;
+  const auto& labels = m.model_labels;
+  auto gauge = [&](const char* name, const char* help) {
+    return &prometheus::BuildGauge().Name(name).Help(help).Register(reg).Add(labels);
+  };
+  auto counter = [&](const char* name, const char* help) {
+    return &prometheus::BuildCounter().Name(name).Help(help).Register(reg).Add(labels);
+  };
+  auto histogram = [&](const char* name, const char* help, const Histogram::BucketBoundaries& b) {
+    return &prometheus::BuildHistogram().Name(name).Help(help).Register(reg).Add(labels, b);
+  };
+  m.requests_running = gauge("dropkv_requests_running", "Requests in prefill or decode.");
+  m.requests_waiting = gauge("dropkv_requests_waiting", "Requests queued, not yet admitted.");
+  m.requests_total = &prometheus::BuildCounter()
+                          .Name("dropkv_requests_total")
+                          .Help("Finished requests by final status code.")
+                          .Register(reg);
+  m.CounterForCode(absl::StatusCode::kOk);  // the ok series exists from the start at 0
+  m.prompt_tokens = counter("dropkv_prompt_tokens_total", "Prompt tokens of admitted requests.");
+  m.generation_tokens = counter("dropkv_generation_tokens_total", "Generated tokens.");
+  m.ttft = histogram("dropkv_time_to_first_token_seconds",
+                     "Time from request arrival to its first generated token.", kTtftBuckets);
+  m.itl = histogram("dropkv_inter_token_latency_seconds",
+                    "Time between consecutive generated tokens of one request.", kItlBuckets);
+  m.duration =
+      histogram("dropkv_request_duration_seconds",
+                "End-to-end request time from arrival to the last message.", kDurationBuckets);
+  m.queue = histogram("dropkv_request_queue_seconds", "Time a request waited before admission.",
+                      kQueueBuckets);
+  m.kv_blocks_used = gauge("dropkv_kv_blocks_used", "KV cache blocks in use.");
+  m.kv_blocks_total = gauge("dropkv_kv_blocks_total", "KV cache blocks in the pool.");
+  m.kv_usage_ratio = gauge("dropkv_kv_usage_ratio", "KV blocks used / total (0..1).");
+  m.preemptions = counter("dropkv_preemptions_total",
+                          "Sequences preempted (freed, recomputed later) for lack of KV blocks.");
+  m.kv_tokens_evicted = counter("dropkv_kv_tokens_evicted_total",
+                                "KV entries (token x layer) dropped by compression at prefill.");
+  m.kv_tokens_kept = counter("dropkv_kv_tokens_kept_total",
+                             "KV entries (token x layer) kept by compression at prefill.");
+  m.compression_ratio = histogram("dropkv_compression_ratio",
+                                  "Fraction of a prompt's KV entries evicted, per compressed "
+                                  "sequence (0 = none, 0.9 = 10x smaller).",
+                                  kRatioBuckets);
+  m.scoring =
+      histogram("dropkv_scoring_seconds",
+                "Time scoring and selecting KV entries, per compressed sequence.", kScoringBuckets);
+  m.layer_kept = &prometheus::BuildGauge()
+                      .Name("dropkv_layer_kept_tokens")
+                      .Help("Tokens kept per layer by the most recent compressed prefill.")
+                      .Register(reg);
+}
+
+ServerMetrics::~ServerMetrics() = default;
+
+void ServerMetrics::SetRequestsRunning(int64_t num_running) {
+  impl_->requests_running->Set(static_cast<double>(num_running));
+}
+void ServerMetrics::SetRequestsWaiting(int64_t num_waiting) {
+  impl_->requests_waiting->Set(static_cast<double>(num_waiting));
+}
+void ServerMetrics::SetKvBlocks(int64_t num_used_blocks, int64_t num_total_blocks) {
+  impl_->kv_blocks_used->Set(static_cast<double>(num_used_blocks));
+  impl_->kv_blocks_total->Set(static_cast<double>(num_total_blocks));
+  impl_->kv_usage_ratio->Set(num_total_blocks > 0 ? static_cast<double>(num_used_blocks) /
+                                                        static_cast<double>(num_total_blocks)
+                                                  : 0.0);
+}
+void ServerMetrics::OnRequestAdmitted(double queue_seconds, int64_t num_prompt_tokens) {
+  impl_->queue->Observe(std::max(0.0, queue_seconds));
+  impl_->prompt_tokens->Increment(static_cast<double>(std::max<int64_t>(0, num_prompt_tokens)));
+}
+void ServerMetrics::OnFirstToken(double ttft_seconds) {
+  impl_->ttft->Observe(std::max(0.0, ttft_seconds));
+}
+void ServerMetrics::OnTokensGenerated(int64_t num_tokens) {
+  impl_->generation_tokens->Increment(static_cast<double>(std::max<int64_t>(0, num_tokens)));
+}
+void ServerMetrics::ObserveInterTokenLatency(double seconds) {
+  impl_->itl->Observe(std::max(0.0, seconds));
+}
+void ServerMetrics::OnRequestFinished(absl::StatusCode code, double duration_seconds) {
+  impl_->CounterForCode(code)->Increment();
+  impl_->duration->Observe(std::max(0.0, duration_seconds));
+}
+void ServerMetrics::OnPreemption(int64_t num_preempted) {
+  impl_->preemptions->Increment(static_cast<double>(std::max<int64_t>(0, num_preempted)));
+}
+
+void ServerMetrics::OnPrefillCompressed(const std::vector<int64_t>& num_kept_per_layer,
+                                        int64_t num_prompt_tokens, double scoring_seconds) {
+  Impl& m = *impl_;
+  const auto num_layers = static_cast<int64_t>(num_kept_per_layer.size());
+  int64_t num_kept = 0;
+  for (int64_t kept : num_kept_per_layer)
+    num_kept += std::clamp<int64_t>(kept, 0, num_prompt_tokens);
+  const int64_t num_entries = num_layers * std::max<int64_t>(0, num_prompt_tokens);
+  m.kv_tokens_kept->Increment(static_cast<double>(num_kept));
+  m.kv_tokens_evicted->Increment(static_cast<double>(num_entries - num_kept));
+  if (num_entries > 0) {
+    m.compression_ratio->Observe(static_cast<double>(num_entries - num_kept) /
+                                 static_cast<double>(num_entries));
+  }
+  m.scoring->Observe(std::max(0.0, scoring_seconds));
+
+  // One gauge per layer up to the cap; the rest sum into "overflow".
+  std::lock_guard<std::mutex> lock(m.layer_mutex);
+  const int64_t num_labelled = std::min<int64_t>(num_layers, m.max_layer_labels);
+  while (static_cast<int64_t>(m.layer_gauges.size()) < num_labelled) {
+    m.layer_gauges.push_back(
+        &m.layer_kept->Add(m.WithModel({{"layer", std::to_string(m.layer_gauges.size())}})));
+  }
+  for (int64_t layer_idx = 0; layer_idx < num_labelled; ++layer_idx) {
+    m.layer_gauges[layer_idx]->Set(static_cast<double>(num_kept_per_layer[layer_idx]));
+  }
+  if (num_layers > num_labelled) {
+    int64_t overflow = 0;
+    for (int64_t l = num_labelled; l < num_layers; ++l) overflow += num_kept_per_layer[l];
+    m.layer_kept->Add(m.WithModel({{"layer", "overflow"}})).Set(static_cast<double>(overflow));
+  }
+}
+
+std::string ServerMetrics::RenderText() const {
+  return prometheus::TextSerializer().Serialize(impl_->registry->Collect());
+}
+
+// ---- MetricsHttpServer ---------------------------------------------------------------------
+
+struct MetricsHttpServer::Impl {
+  int listen_fd = -1;
+  int wake_pipe[2] = {-1, -1};  // Stop() writes a byte so poll() returns at once
+  int port = 0;
+  std::function<std::string()> render;
+  std::thread thread;
+  std::once_flag stop_once;
+
+  void Serve() {
+    for (;;) {
+      pollfd fds[2] = {{listen_fd, POLLIN, 0}, {wake_pipe[0], POLLIN, 0}};
+      int rc = ::poll(fds, 2, -1);
+      if (rc < 0) {
+        if (errno == EINTR) continue;
+        return;
+      }
+      if (fds[1].revents != 0) return;
+      if ((fds[0].revents & POLLIN) == 0) continue;
+      int fd = ::accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
+      if (fd < 0) continue;
+      HandleConnection(fd);
+      ::close(fd);
+    }
+  }
+
+  // One request per connection (Connection: close); a slow or silent client times out in 2 s.
+  void HandleConnection(int fd) {
+    timeval timeout{2, 0};
+    ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
+    ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof(timeout));
+    std::string request;
+    char buf[4096];
+    while (request.find("\r\n\r\n") == std::string::npos && request.size() < 16384) {
+      ssize_t n = ::recv(fd, buf, sizeof(buf), 0);
+      if (n <= 0) break;
+      request.append(buf, static_cast<size_t>(n));
+    }
+    std::string status = "200 OK";
+    std::string content_type = "text/plain; version=0.0.4; charset=utf-8";
+    std::string body;
+    const size_t line_end = request.find("\r\n");
+    const std::string line = request.substr(0, line_end);
+    const size_t sp1 = line.find(' ');
+    const size_t sp2 = sp1 == std::string::npos ? std::string::npos : line.find(' ', sp1 + 1);
+    if (line_end == std::string::npos || sp2 == std::string::npos) {
+      status = "400 Bad Request";
+      body = "bad request\n";
+    } else {
+      const std::string method = line.substr(0, sp1);
+      std::string target = line.substr(sp1 + 1, sp2 - sp1 - 1);
+      target = target.substr(0, target.find('?'));
+      if (method != "GET" && method != "HEAD") {
+        status = "405 Method Not Allowed";
+        body = "only GET\n";
+      } else if (target == "/metrics") {
+        body = render();
+      } else if (target == "/") {
+        content_type = "text/html; charset=utf-8";
+        body = "<html><body><a href=\"/metrics\">/metrics</a></body></html>\n";
+      } else {
+        status = "404 Not Found";
+        body = "not found; try /metrics\n";
+      }
+      if (method == "HEAD") {
+        std::string head = "HTTP/1.1 " + status + "\r\nContent-Type: " + content_type +
+                           "\r\nContent-Length: " + std::to_string(body.size()) +
+                           "\r\nConnection: close\r\n\r\n";
+        SendAll(fd, head);
+        return;
+      }
+    }
+    std::string response = "HTTP/1.1 " + status + "\r\nContent-Type: " + content_type +
+                           "\r\nContent-Length: " + std::to_string(body.size()) +
+                           "\r\nConnection: close\r\n\r\n" + body;
+    SendAll(fd, response);
+  }
+
+  static void SendAll(int fd, const std::string& data) {
+    size_t sent = 0;
+    while (sent < data.size()) {
+      ssize_t n = ::send(fd, data.data() + sent, data.size() - sent, MSG_NOSIGNAL);
+      if (n <= 0) return;
+      sent += static_cast<size_t>(n);
+    }
+  }
+};
+
+MetricsHttpServer::MetricsHttpServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
+    const std::string& host, int port, std::function<std::string()> render) {
+  if (port < 0 || port > 65535) {
+    return absl::InvalidArgumentError("metrics_port: out of range [0, 65535]: " +
+                                      std::to_string(port));
+  }
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  addrinfo* addrs = nullptr;
+  const std::string port_text = std::to_string(port);
+  int gai = ::getaddrinfo(host.empty() ? nullptr : host.c_str(), port_text.c_str(), &hints, &addrs);
+  if (gai != 0) {
+    return absl::InvalidArgumentError("metrics endpoint: cannot resolve host '" + host +
+                                      "': " + ::gai_strerror(gai));
+  }
+  auto impl = std::make_unique<Impl>();
+  std::string last_error = "no address";
+  for (addrinfo* a = addrs; a != nullptr; a = a->ai_next) {
+    int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+    if (fd < 0) continue;
+    int one = 1;
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    if (::bind(fd, a->ai_addr, a->ai_addrlen) == 0 && ::listen(fd, 64) == 0) {
+      impl->listen_fd = fd;
+      break;
+    }
+    last_error = std::strerror(errno);
+    ::close(fd);
+  }
+  ::freeaddrinfo(addrs);
+  if (impl->listen_fd < 0) {
+    return absl::UnavailableError("metrics endpoint: cannot listen on " + host + ":" + port_text +
+                                  ": " + last_error);
+  }
+  sockaddr_storage bound{};
+  socklen_t len = sizeof(bound);
+  ::getsockname(impl->listen_fd, reinterpret_cast<sockaddr*>(&bound), &len);
+  impl->port = bound.ss_family == AF_INET6
+                   ? ntohs(reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port)
+                   : ntohs(reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+  if (::pipe2(impl->wake_pipe, O_CLOEXEC) != 0) {
+    ::close(impl->listen_fd);
+    return absl::InternalError(std::string("metrics endpoint: pipe: ") + std::strerror(errno));
+  }
+  impl->render = std::move(render);
+  Impl* raw = impl.get();
+  impl->thread = std::thread([raw] { raw->Serve(); });
+  return std::unique_ptr<MetricsHttpServer>(new MetricsHttpServer(std::move(impl)));
+}
+
+int MetricsHttpServer::port() const {
+  return impl_->port;
+}
+
+void MetricsHttpServer::Stop() {
+  std::call_once(impl_->stop_once, [this] {
+    char byte = 1;
+    (void)!::write(impl_->wake_pipe[1], &byte, 1);
+    if (impl_->thread.joinable()) impl_->thread.join();
+    ::close(impl_->listen_fd);
+    ::close(impl_->wake_pipe[0]);
+    ::close(impl_->wake_pipe[1]);
+  });
+}
+
+MetricsHttpServer::~MetricsHttpServer() {
+  Stop();
+}
+
+}  // namespace dropkv

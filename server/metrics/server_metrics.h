@@ -1,0 +1,86 @@
+// Prometheus metrics of one server process (issue 9; names and meaning in docs/metrics.md).
+// The scheduler and the gRPC layer call the On*/Set* methods; MetricsHttpServer serves
+// RenderText() at GET /metrics. Every method is thread-safe and cheap (atomics; no allocation
+// after the first call with a given status code). No LibTorch, no gRPC here.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace dropkv {
+
+class ServerMetrics {
+ public:
+  // model_name is the `model` label on every series. Layers at or above max_layer_labels share the
+  // layer label "overflow" in dropkv_layer_kept_tokens (bounded cardinality).
+  explicit ServerMetrics(std::string model_name, int32_t max_layer_labels = 128);
+  ~ServerMetrics();
+  ServerMetrics(const ServerMetrics&) = delete;
+  ServerMetrics& operator=(const ServerMetrics&) = delete;
+
+  // --- state, set by the scheduler after each step (gauges) ---
+  void SetRequestsRunning(int64_t num_running);
+  void SetRequestsWaiting(int64_t num_waiting);
+  // Also sets dropkv_kv_usage_ratio = used / total (0 when total is 0).
+  void SetKvBlocks(int64_t num_used_blocks, int64_t num_total_blocks);
+
+  // --- request lifecycle ---
+  // A request left the queue and its prefill starts: queue time and its prompt tokens.
+  void OnRequestAdmitted(double queue_seconds, int64_t num_prompt_tokens);
+  // Time from arrival to the first generated token.
+  void OnFirstToken(double ttft_seconds);
+  // Tokens produced (all requests of a step together, or one at a time).
+  void OnTokensGenerated(int64_t num_tokens);
+  // Gap between two consecutive tokens of one request.
+  void ObserveInterTokenLatency(double seconds);
+  // Every request ends here exactly once, admitted or refused: counts it under its status code
+  // (label status = "ok", "cancelled", "invalid_argument", "resource_exhausted", ...) and observes
+  // its end-to-end duration from arrival.
+  void OnRequestFinished(absl::StatusCode code, double duration_seconds);
+  void OnPreemption(int64_t num_preempted = 1);
+
+  // --- KV compression at prefill: one call per compressed sequence ---
+  // num_kept_per_layer[l] = tokens layer l kept of num_prompt_tokens; scoring_seconds = time spent
+  // scoring + selecting for this sequence. Updates kept/evicted counters, the achieved compression
+  // ratio (fraction evicted over all layers), the scoring histogram and dropkv_layer_kept_tokens.
+  void OnPrefillCompressed(const std::vector<int64_t>& num_kept_per_layer,
+                           int64_t num_prompt_tokens, double scoring_seconds);
+
+  // Prometheus text exposition format 0.0.4 of every series.
+  std::string RenderText() const;
+
+  // "ok", "cancelled", "deadline_exceeded", ... (the label value used for a status code).
+  static std::string StatusLabel(absl::StatusCode code);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// A minimal HTTP/1.1 server for GET /metrics (and GET / -> a link), one background thread with a
+// normal-size stack (prometheus-cpp's civetweb threads are too small for LibTorch's TLS).
+class MetricsHttpServer {
+ public:
+  // Binds host:port (port 0 = any free port, see port()) and starts serving `render()`'s text.
+  static absl::StatusOr<std::unique_ptr<MetricsHttpServer>> Start(
+      const std::string& host, int port, std::function<std::string()> render);
+  ~MetricsHttpServer();  // Stop()s
+  MetricsHttpServer(const MetricsHttpServer&) = delete;
+  MetricsHttpServer& operator=(const MetricsHttpServer&) = delete;
+
+  int port() const;
+  void Stop();  // idempotent; returns after the thread has exited
+
+ private:
+  struct Impl;
+  explicit MetricsHttpServer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace dropkv
