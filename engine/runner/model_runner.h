@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -18,6 +19,8 @@
 namespace dropkv {
 
 class BlockPool;
+class KvSelector;
+class Model;
 struct ModelConfig;
 
 using SequenceId = int64_t;
@@ -37,6 +40,12 @@ struct SequenceCacheInfo {
   std::vector<int64_t> stored_len_per_layer;
   int64_t num_blocks = 0;
 };
+
+// The compression hook (issue 6). The runner asks the registered factory for a selector when a
+// Prefill's CompressionParams.method is not kNone; the selector's Select() then runs after each
+// layer's attention (see kv_selector.h). A selector passed to PrefillWithSelector wins.
+using KvSelectorFactory = std::function<absl::StatusOr<std::unique_ptr<KvSelector>>(
+    const CompressionParams& compression, const ModelConfig& config)>;
 
 class ModelRunner {
  public:
@@ -68,6 +77,35 @@ class ModelRunner {
   virtual SequenceCacheInfo CacheInfo(SequenceId seq) const = 0;
   // Frees every block of `seq`; unknown ids are ignored.
   virtual void Release(SequenceId seq) = 0;
+
+  // --- extensions (issue 3); defaults keep test doubles of this interface compiling ------------
+  virtual const Model* model() const { return nullptr; }
+  // Registers the selector factory used by Prefill (nullptr-like empty function = none).
+  // Without one, a Prefill asking for compression is FAILED_PRECONDITION.
+  virtual void SetKvSelectorFactory(KvSelectorFactory factory) {}
+  // Prefill with an explicit selector (nullptr = keep everything), whatever compression.method is.
+  // Chunked prefill: each chunk is stored in full unless the selector compacts the layer; when
+  // it does, the layer's table is rewritten with the kept entries (per KV head), and later
+  // chunks append after them. RoPE positions always continue from the logical length.
+  virtual absl::StatusOr<at::Tensor> PrefillWithSelector(SequenceId seq, std::span<const int32_t> chunk,
+                                                         bool is_last_chunk, KvSelector* selector) {
+    return absl::UnimplementedError("PrefillWithSelector");
+  }
+  // Keeps only entries `kept` (int64 [Hkv, k], indices into the layer's stored entries, sorted
+  // per head) of one layer of `seq`. All-or-nothing; RESOURCE_EXHAUSTED leaves it unchanged.
+  virtual absl::Status CompactLayer(SequenceId seq, int32_t layer_idx, const at::Tensor& kept) {
+    return absl::UnimplementedError("CompactLayer");
+  }
+  // Positions (int64 [Hkv, stored_len]) of the entries a layer of `seq` holds.
+  virtual absl::StatusOr<at::Tensor> StoredPositions(SequenceId seq, int32_t layer_idx) const {
+    return absl::UnimplementedError("StoredPositions");
+  }
+  // For calibration (issue 6): a full-cache causal forward of `tokens` from position 0 that does
+  // not touch the pool; returns each layer's attention output (o_proj output, before the residual
+  // add), [num_tokens, hidden] per layer, in the model dtype.
+  virtual absl::StatusOr<std::vector<at::Tensor>> CaptureAttentionOutputs(std::span<const int32_t> tokens) {
+    return absl::UnimplementedError("CaptureAttentionOutputs");
+  }
 };
 
 }  // namespace dropkv

@@ -1,0 +1,65 @@
+#include "engine/model/attention.h"
+
+#include <ATen/ATen.h>
+
+namespace dropkv {
+
+at::Tensor PrefillAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
+  const int64_t t_len = q.size(0);
+  const int64_t n = k.size(1);
+  auto qh = q.transpose(0, 1).unsqueeze(0);  // [1, Hq, T, D]
+  auto kh = k.unsqueeze(0);                  // [1, Hkv, n, D]
+  auto vh = v.unsqueeze(0);
+  at::Tensor out;
+  if (n == t_len) {
+    out = at::scaled_dot_product_attention(qh, kh, vh, {}, 0.0, /*is_causal=*/true, scale, /*enable_gqa=*/true);
+  } else {
+    // [T, n]: every earlier entry is visible; the chunk part is lower-triangular.
+    auto mask = at::ones({t_len, n}, at::TensorOptions().dtype(at::kBool).device(q.device()));
+    mask.narrow(1, n - t_len, t_len).tril_();
+    out = at::scaled_dot_product_attention(qh, kh, vh, mask, 0.0, false, scale, true);
+  }
+  return out.squeeze(0).transpose(0, 1).contiguous();  // [T, Hq, D]
+}
+
+at::Tensor ContiguousDecodeAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                     double scale) {
+  const int64_t num_heads = q.size(0);
+  const int64_t num_kv_heads = k.size(0);
+  const int64_t d = q.size(1);
+  auto qg = q.to(at::kFloat).view({num_kv_heads, num_heads / num_kv_heads, d});  // [Hkv, G, D]
+  auto scores = at::bmm(qg, k.to(at::kFloat).contiguous().transpose(1, 2)).mul_(scale);    // [Hkv, G, n]
+  auto probs = at::softmax(scores, -1);
+  auto out = at::bmm(probs, v.to(at::kFloat).contiguous());  // [Hkv, G, D]
+  return out.view({num_heads, d}).to(q.scalar_type());
+}
+
+at::Tensor PagedDecodeAttention(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+  const int64_t batch = q.size(0);
+  const int64_t block_size = key_cache.size(1);
+  const int64_t num_kv_heads = key_cache.size(2);
+  const int64_t d = key_cache.size(3);
+  auto lens = seq_lens.to(at::kCPU, at::kInt);
+  auto tables = block_tables.to(at::kCPU, at::kLong);
+  auto k_flat = key_cache.view({-1, num_kv_heads, d});  // [num_blocks * block_size, Hkv, D]
+  auto v_flat = value_cache.view({-1, num_kv_heads, d});
+  auto out = at::empty_like(q);
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t len = lens[b].item<int32_t>();
+    const int64_t num_blocks = (len + block_size - 1) / block_size;
+    // Contiguous copies so the math below sees the same layout as a contiguous cache (bit-exact).
+    // Slot j of the sequence = table[j / bs] * bs + j % bs.
+    auto slots = (tables[b].narrow(0, 0, num_blocks).unsqueeze(1) * block_size +
+                  at::arange(block_size, at::kLong).unsqueeze(0))
+                     .flatten()
+                     .narrow(0, 0, len)
+                     .to(key_cache.device());
+    auto k = k_flat.index_select(0, slots).transpose(0, 1);  // [Hkv, len, D]
+    auto v = v_flat.index_select(0, slots).transpose(0, 1);
+    out[b].copy_(ContiguousDecodeAttention(q[b], k, v, scale));
+  }
+  return out;
+}
+
+}  // namespace dropkv

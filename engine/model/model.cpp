@@ -1,0 +1,208 @@
+#include "engine/model/model.h"
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "engine/common/status_macros.h"
+#include "engine/model/log.h"
+#include "engine/model/attention.h"
+#include "engine/model/safetensors.h"
+
+namespace dropkv {
+namespace {
+
+// One row of a family's weight table: the Hugging Face name, the shape config.json implies, and
+// where it goes.
+struct WeightSpec {
+  std::string hf_name;
+  std::vector<int64_t> shape;
+  at::Tensor* dst;
+  bool required = true;
+};
+
+std::string ShapeStr(at::IntArrayRef s) { return absl::StrCat("[", absl::StrJoin(s, ", "), "]"); }
+
+at::Tensor RotateHalf(const at::Tensor& x) {
+  const int64_t half = x.size(-1) / 2;
+  return at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
+}
+
+}  // namespace
+
+at::Tensor RopeInvFreq(const ModelConfig& c, int64_t seq_len) {
+  const int64_t d = c.head_dim;
+  double base = c.rope.theta;
+  if (c.rope.type == RopeType::kDynamic && seq_len > c.rope.original_max_position_embeddings) {
+    // transformers' _compute_dynamic_ntk_parameters.
+    const double f = c.rope.factor;
+    const double orig = static_cast<double>(c.rope.original_max_position_embeddings);
+    base = base * std::pow(f * static_cast<double>(seq_len) / orig - (f - 1), static_cast<double>(d) / (d - 2));
+  }
+  auto exponents = at::arange(0, d, 2, at::kLong).to(at::kFloat) / static_cast<double>(d);
+  at::Tensor inv_freq = 1.0 / at::pow(base, exponents);  // fp32 [D/2]
+  if (c.rope.type == RopeType::kLinear) inv_freq = inv_freq / c.rope.factor;
+  if (c.rope.type == RopeType::kLlama3) {
+    // transformers' _compute_llama3_parameters, op for op.
+    const double factor = c.rope.factor;
+    const double low = c.rope.low_freq_factor;
+    const double high = c.rope.high_freq_factor;
+    const double old_len = static_cast<double>(c.rope.original_max_position_embeddings);
+    const double low_freq_wavelen = old_len / low;
+    const double high_freq_wavelen = old_len / high;
+    auto wavelen = 2 * M_PI / inv_freq;
+    auto inv_freq_llama = at::where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq);
+    auto smooth = (old_len / wavelen - low) / (high - low);
+    auto smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama;
+    auto is_medium = (wavelen >= high_freq_wavelen).logical_and(wavelen <= low_freq_wavelen);
+    inv_freq = at::where(is_medium, smoothed, inv_freq_llama);
+  }
+  return inv_freq;
+}
+
+absl::StatusOr<at::Tensor> FullAttentionBackend::Attend(int32_t layer_idx, const at::Tensor& q,
+                                                        const at::Tensor& k, const at::Tensor& v) {
+  return PrefillAttention(q, k.transpose(0, 1), v.transpose(0, 1), 1.0 / std::sqrt(static_cast<double>(q.size(2))));
+}
+
+Model::~Model() = default;
+at::Device Model::device() const { return embed_.device(); }
+double Model::attention_scale() const { return 1.0 / std::sqrt(static_cast<double>(config_.head_dim)); }
+
+absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& model_dir, const ModelConfig& c,
+                                                   at::Device device, at::ScalarType dtype) {
+  std::unique_ptr<Model> m(new Model(c, dtype));
+  ASSIGN_OR_RETURN(auto folder, SafetensorsFolder::Open(model_dir));
+  const int64_t h = c.hidden_size;
+  const int64_t inter = c.intermediate_size;
+  const bool gemma = c.family == ModelFamily::kGemma;
+  m->layers_.resize(c.num_layers);
+  // The weight table. All four families share HF's Llama naming; they differ in which biases
+  // exist (Qwen2: q/k/v) and whether lm_head is stored (tied: not).
+  std::vector<WeightSpec> table;
+  table.push_back({"model.embed_tokens.weight", {c.vocab_size, h}, &m->embed_});
+  table.push_back({"model.norm.weight", {h}, &m->final_norm_});
+  table.push_back({"lm_head.weight", {c.vocab_size, h}, &m->lm_head_, !c.tie_word_embeddings});
+  for (int32_t i = 0; i < c.num_layers; ++i) {
+    Layer& l = m->layers_[i];
+    const std::string p = absl::StrCat("model.layers.", i, ".");
+    table.push_back({p + "input_layernorm.weight", {h}, &l.input_norm});
+    table.push_back({p + "post_attention_layernorm.weight", {h}, &l.post_norm});
+    table.push_back({p + "self_attn.q_proj.weight", {c.q_size(), h}, &l.q_w});
+    table.push_back({p + "self_attn.k_proj.weight", {c.kv_size(), h}, &l.k_w});
+    table.push_back({p + "self_attn.v_proj.weight", {c.kv_size(), h}, &l.v_w});
+    table.push_back({p + "self_attn.o_proj.weight", {h, c.q_size()}, &l.o_w});
+    table.push_back({p + "mlp.gate_proj.weight", {inter, h}, &l.gate_w});
+    table.push_back({p + "mlp.up_proj.weight", {inter, h}, &l.up_w});
+    table.push_back({p + "mlp.down_proj.weight", {h, inter}, &l.down_w});
+    if (c.attention_bias) {
+      table.push_back({p + "self_attn.q_proj.bias", {c.q_size()}, &l.q_b});
+      table.push_back({p + "self_attn.k_proj.bias", {c.kv_size()}, &l.k_b});
+      table.push_back({p + "self_attn.v_proj.bias", {c.kv_size()}, &l.v_b});
+      if (c.family == ModelFamily::kLlama) table.push_back({p + "self_attn.o_proj.bias", {h}, &l.o_b});
+    }
+    if (c.mlp_bias) {
+      table.push_back({p + "mlp.gate_proj.bias", {inter}, &l.gate_b});
+      table.push_back({p + "mlp.up_proj.bias", {inter}, &l.up_b});
+      table.push_back({p + "mlp.down_proj.bias", {h}, &l.down_b});
+    }
+  }
+  try {
+    for (const auto& spec : table) {
+      const SafetensorsFile* file = folder->Find(spec.hf_name);
+      if (file == nullptr) {
+        if (!spec.required) continue;
+        std::vector<std::string> files;
+        for (const auto& f : folder->files()) files.push_back(f->path());
+        return absl::NotFoundError(absl::StrCat("tensor '", spec.hf_name, "' is missing from ",
+                                                absl::StrJoin(files, ", ")));
+      }
+      const auto& entry = file->entries().at(spec.hf_name);
+      if (entry.shape != spec.shape) {
+        return absl::InvalidArgumentError(absl::StrCat(file->path(), ": tensor '", spec.hf_name, "' has shape ",
+                                                       ShapeStr(entry.shape), ", config.json implies ",
+                                                       ShapeStr(spec.shape)));
+      }
+      ASSIGN_OR_RETURN(at::Tensor t, file->Read(spec.hf_name));
+      *spec.dst = t.to(device, dtype);
+    }
+    if (!m->lm_head_.defined()) m->lm_head_ = m->embed_;
+    if (gemma) {
+      // Gemma's RMSNorm multiplies by (1 + w) in fp32; fold the 1 in once.
+      auto fold = [&](at::Tensor* w) { *w = w->to(at::kFloat) + 1.0; };
+      fold(&m->final_norm_);
+      for (auto& l : m->layers_) {
+        fold(&l.input_norm);
+        fold(&l.post_norm);
+      }
+    }
+    m->inv_freq_ = RopeInvFreq(c, c.rope.original_max_position_embeddings).to(device);
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat(model_dir, ": loading weights failed: ", e.what()));
+  }
+  LogInfo(absl::StrCat("model: loaded ", c.model_type, " (", c.num_layers, " layers, hidden ", c.hidden_size,
+                       ", heads ", c.num_heads, "/", c.num_kv_heads, ", head_dim ", c.head_dim, ") on ",
+                       device.str(), " as ", c10::toString(dtype)));
+  return m;
+}
+
+at::Tensor Model::Norm(const at::Tensor& x, const at::Tensor& w) const {
+  auto xf = x.to(at::kFloat);
+  auto normed = xf * at::rsqrt(xf.pow(2).mean(-1, true) + config_.rms_norm_eps);
+  if (config_.family == ModelFamily::kGemma) return (normed * w).to(x.scalar_type());  // w = 1 + w, fp32
+  return w * normed.to(x.scalar_type());  // Llama: cast back before the weight, as HF does
+}
+
+std::pair<at::Tensor, at::Tensor> Model::RopeCosSin(const at::Tensor& positions, int64_t max_position) const {
+  at::Tensor inv_freq = inv_freq_;
+  if (config_.rope.type == RopeType::kDynamic && max_position + 1 > config_.rope.original_max_position_embeddings) {
+    inv_freq = RopeInvFreq(config_, max_position + 1).to(inv_freq_.device());
+  }
+  auto freqs = positions.to(at::kFloat).unsqueeze(1) * inv_freq.unsqueeze(0);  // [N, D/2]
+  auto emb = at::cat({freqs, freqs}, -1);                                      // [N, D]
+  return {emb.cos().to(dtype_), emb.sin().to(dtype_)};
+}
+
+absl::StatusOr<at::Tensor> Model::Forward(const at::Tensor& tokens, const at::Tensor& positions,
+                                          int64_t max_position, AttentionBackend& backend,
+                                          const AttentionObserver* observer) const {
+  try {
+    const auto& c = config_;
+    const int64_t n = tokens.size(0);
+    at::Tensor x = at::embedding(embed_, tokens);  // [N, hidden]
+    if (c.family == ModelFamily::kGemma) {
+      // HF rounds sqrt(hidden) to the model dtype first.
+      x = x * at::scalar_tensor(std::sqrt(static_cast<double>(c.hidden_size)), x.options());
+    }
+    auto [cos, sin] = RopeCosSin(positions, max_position);
+    auto cos_h = cos.unsqueeze(1);  // [N, 1, D]
+    auto sin_h = sin.unsqueeze(1);
+    for (int32_t i = 0; i < c.num_layers; ++i) {
+      const Layer& l = layers_[i];
+      auto hs = Norm(x, l.input_norm);
+      auto q = at::linear(hs, l.q_w, l.q_b).view({n, c.num_heads, c.head_dim});     // [N, Hq, D]
+      auto k = at::linear(hs, l.k_w, l.k_b).view({n, c.num_kv_heads, c.head_dim});  // [N, Hkv, D]
+      auto v = at::linear(hs, l.v_w, l.v_b).view({n, c.num_kv_heads, c.head_dim});
+      q = q * cos_h + RotateHalf(q) * sin_h;
+      k = k * cos_h + RotateHalf(k) * sin_h;
+      ASSIGN_OR_RETURN(at::Tensor attn, backend.Attend(i, q, k, v));  // [N, Hq, D]
+      auto o = at::linear(attn.reshape({n, c.q_size()}), l.o_w, l.o_b);  // [N, hidden]
+      if (observer != nullptr && *observer) (*observer)(i, o);
+      x = x + o;
+      hs = Norm(x, l.post_norm);
+      auto gate = at::linear(hs, l.gate_w, l.gate_b);
+      gate = c.hidden_act == "silu" ? at::silu(gate) : at::gelu(gate, "tanh");
+      x = x + at::linear(gate * at::linear(hs, l.up_w, l.up_b), l.down_w, l.down_b);
+    }
+    return Norm(x, final_norm_);
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat("model forward failed: ", e.what()));
+  }
+}
+
+at::Tensor Model::Logits(const at::Tensor& hidden) const { return at::linear(hidden, lm_head_).to(at::kFloat); }
+
+}  // namespace dropkv

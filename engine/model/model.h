@@ -1,0 +1,88 @@
+// The decoder-only transformer (Llama / Mistral / Qwen2 / Gemma 1) on ATen ops. One forward works
+// on N flat tokens (one prefill chunk, or one token per sequence of a decode batch); attention is
+// delegated to an AttentionBackend so that the runner decides where K/V live (paged cache,
+// compression hook). The model itself holds no cache.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "absl/status/statusor.h"
+#include "engine/model/config.h"
+
+namespace dropkv {
+
+// Where a layer's attention reads and writes K/V.
+class AttentionBackend {
+ public:
+  virtual ~AttentionBackend() = default;
+  // q: [N, Hq, D]; k, v: [N, Hkv, D] of this forward's tokens, keys and queries after RoPE.
+  // Returns the attention output [N, Hq, D] in q's dtype.
+  virtual absl::StatusOr<at::Tensor> Attend(int32_t layer_idx, const at::Tensor& q, const at::Tensor& k,
+                                            const at::Tensor& v) = 0;
+};
+
+// Sees each layer's attention output (o_proj output, before the residual add): [N, hidden].
+// For calibration (issue 6). Called in layer order.
+using AttentionObserver = std::function<void(int32_t layer_idx, const at::Tensor& attn_out)>;
+
+// Contiguous in-forward attention: every token sees the earlier tokens of the same forward
+// (one sequence, positions 0..N-1, no cache). For references and calibration.
+class FullAttentionBackend : public AttentionBackend {
+ public:
+  absl::StatusOr<at::Tensor> Attend(int32_t layer_idx, const at::Tensor& q, const at::Tensor& k,
+                                    const at::Tensor& v) override;
+};
+
+class Model {
+ public:
+  // Loads DIR's safetensors per `config` onto `device` in `dtype`. Errors name file and tensor.
+  static absl::StatusOr<std::unique_ptr<Model>> Load(const std::string& model_dir, const ModelConfig& config,
+                                                     at::Device device, at::ScalarType dtype);
+  ~Model();
+
+  const ModelConfig& config() const { return config_; }
+  at::Device device() const;
+  at::ScalarType dtype() const { return dtype_; }
+  double attention_scale() const;
+
+  // tokens, positions: int64 [N] on the model's device; max_position = max(positions) (only
+  // dynamic RoPE reads it; the caller knows it on the host). Returns the final-norm hidden
+  // states [N, hidden]. Throws nothing.
+  absl::StatusOr<at::Tensor> Forward(const at::Tensor& tokens, const at::Tensor& positions, int64_t max_position,
+                                     AttentionBackend& backend, const AttentionObserver* observer = nullptr) const;
+  // hidden [N, hidden] -> fp32 logits [N, vocab].
+  at::Tensor Logits(const at::Tensor& hidden) const;
+
+ private:
+  struct Layer {
+    at::Tensor input_norm, post_norm;        // [hidden] (Gemma: 1 + w, fp32)
+    at::Tensor q_w, k_w, v_w, o_w;           // [q_size, hidden], [kv_size, hidden] x2, [hidden, q_size]
+    at::Tensor q_b, k_b, v_b, o_b;           // optional biases
+    at::Tensor gate_w, up_w, down_w;         // [inter, hidden] x2, [hidden, inter]
+    at::Tensor gate_b, up_b, down_b;         // optional (Llama mlp_bias)
+  };
+  Model(const ModelConfig& config, at::ScalarType dtype) : config_(config), dtype_(dtype) {}
+  at::Tensor Norm(const at::Tensor& x, const at::Tensor& w) const;
+  // cos, sin: [N, D] in the model dtype.
+  std::pair<at::Tensor, at::Tensor> RopeCosSin(const at::Tensor& positions, int64_t max_position) const;
+
+  ModelConfig config_;
+  at::ScalarType dtype_;
+  at::Tensor embed_;       // [vocab, hidden]
+  at::Tensor final_norm_;  // [hidden]
+  at::Tensor lm_head_;     // [vocab, hidden] (the embedding when tied)
+  at::Tensor inv_freq_;    // fp32 [D/2]
+  std::vector<Layer> layers_;
+};
+
+// fp32 [D/2] RoPE inverse frequencies for `config` at sequence length `seq_len` (only dynamic
+// scaling depends on it), computed exactly as transformers does.
+at::Tensor RopeInvFreq(const ModelConfig& config, int64_t seq_len);
+
+}  // namespace dropkv
