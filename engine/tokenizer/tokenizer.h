@@ -33,15 +33,16 @@ class Tokenizer {
                                              bool skip_special_tokens = true) const = 0;
   // The chat template applied with add_generation_prompt; FAILED_PRECONDITION when the model's
   // template is missing or unsupported.
-  virtual absl::StatusOr<std::string> ApplyChatTemplate(const std::vector<ChatMessage>& messages,
-                                                        bool add_generation_prompt = true) const = 0;
+  virtual absl::StatusOr<std::string> ApplyChatTemplate(
+      const std::vector<ChatMessage>& messages, bool add_generation_prompt = true) const = 0;
   virtual int32_t vocab_size() const = 0;
   virtual std::optional<int32_t> bos_token_id() const = 0;
   virtual std::vector<int32_t> eos_token_ids() const = 0;
 };
 
 // Streaming detokenization: feed ids one at a time, get the text that became final. Each delta is
-// valid UTF-8; a character split across tokens is held back until complete; Flush() returns the rest.
+// valid UTF-8; a character split across tokens is held back until complete; Flush() returns the
+// rest.
 class IncrementalDecoder {
  public:
   explicit IncrementalDecoder(const Tokenizer& tokenizer, bool skip_special_tokens = true);
