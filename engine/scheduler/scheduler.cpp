@@ -4,6 +4,7 @@
 #include <condition_variable>
 #include <deque>
 #include <random>
+#include <utility>
 
 #include <ATen/ATen.h>
 #include <cstdio>
@@ -241,8 +242,13 @@ struct Scheduler::Impl {
   // --- the step ------------------------------------------------------------------------------
   void Reap(StepReport& report) {
     const SteadyTime now = Clock::now();
+    bool cancel_everyone = false;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      cancel_everyone = std::exchange(cancel_all, false);
+    }
     auto expired = [&](const Sequence& s) {
-      return cancel_all || s.channel->cancelled() ||
+      return cancel_everyone || s.channel->cancelled() ||
              (s.request.deadline && *s.request.deadline <= now);
     };
     std::vector<std::unique_ptr<Sequence>> gone;
@@ -257,7 +263,6 @@ struct Scheduler::Impl {
           ++it;
         }
       }
-      cancel_all = false;
     }
     for (auto it = running.begin(); it != running.end();) {
       if (expired(**it)) {
@@ -341,7 +346,9 @@ struct Scheduler::Impl {
       }
       const int64_t prompt_len = static_cast<int64_t>(seq.request.prompt_ids.size());
       const int64_t remaining = prompt_len - seq.num_prefilled;
-      // A compression chunk size fixes the chunk boundaries (they change what every_chunk keeps).
+      // A compression chunk size fixes the chunk boundaries (they change what every_chunk keeps);
+      // 0 = the whole prompt in one pass. Never split by the step budget: the same request must
+      // see the same chunks whatever else is running (batching invariance).
       const int64_t chunk_size =
           seq.request.compression.chunk_size > 0 ? seq.request.compression.chunk_size : prompt_len;
       const int64_t chunk_len = std::min(remaining, chunk_size);

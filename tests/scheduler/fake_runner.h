@@ -1,0 +1,150 @@
+// A ModelRunner stand-in for scheduler and server tests until (and besides) the real runner: the
+// real BlockPool does the KV accounting (so out-of-blocks is the pool's own answer), and the
+// "model" is a fixed function of a sequence's token history, so a wrong row/sequence mapping, a
+// lost token or a wrong replay after preemption changes the output.
+// Next-token rule: target = (31 * sum_i (i+1) * token_i + 7) % vocab over prompt + generated;
+// logits[v] = -|v - target| (argmax = target; sampling has a real distribution to work on).
+#pragma once
+
+#include <cstdint>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+#include "allocator/block_pool.h"
+#include "engine/runner/model_runner.h"
+
+namespace dropkv::testing {
+
+class FakeRunner : public ModelRunner {
+ public:
+  static constexpr int32_t kVocab = 64;
+  static constexpr int32_t kNumLayers = 2;
+
+  FakeRunner(int64_t num_blocks, int32_t block_size) {
+    BlockPoolOptions o;
+    o.num_blocks = num_blocks;
+    o.block_size = block_size;
+    o.num_layers = kNumLayers;
+    o.num_kv_heads = 1;
+    o.head_dim = 4;
+    o.allocate_storage = false;
+    pool_ = std::move(*BlockPool::Create(o));
+  }
+
+  // The reference: what the model predicts after `history`.
+  static int32_t NextToken(const std::vector<int32_t>& history) {
+    int64_t h = 0;
+    for (size_t i = 0; i < history.size(); ++i) h += static_cast<int64_t>(i + 1) * history[i];
+    return static_cast<int32_t>((31 * h + 7) % kVocab);
+  }
+  // Greedy continuation of `prompt` for `n` tokens (the single-request reference).
+  static std::vector<int32_t> Greedy(std::vector<int32_t> prompt, int n) {
+    std::vector<int32_t> out;
+    for (int i = 0; i < n; ++i) {
+      out.push_back(NextToken(prompt));
+      prompt.push_back(out.back());
+    }
+    return out;
+  }
+
+  const ModelConfig& config() const override { std::abort(); }
+  BlockPool& pool() override { return *pool_; }
+
+  // Kept tokens per layer: ceil(keep_ratio * len) when a method is set.
+  static int64_t Kept(int64_t len, const CompressionParams& c) {
+    if (c.method == ScoreMethod::kNone) return len;
+    if (c.budget_tokens) return std::min(len, *c.budget_tokens);
+    return std::max<int64_t>(1,
+                             static_cast<int64_t>(c.keep_ratio * static_cast<double>(len) + 0.999));
+  }
+
+  int64_t BlocksForPrompt(int64_t prompt_len, const CompressionParams& c,
+                          int64_t decode_reserve_tokens) const override {
+    return kNumLayers * pool_->BlocksFor(Kept(prompt_len, c) + decode_reserve_tokens);
+  }
+
+  absl::StatusOr<at::Tensor> Prefill(SequenceId seq, std::span<const int32_t> chunk,
+                                     bool is_last_chunk, const CompressionParams& c) override {
+    ++num_prefill_calls;
+    const bool is_new = !pool_->HasSequence(seq);
+    if (is_new) {
+      if (auto st = pool_->AddSequence(seq); !st.ok()) return st;
+    }
+    const SequenceBlocks before = pool_->Snapshot(seq);
+    auto& hist = history_[seq];
+    const int64_t new_len = static_cast<int64_t>(hist.size() + chunk.size());
+    // Compressed at the last chunk only (the last_chunk policy).
+    const int64_t stored_after = is_last_chunk ? Kept(new_len, c) : new_len;
+    for (int32_t l = 0; l < kNumLayers; ++l) {
+      const int64_t grow = stored_after - pool_->stored_len(seq, l);
+      absl::Status st = grow >= 0 ? pool_->AppendLayerSlots(seq, l, grow) : absl::OkStatus();
+      if (grow < 0) {
+        std::vector<int32_t> old;
+        st = pool_->ReplaceLayer(seq, l, stored_after, &old);
+        if (st.ok()) pool_->FreeBlocks(old);
+      }
+      if (!st.ok()) {
+        pool_->Restore(seq, before);
+        if (is_new) pool_->FreeSequence(seq);
+        return st;
+      }
+    }
+    hist.insert(hist.end(), chunk.begin(), chunk.end());
+    pool_->set_logical_len(seq, new_len);
+    if (!is_last_chunk) return at::Tensor();
+    return LogitsFor(hist);
+  }
+
+  absl::StatusOr<at::Tensor> Decode(std::span<const SequenceId> seqs,
+                                    std::span<const int32_t> tokens) override {
+    ++num_decode_calls;
+    last_decode_batch = static_cast<int32_t>(seqs.size());
+    std::vector<int64_t> ids(seqs.begin(), seqs.end());
+    if (auto st = pool_->AppendSlots(ids, 1); !st.ok()) return st;
+    at::Tensor out = at::empty({static_cast<int64_t>(seqs.size()), kVocab}, at::kFloat);
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      auto& hist = history_[seqs[i]];
+      hist.push_back(tokens[i]);
+      pool_->set_logical_len(seqs[i], static_cast<int64_t>(hist.size()));
+      out[static_cast<int64_t>(i)].copy_(LogitsFor(hist));
+    }
+    return out;
+  }
+
+  SequenceCacheInfo CacheInfo(SequenceId seq) const override {
+    SequenceCacheInfo info;
+    if (!pool_->HasSequence(seq)) return info;
+    info.logical_len = pool_->logical_len(seq);
+    for (int32_t l = 0; l < kNumLayers; ++l)
+      info.stored_len_per_layer.push_back(pool_->stored_len(seq, l));
+    info.num_blocks = pool_->num_blocks_of(seq);
+    return info;
+  }
+
+  void Release(SequenceId seq) override {
+    pool_->FreeSequence(seq);
+    history_.erase(seq);
+  }
+
+  int64_t num_live_sequences() const { return static_cast<int64_t>(history_.size()); }
+  int num_prefill_calls = 0;
+  int num_decode_calls = 0;
+  int32_t last_decode_batch = 0;
+
+ private:
+  static at::Tensor LogitsFor(const std::vector<int32_t>& history) {
+    const int32_t target = NextToken(history);
+    // [vocab] fp32
+    return -(at::arange(kVocab, at::kFloat) - static_cast<float>(target)).abs();
+  }
+
+  std::unique_ptr<BlockPool> pool_;
+  std::map<SequenceId, std::vector<int32_t>> history_;
+};
+
+}  // namespace dropkv::testing

@@ -1,0 +1,438 @@
+// Scheduler tests (engine/scheduler/scheduler.h): scripted iterations against the real BlockPool
+// through FakeRunner; outputs are compared with FakeRunner::Greedy, the single-request reference.
+#include "engine/scheduler/scheduler.h"
+
+#include <gtest/gtest.h>
+
+#include <thread>
+
+#include "tests/scheduler/fake_runner.h"
+#include "tests/scheduler/fake_tokenizer.h"
+
+namespace dropkv {
+namespace {
+
+using testing::FakeRunner;
+using testing::FakeTokenizer;
+
+struct Collected {
+  std::vector<int32_t> tokens;
+  std::string text;
+  int num_events = 0;
+  bool finished = false;
+  FinishReason reason = FinishReason::kNone;
+  absl::Status error;
+  GenerationSummary summary;
+};
+
+void Drain(RequestChannel& channel, Collected& out) {
+  while (auto event = channel.Pop()) {
+    ++out.num_events;
+    EXPECT_FALSE(out.finished) << "event after the final one";
+    out.tokens.insert(out.tokens.end(), event->token_ids.begin(), event->token_ids.end());
+    out.text += event->text;
+    if (event->finished) {
+      out.finished = true;
+      out.reason = event->finish_reason;
+      out.error = event->error;
+      out.summary = event->summary;
+    }
+  }
+}
+
+GenerationRequest MakeRequest(std::vector<int32_t> prompt, int max_new_tokens) {
+  GenerationRequest r;
+  r.request_id = "r";
+  r.prompt_ids = std::move(prompt);
+  r.sampling.max_new_tokens = max_new_tokens;
+  r.sampling.ignore_eos = true;  // the fake model may predict id 2 (EOS) anywhere
+  return r;
+}
+
+std::vector<int32_t> Prompt(int len, int salt) {
+  std::vector<int32_t> p;
+  for (int i = 0; i < len; ++i) p.push_back(3 + (i * 7 + salt * 13) % 60);
+  return p;
+}
+
+class SchedulerTest : public ::testing::Test {
+ protected:
+  void Make(int64_t num_blocks, SchedulerOptions options, int32_t block_size = 4) {
+    runner_ = std::make_unique<FakeRunner>(num_blocks, block_size);
+    options.eos_token_ids = {2};
+    scheduler_ = std::make_unique<Scheduler>(
+        *runner_, &tokenizer_,
+        [r = runner_.get()] {
+          return KvBlockCounts{r->pool().num_blocks(), r->pool().num_free_blocks()};
+        },
+        options);
+  }
+  std::shared_ptr<RequestChannel> Submit(GenerationRequest r) {
+    auto channel = std::make_shared<RequestChannel>();
+    EXPECT_TRUE(scheduler_->Submit(std::move(r), channel).ok());
+    return channel;
+  }
+  int RunAll(int max_steps = 10000) {
+    int steps = 0;
+    while (scheduler_->HasWork() && steps < max_steps) {
+      scheduler_->Step();
+      ++steps;
+    }
+    EXPECT_FALSE(scheduler_->HasWork()) << "did not finish in " << max_steps << " steps";
+    return steps;
+  }
+
+  FakeTokenizer tokenizer_;
+  std::unique_ptr<FakeRunner> runner_;
+  std::unique_ptr<Scheduler> scheduler_;
+};
+
+TEST_F(SchedulerTest, SingleRequestEqualsReference) {
+  Make(64, {});
+  auto ch = Submit(MakeRequest(Prompt(7, 1), 12));
+  RunAll();
+  Collected c;
+  Drain(*ch, c);
+  EXPECT_TRUE(c.finished);
+  EXPECT_EQ(c.reason, FinishReason::kLength);
+  EXPECT_EQ(c.tokens, FakeRunner::Greedy(Prompt(7, 1), 12));
+  std::string want;
+  for (int32_t id : c.tokens)
+    if (id >= 3) want.push_back(static_cast<char>('0' + id));
+  EXPECT_EQ(c.text, want);
+  EXPECT_EQ(c.summary.num_prompt_tokens, 7);
+  EXPECT_EQ(c.summary.num_completion_tokens, 12);
+  EXPECT_EQ(c.summary.num_kv_tokens_kept, 2 * 7);  // no compression: every layer keeps the prompt
+  EXPECT_EQ(runner_->pool().num_free_blocks(), 64);
+  EXPECT_EQ(runner_->num_live_sequences(), 0);
+}
+
+// The per-step script: admission by batch slots, prefill then decode in one step, FCFS refill.
+TEST_F(SchedulerTest, StepScriptAdmitsPrefillsAndDecodes) {
+  SchedulerOptions o;
+  o.max_batch = 2;
+  Make(64, o);
+  auto a = Submit(MakeRequest(Prompt(5, 1), 3));
+  auto b = Submit(MakeRequest(Prompt(5, 2), 1));
+  auto c = Submit(MakeRequest(Prompt(5, 3), 2));
+
+  StepReport s1 = scheduler_->Step();
+  EXPECT_EQ(s1.num_admitted, 2);
+  EXPECT_EQ(s1.num_prefill_tokens, 10);
+  EXPECT_EQ(s1.num_decoded, 1);  // b finished at its first token (max_new_tokens 1)
+  EXPECT_EQ(s1.num_finished, 1);
+  EXPECT_EQ(s1.num_running_after, 1);
+  EXPECT_EQ(s1.num_waiting_after, 1);
+
+  StepReport s2 = scheduler_->Step();  // c admitted into b's slot; a gets its third token
+  EXPECT_EQ(s2.num_admitted, 1);
+  EXPECT_EQ(s2.num_prefill_tokens, 5);
+  EXPECT_EQ(s2.num_decoded, 2);
+  EXPECT_EQ(s2.num_finished, 2);  // a (3 tokens) and c (2 tokens)
+  EXPECT_EQ(s2.num_running_after, 0);
+  EXPECT_EQ(s2.num_waiting_after, 0);
+  EXPECT_FALSE(scheduler_->HasWork());
+
+  for (auto [ch, salt, n] : {std::tuple{a, 1, 3}, {b, 2, 1}, {c, 3, 2}}) {
+    Collected col;
+    Drain(*ch, col);
+    EXPECT_EQ(col.tokens, FakeRunner::Greedy(Prompt(5, salt), n)) << "salt " << salt;
+  }
+  EXPECT_EQ(runner_->pool().num_free_blocks(), 64);
+}
+
+TEST_F(SchedulerTest, ChunkedPrefillRespectsTokenBudget) {
+  SchedulerOptions o;
+  o.max_prefill_tokens_per_step = 8;
+  Make(64, o);
+  GenerationRequest r = MakeRequest(Prompt(20, 4), 2);
+  r.compression.chunk_size = 8;
+  auto ch = Submit(std::move(r));
+  EXPECT_EQ(scheduler_->Step().num_prefill_tokens, 8);
+  EXPECT_EQ(scheduler_->Step().num_prefill_tokens, 8);
+  StepReport s3 = scheduler_->Step();
+  EXPECT_EQ(s3.num_prefill_tokens, 4);
+  EXPECT_EQ(s3.num_decoded, 1);
+  EXPECT_EQ(runner_->num_prefill_calls, 3);
+  RunAll();
+  Collected c;
+  Drain(*ch, c);
+  EXPECT_EQ(c.tokens, FakeRunner::Greedy(Prompt(20, 4), 2));
+}
+
+// Batching invariance: many concurrent requests of mixed lengths and compression settings each
+// produce exactly their single-request output.
+TEST_F(SchedulerTest, BatchedOutputsEqualSingleRequestOutputs) {
+  SchedulerOptions o;
+  o.max_batch = 8;
+  o.max_prefill_tokens_per_step = 40;
+  Make(512, o);
+  std::vector<std::shared_ptr<RequestChannel>> channels;
+  for (int i = 0; i < 24; ++i) {
+    GenerationRequest r = MakeRequest(Prompt(3 + (i * 5) % 29, i), 1 + (i * 7) % 17);
+    if (i % 3 == 1) {
+      r.compression.method = ScoreMethod::kDropKV;
+      r.compression.keep_ratio = 0.5;
+    }
+    channels.push_back(Submit(std::move(r)));
+  }
+  int max_batch_seen = 0;
+  while (scheduler_->HasWork()) {
+    scheduler_->Step();
+    max_batch_seen = std::max(max_batch_seen, runner_->last_decode_batch);
+  }
+  EXPECT_EQ(max_batch_seen, 8);
+  for (int i = 0; i < 24; ++i) {
+    Collected c;
+    Drain(*channels[i], c);
+    EXPECT_EQ(c.tokens, FakeRunner::Greedy(Prompt(3 + (i * 5) % 29, i), 1 + (i * 7) % 17))
+        << "request " << i;
+    if (i % 3 == 1) EXPECT_EQ(c.summary.num_kv_tokens_kept, 2 * ((3 + (i * 5) % 29 + 1) / 2));
+  }
+  EXPECT_EQ(runner_->pool().num_free_blocks(), 512);
+}
+
+// A pool too small for everyone's growth: the newest sequence is preempted (recomputed later) and
+// every output is still exact.
+TEST_F(SchedulerTest, PreemptionKeepsOutputsExact) {
+  SchedulerOptions o;
+  o.max_batch = 6;
+  o.decode_reserve_tokens = 1;
+  Make(/*num_blocks=*/24, o, /*block_size=*/4);
+  std::vector<std::shared_ptr<RequestChannel>> channels;
+  for (int i = 0; i < 6; ++i) channels.push_back(Submit(MakeRequest(Prompt(6, i), 20)));
+  RunAll();
+  EXPECT_GT(scheduler_->Stats().num_preemptions, 0);
+  int total_preemptions = 0;
+  for (int i = 0; i < 6; ++i) {
+    Collected c;
+    Drain(*channels[i], c);
+    EXPECT_EQ(c.reason, FinishReason::kLength);
+    EXPECT_EQ(c.tokens, FakeRunner::Greedy(Prompt(6, i), 20)) << "request " << i;
+    total_preemptions += c.summary.num_preemptions;
+  }
+  EXPECT_EQ(total_preemptions, scheduler_->Stats().num_preemptions);
+  EXPECT_EQ(runner_->pool().num_free_blocks(), 24);
+}
+
+TEST_F(SchedulerTest, AdmissionWaitsForBlocksFcfs) {
+  SchedulerOptions o;
+  o.decode_reserve_tokens = 4;
+  Make(/*num_blocks=*/8, o, /*block_size=*/4);
+  // Each needs 2 layers x blocks(8 + 4 reserve) = 6 blocks: only one fits at a time.
+  auto a = Submit(MakeRequest(Prompt(8, 1), 4));
+  auto b = Submit(MakeRequest(Prompt(8, 2), 4));
+  StepReport s1 = scheduler_->Step();
+  EXPECT_EQ(s1.num_admitted, 1);
+  EXPECT_EQ(s1.num_waiting_after, 1);
+  RunAll();
+  for (auto [ch, salt] : {std::pair{a, 1}, {b, 2}}) {
+    Collected c;
+    Drain(*ch, c);
+    EXPECT_EQ(c.tokens, FakeRunner::Greedy(Prompt(8, salt), 4));
+  }
+  EXPECT_EQ(scheduler_->Stats().num_preemptions, 0);
+}
+
+TEST_F(SchedulerTest, RequestLargerThanPoolFailsCleanly) {
+  Make(4, {}, 4);
+  auto ch = Submit(MakeRequest(Prompt(40, 1), 4));
+  RunAll();
+  Collected c;
+  Drain(*ch, c);
+  EXPECT_EQ(c.reason, FinishReason::kError);
+  EXPECT_EQ(c.error.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(runner_->pool().num_free_blocks(), 4);
+}
+
+TEST_F(SchedulerTest, QueueBoundByRequestsAndPromptTokens) {
+  SchedulerOptions o;
+  o.max_waiting_requests = 2;
+  o.max_waiting_prompt_tokens = 15;
+  Make(64, o);
+  auto ch = std::make_shared<RequestChannel>();
+  EXPECT_TRUE(scheduler_->Submit(MakeRequest(Prompt(5, 1), 2), ch).ok());
+  // 5 + 11 > 15 tokens
+  absl::Status st =
+      scheduler_->Submit(MakeRequest(Prompt(11, 2), 2), std::make_shared<RequestChannel>());
+  EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(
+      scheduler_->Submit(MakeRequest(Prompt(5, 3), 2), std::make_shared<RequestChannel>()).ok());
+  st = scheduler_->Submit(MakeRequest(Prompt(1, 4), 2), std::make_shared<RequestChannel>());
+  EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted);  // 2 requests waiting
+  EXPECT_EQ(scheduler_->Stats().num_rejected, 2);
+  RunAll();
+  Collected c;
+  Drain(*ch, c);
+  EXPECT_EQ(c.tokens, FakeRunner::Greedy(Prompt(5, 1), 2));
+  // Room again once the queue drained.
+  EXPECT_TRUE(
+      scheduler_->Submit(MakeRequest(Prompt(11, 2), 2), std::make_shared<RequestChannel>()).ok());
+}
+
+TEST_F(SchedulerTest, CancelledAndExpiredSequencesLeaveAtNextStep) {
+  Make(64, {});
+  auto running = Submit(MakeRequest(Prompt(6, 1), 50));
+  GenerationRequest late = MakeRequest(Prompt(6, 2), 50);
+  late.deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(30);
+  auto expiring = Submit(std::move(late));
+  auto kept = Submit(MakeRequest(Prompt(6, 3), 5));
+  scheduler_->Step();
+  EXPECT_LT(runner_->pool().num_free_blocks(), 64);
+  running->Cancel();
+  StepReport s = scheduler_->Step();
+  EXPECT_EQ(s.num_reaped, 1);
+  std::this_thread::sleep_for(std::chrono::milliseconds(40));
+  s = scheduler_->Step();
+  EXPECT_EQ(s.num_reaped, 1);
+  RunAll();
+  Collected c1, c2, c3;
+  Drain(*running, c1);
+  Drain(*expiring, c2);
+  Drain(*kept, c3);
+  EXPECT_EQ(c1.reason, FinishReason::kCancelled);
+  EXPECT_EQ(c2.reason, FinishReason::kCancelled);
+  EXPECT_EQ(c3.reason, FinishReason::kLength);
+  EXPECT_EQ(c3.tokens, FakeRunner::Greedy(Prompt(6, 3), 5));
+  // What was sent before the cancel is a prefix of the reference.
+  auto ref = FakeRunner::Greedy(Prompt(6, 1), 50);
+  ASSERT_LE(c1.tokens.size(), ref.size());
+  EXPECT_TRUE(std::equal(c1.tokens.begin(), c1.tokens.end(), ref.begin()));
+  EXPECT_EQ(runner_->pool().num_free_blocks(), 64);
+  EXPECT_EQ(runner_->num_live_sequences(), 0);
+}
+
+TEST_F(SchedulerTest, CancelWhileWaiting) {
+  SchedulerOptions o;
+  o.max_batch = 1;
+  Make(64, o);
+  auto a = Submit(MakeRequest(Prompt(4, 1), 3));
+  auto b = Submit(MakeRequest(Prompt(4, 2), 3));
+  b->Cancel();
+  RunAll();
+  Collected cb;
+  Drain(*b, cb);
+  EXPECT_EQ(cb.reason, FinishReason::kCancelled);
+  EXPECT_TRUE(cb.tokens.empty());
+}
+
+TEST_F(SchedulerTest, StopTokenIdEosAndIgnoreEos) {
+  Make(64, {});
+  const auto ref = FakeRunner::Greedy(Prompt(9, 5), 10);
+  GenerationRequest r = MakeRequest(Prompt(9, 5), 10);
+  r.sampling.stop_token_ids = {ref[3]};
+  auto ch = Submit(std::move(r));
+  // The same token as EOS, once honoured and once ignored.
+  SchedulerOptions o;
+  RunAll();
+  Collected c;
+  Drain(*ch, c);
+  EXPECT_EQ(c.reason, FinishReason::kStop);
+  const auto first = std::find(ref.begin(), ref.end(), ref[3]);
+  EXPECT_EQ(c.tokens, std::vector<int32_t>(ref.begin(), first + 1));
+
+  o.eos_token_ids = {ref[3]};
+  runner_ = std::make_unique<FakeRunner>(64, 4);
+  scheduler_ = std::make_unique<Scheduler>(
+      *runner_, &tokenizer_,
+      [r = runner_.get()] {
+        return KvBlockCounts{r->pool().num_blocks(), r->pool().num_free_blocks()};
+      },
+      o);
+  GenerationRequest honour = MakeRequest(Prompt(9, 5), 10);
+  honour.sampling.ignore_eos = false;
+  auto ch_honour = Submit(std::move(honour));
+  auto ch_ignore = Submit(MakeRequest(Prompt(9, 5), 10));
+  RunAll();
+  Collected h, g;
+  Drain(*ch_honour, h);
+  Drain(*ch_ignore, g);
+  EXPECT_EQ(h.reason, FinishReason::kStop);
+  EXPECT_EQ(h.tokens, std::vector<int32_t>(ref.begin(), first + 1));
+  EXPECT_EQ(g.reason, FinishReason::kLength);
+  EXPECT_EQ(g.tokens, ref);
+}
+
+TEST_F(SchedulerTest, StopStringIsCutAndNeverSent) {
+  Make(64, {});
+  const auto ref = FakeRunner::Greedy(Prompt(9, 6), 12);
+  auto full = *tokenizer_.Decode(ref, true);
+  ASSERT_GE(full.size(), 8u);
+  const std::string stop = full.substr(4, 2);
+  const size_t cut = full.find(stop);
+  GenerationRequest r = MakeRequest(Prompt(9, 6), 12);
+  r.sampling.stop_strings = {stop};
+  auto ch = Submit(std::move(r));
+  RunAll();
+  Collected c;
+  Drain(*ch, c);
+  EXPECT_EQ(c.reason, FinishReason::kStop);
+  EXPECT_EQ(c.text, full.substr(0, cut));
+  EXPECT_EQ(c.text.find(stop), std::string::npos);
+  EXPECT_GT(c.num_events, 1);  // streamed in several deltas
+}
+
+TEST_F(SchedulerTest, SeededSamplingIsReproducible) {
+  Make(64, {});
+  auto make = [&] {
+    GenerationRequest r = MakeRequest(Prompt(5, 7), 16);
+    r.sampling.temperature = 5.0f;
+    r.sampling.top_k = 10;
+    r.sampling.seed = 1234;
+    return r;
+  };
+  auto a = Submit(make());
+  auto b = Submit(make());
+  RunAll();
+  Collected ca, cb;
+  Drain(*a, ca);
+  Drain(*b, cb);
+  EXPECT_EQ(ca.tokens, cb.tokens);
+  EXPECT_NE(ca.tokens, FakeRunner::Greedy(Prompt(5, 7), 16));  // temperature 5 over 10 candidates
+}
+
+TEST_F(SchedulerTest, DrainRefusesAndCancelAllFinishesEveryone) {
+  Make(64, {});
+  auto a = Submit(MakeRequest(Prompt(4, 1), 100));
+  scheduler_->Step();
+  scheduler_->BeginDrain();
+  EXPECT_EQ(
+      scheduler_->Submit(MakeRequest(Prompt(4, 2), 2), std::make_shared<RequestChannel>()).code(),
+      absl::StatusCode::kUnavailable);
+  scheduler_->CancelAll();
+  RunAll();
+  Collected c;
+  Drain(*a, c);
+  EXPECT_EQ(c.reason, FinishReason::kCancelled);
+  EXPECT_TRUE(scheduler_->Stats().draining);
+  EXPECT_EQ(runner_->pool().num_free_blocks(), 64);
+}
+
+// The engine thread with producers on other threads (the server's shape).
+TEST_F(SchedulerTest, EngineThreadServesConcurrentSubmitters) {
+  SchedulerOptions o;
+  o.max_batch = 4;
+  Make(256, o);
+  scheduler_->Start();
+  std::vector<std::thread> clients;
+  std::vector<Collected> results(16);
+  for (int i = 0; i < 16; ++i) {
+    clients.emplace_back([&, i] {
+      auto ch = std::make_shared<RequestChannel>();
+      ASSERT_TRUE(scheduler_->Submit(MakeRequest(Prompt(2 + i, i), 3 + i), ch).ok());
+      while (!results[i].finished) {
+        GenerationEvent e = ch->PopBlocking();
+        results[i].tokens.insert(results[i].tokens.end(), e.token_ids.begin(), e.token_ids.end());
+        results[i].finished = e.finished;
+      }
+    });
+  }
+  for (auto& t : clients) t.join();
+  scheduler_->Stop();
+  for (int i = 0; i < 16; ++i)
+    EXPECT_EQ(results[i].tokens, FakeRunner::Greedy(Prompt(2 + i, i), 3 + i)) << i;
+  EXPECT_EQ(runner_->pool().num_free_blocks(), 256);
+}
+
+}  // namespace
+}  // namespace dropkv
