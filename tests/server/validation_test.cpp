@@ -1,0 +1,293 @@
+// server/validation.h: one case per rule, asserting the exact code and the field named first.
+#include "server/validation.h"
+
+#include <gtest/gtest.h>
+
+#include "dropkv/v1/inference.pb.h"
+#include "tests/scheduler/fake_tokenizer.h"
+
+namespace dropkv {
+namespace {
+
+class ValidationTest : public ::testing::Test {
+ protected:
+  ValidationTest() {
+    limits_.vocab_size = 64;
+    limits_.max_context_len = 32;
+    limits_.max_new_tokens_limit = 100;
+    limits_.max_stop_strings = 2;
+    limits_.max_request_bytes = 4096;
+    ok_.set_prompt("abc");
+    ok_.set_max_new_tokens(4);
+  }
+  absl::StatusOr<GenerationRequest> Check(const v1::GenerateRequest& r) {
+    return ValidateGenerateRequest(r, limits_, &tokenizer_);
+  }
+  // Expects INVALID_ARGUMENT whose message starts with "<field>: ".
+  void ExpectInvalid(const v1::GenerateRequest& r, const std::string& field) {
+    auto result = Check(r);
+    ASSERT_FALSE(result.ok()) << "accepted; expected an error naming " << field;
+    EXPECT_EQ(result.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(std::string(result.status().message()).rfind(field + ": ", 0), 0u)
+        << result.status().message();
+  }
+
+  testing::FakeTokenizer tokenizer_;
+  ValidationLimits limits_;
+  v1::GenerateRequest ok_;
+};
+
+TEST_F(ValidationTest, ValidRequestIsMapped) {
+  v1::GenerateRequest r = ok_;
+  r.mutable_sampling()->set_temperature(0.7f);
+  r.mutable_sampling()->set_top_p(0.9f);
+  r.mutable_sampling()->set_top_k(5);
+  r.mutable_sampling()->set_seed(9);
+  r.add_stop("xy");
+  r.add_stop_token_ids(7);
+  r.mutable_compression()->set_method("dropkv");
+  r.mutable_compression()->set_compression_ratio(0.75);
+  r.mutable_compression()->set_allocator("pyramid");
+  r.mutable_compression()->set_window(4);
+  r.mutable_compression()->set_pooling("avg");
+  r.mutable_compression()->set_pooling_kernel(5);
+  r.mutable_compression()->set_chunk_policy("every_chunk");
+  r.mutable_compression()->set_chunk_size(8);
+  r.set_request_id("my-id");
+  auto g = Check(r);
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_EQ(g->request_id, "my-id");
+  EXPECT_EQ(g->prompt_ids, (std::vector<int32_t>{1, 'a' - '0', 'b' - '0', 'c' - '0'}));
+  EXPECT_EQ(g->sampling.max_new_tokens, 4);
+  EXPECT_FLOAT_EQ(g->sampling.temperature, 0.7f);
+  EXPECT_FLOAT_EQ(g->sampling.top_p, 0.9f);
+  EXPECT_EQ(g->sampling.top_k, 5);
+  EXPECT_EQ(g->sampling.seed, 9u);
+  EXPECT_EQ(g->sampling.stop_strings, std::vector<std::string>{"xy"});
+  EXPECT_EQ(g->sampling.stop_token_ids, std::vector<int32_t>{7});
+  EXPECT_EQ(g->compression.method, ScoreMethod::kDropKV);
+  EXPECT_DOUBLE_EQ(g->compression.keep_ratio, 0.25);
+  EXPECT_EQ(g->compression.allocator, BudgetAllocator::kPyramid);
+  EXPECT_EQ(g->compression.window, 4);
+  EXPECT_EQ(g->compression.pooling, PoolingType::kAvg);
+  EXPECT_EQ(g->compression.pooling_kernel, 5);
+  EXPECT_EQ(g->compression.chunk_policy, ChunkPolicy::kEveryChunk);
+  EXPECT_EQ(g->compression.chunk_size, 8);
+}
+
+TEST_F(ValidationTest, DefaultsAndGeneratedRequestId) {
+  limits_.default_compression.method = ScoreMethod::kSnapKV;
+  limits_.default_compression.keep_ratio = 0.3;
+  v1::GenerateRequest r;
+  r.mutable_token_ids()->add_ids(5);
+  r.set_max_new_tokens(1);
+  auto g = Check(r);
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_FALSE(g->request_id.empty());
+  EXPECT_EQ(g->prompt_ids, std::vector<int32_t>{5});
+  EXPECT_FLOAT_EQ(g->sampling.temperature, 0.0f);
+  EXPECT_FLOAT_EQ(g->sampling.top_p, 1.0f);
+  EXPECT_EQ(g->compression.method, ScoreMethod::kSnapKV);
+  EXPECT_DOUBLE_EQ(g->compression.keep_ratio, 0.3);
+  r.set_add_special_tokens(false);
+  r.clear_token_ids();
+  r.set_prompt("ab");
+  g = Check(r);
+  ASSERT_TRUE(g.ok());
+  EXPECT_EQ(g->prompt_ids.size(), 2u);  // no BOS
+}
+
+TEST_F(ValidationTest, ChatUsesTemplate) {
+  v1::GenerateRequest r;
+  r.set_max_new_tokens(2);
+  auto* m = r.mutable_chat()->add_messages();
+  m->set_role("user");
+  m->set_content("hi");
+  auto g = Check(r);
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_EQ(g->prompt_ids, *tokenizer_.Encode("hi<", false));
+  m->set_role("robot");
+  ExpectInvalid(r, "chat.messages[0].role");
+}
+
+TEST_F(ValidationTest, EmptyInput) {
+  v1::GenerateRequest r;
+  r.set_max_new_tokens(4);
+  ExpectInvalid(r, "input");
+  r.set_prompt("");
+  ExpectInvalid(r, "prompt");
+  r.clear_prompt();
+  r.mutable_token_ids();
+  ExpectInvalid(r, "token_ids.ids");
+  r.clear_token_ids();
+  r.mutable_chat();
+  ExpectInvalid(r, "chat.messages");
+}
+
+TEST_F(ValidationTest, TwoInputs) {
+  v1::GenerateRequest r = ok_;
+  r.mutable_token_ids()->add_ids(4);
+  ExpectInvalid(r, "input");
+}
+
+TEST_F(ValidationTest, UnknownTokenIds) {
+  v1::GenerateRequest r;
+  r.set_max_new_tokens(4);
+  r.mutable_token_ids()->add_ids(4);
+  r.mutable_token_ids()->add_ids(64);
+  ExpectInvalid(r, "token_ids.ids[1]");
+  r.mutable_token_ids()->set_ids(1, -1);
+  ExpectInvalid(r, "token_ids.ids[1]");
+  v1::GenerateRequest s = ok_;
+  s.add_stop_token_ids(99);
+  ExpectInvalid(s, "stop_token_ids[0]");
+}
+
+TEST_F(ValidationTest, PromptLongerThanContext) {
+  v1::GenerateRequest r = ok_;
+  r.set_prompt(std::string(40, 'a'));
+  ExpectInvalid(r, "input");
+  r.set_prompt(std::string(30, 'a'));  // 31 tokens with BOS < 32
+  EXPECT_TRUE(Check(r).ok());
+}
+
+TEST_F(ValidationTest, MaxNewTokens) {
+  v1::GenerateRequest r = ok_;
+  r.set_max_new_tokens(0);
+  ExpectInvalid(r, "max_new_tokens");
+  r.set_max_new_tokens(-3);
+  ExpectInvalid(r, "max_new_tokens");
+  r.set_max_new_tokens(101);
+  ExpectInvalid(r, "max_new_tokens");
+  r.set_max_new_tokens(100);
+  EXPECT_TRUE(Check(r).ok());
+}
+
+TEST_F(ValidationTest, SamplingRanges) {
+  v1::GenerateRequest r = ok_;
+  r.mutable_sampling()->set_temperature(-0.1f);
+  ExpectInvalid(r, "sampling.temperature");
+  r = ok_;
+  r.mutable_sampling()->set_top_p(0.0f);
+  ExpectInvalid(r, "sampling.top_p");
+  r.mutable_sampling()->set_top_p(1.01f);
+  ExpectInvalid(r, "sampling.top_p");
+  r.mutable_sampling()->set_top_p(1.0f);
+  EXPECT_TRUE(Check(r).ok());
+  r = ok_;
+  r.mutable_sampling()->set_top_k(-1);
+  ExpectInvalid(r, "sampling.top_k");
+  r = ok_;
+  r.mutable_sampling()->set_min_p(1.0f);
+  ExpectInvalid(r, "sampling.min_p");
+  r = ok_;
+  r.mutable_sampling()->set_repetition_penalty(0.0f);
+  ExpectInvalid(r, "sampling.repetition_penalty");
+  r = ok_;
+  r.mutable_sampling()->set_num_top_logprobs(21);
+  ExpectInvalid(r, "sampling.num_top_logprobs");
+}
+
+TEST_F(ValidationTest, UnknownMethodAndAllocator) {
+  v1::GenerateRequest r = ok_;
+  r.mutable_compression()->set_method("magic");
+  ExpectInvalid(r, "compression.method");
+  r = ok_;
+  r.mutable_compression()->set_allocator("fancy");
+  ExpectInvalid(r, "compression.allocator");
+  r = ok_;
+  r.mutable_compression()->set_pooling("median");
+  ExpectInvalid(r, "compression.pooling");
+  r = ok_;
+  r.mutable_compression()->set_chunk_policy("sometimes");
+  ExpectInvalid(r, "compression.chunk_policy");
+}
+
+TEST_F(ValidationTest, BudgetOutOfRange) {
+  v1::GenerateRequest r = ok_;
+  r.mutable_compression()->set_keep_ratio(0.0);
+  ExpectInvalid(r, "compression.keep_ratio");
+  r.mutable_compression()->set_keep_ratio(1.5);
+  ExpectInvalid(r, "compression.keep_ratio");
+  r.mutable_compression()->set_compression_ratio(1.0);
+  ExpectInvalid(r, "compression.compression_ratio");
+  r.mutable_compression()->set_compression_ratio(-0.1);
+  ExpectInvalid(r, "compression.compression_ratio");
+  r.mutable_compression()->set_budget_tokens(0);
+  ExpectInvalid(r, "compression.budget_tokens");
+  r.mutable_compression()->set_budget_tokens(33);
+  ExpectInvalid(r, "compression.budget_tokens");
+  r.mutable_compression()->set_budget_tokens(16);
+  EXPECT_TRUE(Check(r).ok());
+}
+
+TEST_F(ValidationTest, WindowPoolingKernelChunkSize) {
+  v1::GenerateRequest r = ok_;
+  r.mutable_compression()->set_window(0);
+  ExpectInvalid(r, "compression.window");
+  r = ok_;
+  r.mutable_compression()->set_pooling_kernel(4);
+  ExpectInvalid(r, "compression.pooling_kernel");
+  r.mutable_compression()->set_pooling_kernel(0);
+  ExpectInvalid(r, "compression.pooling_kernel");
+  r = ok_;
+  r.mutable_compression()->set_window(8);
+  r.mutable_compression()->set_chunk_size(4);
+  ExpectInvalid(r, "compression.chunk_size");
+}
+
+TEST_F(ValidationTest, StopStrings) {
+  v1::GenerateRequest r = ok_;
+  r.add_stop("a");
+  r.add_stop("b");
+  r.add_stop("c");
+  ExpectInvalid(r, "stop");
+  r = ok_;
+  r.add_stop("");
+  ExpectInvalid(r, "stop[0]");
+}
+
+TEST_F(ValidationTest, OversizedRequest) {
+  v1::GenerateRequest r = ok_;
+  r.set_prompt(std::string(5000, 'a'));
+  ExpectInvalid(r, "request");
+}
+
+TEST_F(ValidationTest, RequestIdAndBadPromptText) {
+  v1::GenerateRequest r = ok_;
+  r.set_request_id("has space");
+  ExpectInvalid(r, "request_id");
+  r = ok_;
+  r.set_prompt("\x01");  // the tokenizer refuses it
+  ExpectInvalid(r, "prompt");
+}
+
+TEST_F(ValidationTest, NoTokenizerAcceptsOnlyTokenIds) {
+  auto g = ValidateGenerateRequest(ok_, limits_, nullptr);
+  ASSERT_FALSE(g.ok());
+  EXPECT_EQ(g.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(std::string(g.status().message()).rfind("prompt: ", 0), 0u);
+}
+
+TEST(ToGrpcStatusTest, MapsEveryCanonicalCode) {
+  EXPECT_TRUE(ToGrpcStatus(absl::OkStatus()).ok());
+  const std::pair<absl::Status, grpc::StatusCode> cases[] = {
+      {absl::InvalidArgumentError("x"), grpc::StatusCode::INVALID_ARGUMENT},
+      {absl::ResourceExhaustedError("x"), grpc::StatusCode::RESOURCE_EXHAUSTED},
+      {absl::UnavailableError("x"), grpc::StatusCode::UNAVAILABLE},
+      {absl::UnauthenticatedError("x"), grpc::StatusCode::UNAUTHENTICATED},
+      {absl::DeadlineExceededError("x"), grpc::StatusCode::DEADLINE_EXCEEDED},
+      {absl::CancelledError("x"), grpc::StatusCode::CANCELLED},
+      {absl::FailedPreconditionError("x"), grpc::StatusCode::FAILED_PRECONDITION},
+      {absl::InternalError("x"), grpc::StatusCode::INTERNAL},
+      {absl::NotFoundError("x"), grpc::StatusCode::NOT_FOUND},
+  };
+  for (const auto& [in, code] : cases) {
+    grpc::Status out = ToGrpcStatus(in);
+    EXPECT_EQ(out.error_code(), code);
+    EXPECT_EQ(out.error_message(), "x");
+  }
+}
+
+}  // namespace
+}  // namespace dropkv
