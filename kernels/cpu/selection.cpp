@@ -1,0 +1,99 @@
+// Selection (selection.h): ATen ops on the scores' device, so one implementation serves CPU and
+// CUDA (top-k and sort run on the device; no host sync).
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <vector>
+
+#include "kernels/check.h"
+#include "kernels/selection.h"
+
+namespace dropkv::kernels {
+
+using internal::CatchTorch;
+
+absl::StatusOr<at::Tensor> PoolScores(const at::Tensor& scores, PoolType pool, int32_t kernel) {
+  if (!scores.defined() || scores.dim() < 1) {
+    return absl::InvalidArgumentError("scores: expected a [..., n] tensor");
+  }
+  if (pool == PoolType::kPoolTypeNone || kernel == 1) return scores.clone();
+  if (kernel < 1 || kernel % 2 == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("pool_kernel must be odd and >= 1, got ", kernel));
+  }
+  return CatchTorch("PoolScores", [&]() -> absl::StatusOr<at::Tensor> {
+    const int64_t n = scores.size(-1);
+    auto x = scores.reshape({-1, 1, n});  // [rows, 1, n]
+    // torch pools reject padding > kernel/2 only; n < kernel/2 is fine with padding.
+    at::Tensor y = pool == PoolType::kPoolTypeMax
+                       ? at::max_pool1d(x, {kernel}, {1}, {kernel / 2})
+                       : at::avg_pool1d(x, {kernel}, {1}, {kernel / 2}, /*ceil_mode=*/false,
+                                        /*count_include_pad=*/true);
+    return y.reshape(scores.sizes());
+  });
+}
+
+absl::Status ProtectScores(at::Tensor& scores, int32_t window, int32_t num_sinks) {
+  if (!scores.defined() || scores.dim() < 1) {
+    return absl::InvalidArgumentError("scores: expected a [..., n] tensor");
+  }
+  if (window < 0 || num_sinks < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("window and num_sinks must be >= 0, got ", window, ", ", num_sinks));
+  }
+  return CatchTorch("ProtectScores", [&]() -> absl::Status {
+    const int64_t n = scores.size(-1);
+    if (n == 0) return absl::OkStatus();
+    auto top = std::get<0>(scores.max(-1, /*keepdim=*/true)) + 1.0;  // [..., 1]
+    const int64_t w = std::min<int64_t>(window, n), s = std::min<int64_t>(num_sinks, n);
+    if (w > 0) scores.slice(-1, n - w, n).copy_(top.expand_as(scores.slice(-1, n - w, n)));
+    if (s > 0) scores.slice(-1, 0, s).copy_(top.expand_as(scores.slice(-1, 0, s)));
+    return absl::OkStatus();
+  });
+}
+
+int64_t KeepCount(int64_t n, double keep_ratio, int32_t window) {
+  const auto by_ratio = static_cast<int64_t>(std::floor(keep_ratio * static_cast<double>(n)));
+  return std::min<int64_t>(n, std::max<int64_t>({by_ratio, window, 1}));
+}
+
+absl::StatusOr<at::Tensor> SelectTopK(const at::Tensor& scores, int64_t keep,
+                                      const SelectParams& params) {
+  if (!scores.defined() || scores.dim() != 3) {
+    return absl::InvalidArgumentError("scores: expected [B, Hkv, n]");
+  }
+  const int64_t n = scores.size(2);
+  if (keep < 1 || keep > n) {
+    return absl::InvalidArgumentError(absl::StrCat("keep must be in [1, ", n, "], got ", keep));
+  }
+  auto pooled = PoolScores(scores.to(at::kFloat), params.pool, params.pool_kernel);
+  if (!pooled.ok()) return pooled.status();
+  if (auto s = ProtectScores(*pooled, params.window, params.num_sinks); !s.ok()) return s;
+  return CatchTorch("SelectTopK", [&]() -> absl::StatusOr<at::Tensor> {
+    auto idx = std::get<1>(at::topk(*pooled, keep, -1, /*largest=*/true, /*sorted=*/false));
+    return std::get<0>(idx.sort(-1));  // ascending positions
+  });
+}
+
+absl::StatusOr<at::Tensor> GatherKept(const at::Tensor& x, const at::Tensor& idx) {
+  if (!x.defined() || !idx.defined() || x.dim() != idx.dim() + 1 || x.dim() < 3) {
+    return absl::InvalidArgumentError(
+        "GatherKept: x must be [..., Hkv, n, D] and idx [..., Hkv, k] with the same leading dims");
+  }
+  if (idx.scalar_type() != at::kLong) {
+    return absl::InvalidArgumentError("GatherKept: idx must be int64");
+  }
+  for (int64_t i = 0; i + 1 < idx.dim(); ++i) {
+    if (x.size(i) != idx.size(i)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("GatherKept: dim ", i, " of x is ", x.size(i), " but of idx ", idx.size(i)));
+    }
+  }
+  return CatchTorch("GatherKept", [&]() -> absl::StatusOr<at::Tensor> {
+    std::vector<int64_t> sizes(idx.sizes().begin(), idx.sizes().end());
+    sizes.push_back(x.size(-1));
+    return at::gather(x, -2, idx.unsqueeze(-1).expand(sizes));
+  });
+}
+
+}  // namespace dropkv::kernels

@@ -1,0 +1,31 @@
+// Decode attention over the paged KV cache: one new query per sequence against that sequence's
+// stored K/V of one layer (lengths differ per sequence and per layer under DepthKV budgets).
+// CPU reference in ATen; CUDA: split-K (flash-decoding) kernel, the g query heads of a KV head
+// in one CTA, LSE merge, one launch for the batch.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include "absl/status/statusor.h"
+
+namespace dropkv::kernels {
+
+struct PagedAttentionParams {
+  double scale = 0.0;      // 0 = 1/sqrt(D)
+  int32_t num_splits = 0;  // CUDA only: 0 = choose from the batch and the longest sequence
+};
+
+//   q:            [B, Hq, D]
+//   k_cache, v_cache: [num_blocks, block_size, Hkv, D], Hq % Hkv == 0
+//   block_tables: int32 [B, max_blocks]; entry t of sequence b lives in slot
+//                 block_tables[b, t / block_size] * block_size + t % block_size
+//   seq_lens:     int32 [B], 0 <= seq_lens[b] <= max_blocks * block_size (0 gives zeros)
+//   returns       [B, Hq, D] in q's dtype (softmax and accumulation in fp32)
+// CUDA: bf16 / fp16 / fp32, D in {64, 128, 256}, g = Hq / Hkv <= 16.
+absl::StatusOr<at::Tensor> PagedDecodeAttention(const at::Tensor& q, const at::Tensor& k_cache,
+                                                const at::Tensor& v_cache,
+                                                const at::Tensor& block_tables,
+                                                const at::Tensor& seq_lens,
+                                                const PagedAttentionParams& params = {});
+
+}  // namespace dropkv::kernels

@@ -1,0 +1,91 @@
+// Selection against loops: pooling with torch's padding semantics, protection, top-k, gather.
+#include "kernels/selection.h"
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <numeric>
+#include <vector>
+
+namespace dropkv::kernels {
+namespace {
+
+TEST(SelectionTest, PoolingMatchesLoops) {
+  at::manual_seed(21);
+  for (int32_t kern : {1, 3, 5, 11}) {
+    for (int64_t n : {1, 4, 13, 40}) {
+      auto s = at::randn({2, 3, n});
+      auto mx = PoolScores(s, PoolType::kPoolTypeMax, kern);
+      auto av = PoolScores(s, PoolType::kPoolTypeAvg, kern);
+      ASSERT_TRUE(mx.ok() && av.ok()) << mx.status() << av.status();
+      auto sa = s.accessor<float, 3>();
+      for (int64_t b = 0; b < 2; ++b)
+        for (int64_t h = 0; h < 3; ++h)
+          for (int64_t j = 0; j < n; ++j) {
+            float m = -1e30f;
+            double sum = 0;
+            for (int64_t t = j - kern / 2; t <= j + kern / 2; ++t)
+              if (t >= 0 && t < n) m = std::max(m, sa[b][h][t]), sum += sa[b][h][t];
+            EXPECT_FLOAT_EQ((*mx)[b][h][j].item<float>(), m);
+            EXPECT_NEAR((*av)[b][h][j].item<float>(), sum / kern, 1e-6);  // zero pad counted
+          }
+    }
+  }
+  EXPECT_EQ(PoolScores(at::randn({1, 1, 5}), PoolType::kPoolTypeMax, 4).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(SelectionTest, ProtectAndKeepCount) {
+  auto s = at::arange(10, at::kFloat).view({1, 1, 10}).flip(-1).contiguous();  // 9 .. 0
+  ASSERT_TRUE(ProtectScores(s, 3, 2).ok());
+  auto want = at::tensor({10.f, 10.f, 7.f, 6.f, 5.f, 4.f, 3.f, 10.f, 10.f, 10.f}).view({1, 1, 10});
+  EXPECT_TRUE(at::equal(s, want));
+  EXPECT_EQ(KeepCount(1000, 0.1, 8), 100);
+  EXPECT_EQ(KeepCount(50, 0.1, 8), 8);
+  EXPECT_EQ(KeepCount(5, 0.1, 8), 5);
+  EXPECT_EQ(KeepCount(3, 0.0, 0), 1);
+}
+
+TEST(SelectionTest, TopKSortedAscendingAndGather) {
+  at::manual_seed(22);
+  const int64_t b = 2, h = 4, n = 50, d = 8, keep = 12;
+  auto s = at::randn({b, h, n});
+  SelectParams params;
+  params.pool = PoolType::kPoolTypeNone;
+  params.window = 4;
+  params.num_sinks = 1;
+  auto idx = SelectTopK(s, keep, params);
+  ASSERT_TRUE(idx.ok()) << idx.status();
+  ASSERT_EQ(idx->sizes(), (std::vector<int64_t>{b, h, keep}));
+  for (int64_t i = 0; i < b; ++i)
+    for (int64_t hh = 0; hh < h; ++hh) {
+      // Expected: position 0, the last 4, then the 7 highest of the rest.
+      std::vector<int64_t> order(n - 5);
+      std::iota(order.begin(), order.end(), 1);
+      auto sa = s.accessor<float, 3>();
+      std::sort(order.begin(), order.end(),
+                [&](int64_t x, int64_t y) { return sa[i][hh][x] > sa[i][hh][y]; });
+      std::vector<int64_t> want = {0, n - 4, n - 3, n - 2, n - 1};
+      want.insert(want.end(), order.begin(), order.begin() + (keep - 5));
+      std::sort(want.begin(), want.end());
+      auto got = (*idx)[i][hh].contiguous();
+      EXPECT_EQ(std::vector<int64_t>(got.data_ptr<int64_t>(), got.data_ptr<int64_t>() + keep),
+                want);
+    }
+  auto x = at::randn({b, h, n, d});
+  auto kept = GatherKept(x, *idx);
+  ASSERT_TRUE(kept.ok()) << kept.status();
+  for (int64_t i = 0; i < b; ++i)
+    for (int64_t hh = 0; hh < h; ++hh)
+      for (int64_t t = 0; t < keep; ++t)
+        EXPECT_TRUE(at::equal((*kept)[i][hh][t], x[i][hh][(*idx)[i][hh][t].item<int64_t>()]));
+  auto kept3 = GatherKept(x[1], (*idx)[1]);
+  ASSERT_TRUE(kept3.ok());
+  EXPECT_TRUE(at::equal(*kept3, (*kept)[1]));
+  EXPECT_EQ(SelectTopK(s, 0).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(SelectTopK(s, n + 1).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace dropkv::kernels
