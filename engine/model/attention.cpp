@@ -4,7 +4,8 @@
 
 namespace dropkv {
 
-at::Tensor PrefillAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
+at::Tensor PrefillAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            double scale) {
   const int64_t t_len = q.size(0);
   const int64_t n = k.size(1);
   auto qh = q.transpose(0, 1).unsqueeze(0);  // [1, Hq, T, D]
@@ -12,7 +13,8 @@ at::Tensor PrefillAttention(const at::Tensor& q, const at::Tensor& k, const at::
   auto vh = v.unsqueeze(0);
   at::Tensor out;
   if (n == t_len) {
-    out = at::scaled_dot_product_attention(qh, kh, vh, {}, 0.0, /*is_causal=*/true, scale, /*enable_gqa=*/true);
+    out = at::scaled_dot_product_attention(qh, kh, vh, {}, 0.0, /*is_causal=*/true, scale,
+                                           /*enable_gqa=*/true);
   } else {
     // [T, n]: every earlier entry is visible; the chunk part is lower-triangular.
     auto mask = at::ones({t_len, n}, at::TensorOptions().dtype(at::kBool).device(q.device()));
@@ -28,14 +30,16 @@ at::Tensor ContiguousDecodeAttention(const at::Tensor& q, const at::Tensor& k, c
   const int64_t num_kv_heads = k.size(0);
   const int64_t d = q.size(1);
   auto qg = q.to(at::kFloat).view({num_kv_heads, num_heads / num_kv_heads, d});  // [Hkv, G, D]
-  auto scores = at::bmm(qg, k.to(at::kFloat).contiguous().transpose(1, 2)).mul_(scale);    // [Hkv, G, n]
+  auto scores =
+      at::bmm(qg, k.to(at::kFloat).contiguous().transpose(1, 2)).mul_(scale);  // [Hkv, G, n]
   auto probs = at::softmax(scores, -1);
   auto out = at::bmm(probs, v.to(at::kFloat).contiguous());  // [Hkv, G, D]
   return out.view({num_heads, d}).to(q.scalar_type());
 }
 
-at::Tensor PagedDecodeAttention(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                                const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+at::Tensor PagedDecodeAttention(const at::Tensor& q, const at::Tensor& key_cache,
+                                const at::Tensor& value_cache, const at::Tensor& block_tables,
+                                const at::Tensor& seq_lens, double scale) {
   const int64_t batch = q.size(0);
   const int64_t block_size = key_cache.size(1);
   const int64_t num_kv_heads = key_cache.size(2);

@@ -10,7 +10,8 @@ namespace dropkv {
 // k, v: [Hkv, n, D], n >= T: the first n - T entries are earlier tokens that every query sees
 // (stored cache, possibly compressed), the last T are the chunk itself, seen causally.
 // GQA: query head h reads KV head h / (Hq / Hkv). Returns [T, Hq, D] in q's dtype.
-at::Tensor PrefillAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale);
+at::Tensor PrefillAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            double scale);
 
 // Decode attention of one query per sequence over a contiguous cache. q: [Hq, D];
 // k, v: [Hkv, n, D]. Softmax in fp32. Returns [Hq, D] in q's dtype.
@@ -23,7 +24,8 @@ at::Tensor ContiguousDecodeAttention(const at::Tensor& q, const at::Tensor& k, c
 // seq_lens: int32 [B] (entries stored for this layer, >= 1). Returns [B, Hq, D].
 // CPU reference: gathers each sequence's slots and calls ContiguousDecodeAttention, so a paged
 // result equals the contiguous one bit for bit.
-at::Tensor PagedDecodeAttention(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                                const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale);
+at::Tensor PagedDecodeAttention(const at::Tensor& q, const at::Tensor& key_cache,
+                                const at::Tensor& value_cache, const at::Tensor& block_tables,
+                                const at::Tensor& seq_lens, double scale);
 
 }  // namespace dropkv

@@ -30,15 +30,20 @@ template <typename T>
 absl::Status Get(const json& j, const char* key, const std::string& path, T* out, bool required) {
   auto it = j.find(key);
   if (it == j.end() || it->is_null()) {
-    if (required) return absl::InvalidArgumentError(absl::StrCat(path, ": missing field '", key, "'"));
+    if (required)
+      return absl::InvalidArgumentError(absl::StrCat(path, ": missing field '", key, "'"));
     return absl::OkStatus();
   }
   if constexpr (std::is_same_v<T, bool>) {
-    if (!it->is_boolean()) return absl::InvalidArgumentError(absl::StrCat(path, ": field '", key, "' must be a boolean"));
+    if (!it->is_boolean())
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ": field '", key, "' must be a boolean"));
   } else if constexpr (std::is_same_v<T, std::string>) {
-    if (!it->is_string()) return absl::InvalidArgumentError(absl::StrCat(path, ": field '", key, "' must be a string"));
+    if (!it->is_string())
+      return absl::InvalidArgumentError(absl::StrCat(path, ": field '", key, "' must be a string"));
   } else {
-    if (!it->is_number()) return absl::InvalidArgumentError(absl::StrCat(path, ": field '", key, "' must be a number"));
+    if (!it->is_number())
+      return absl::InvalidArgumentError(absl::StrCat(path, ": field '", key, "' must be a number"));
   }
   *out = it->get<T>();
   return absl::OkStatus();
@@ -73,10 +78,12 @@ absl::Status ParseRope(const json& j, const std::string& path, ModelConfig* c) {
   } else if (type == "llama3") {
     c->rope.type = RopeType::kLlama3;
   } else {
-    return absl::InvalidArgumentError(absl::StrCat(path, ": rope_scaling type '", type,
-                                                   "' is not supported (default, linear, dynamic, llama3)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": rope_scaling type '", type,
+                     "' is not supported (default, linear, dynamic, llama3)"));
   }
-  if (c->rope.factor <= 0) return absl::InvalidArgumentError(absl::StrCat(path, ": rope factor must be > 0"));
+  if (c->rope.factor <= 0)
+    return absl::InvalidArgumentError(absl::StrCat(path, ": rope factor must be > 0"));
   return absl::OkStatus();
 }
 
@@ -97,11 +104,13 @@ absl::Status ParseIds(const json& j, const char* key, std::vector<int32_t>* out)
 
 std::string SupportedArchitectures() {
   std::string s;
-  for (const auto& f : kFamilies) absl::StrAppend(&s, s.empty() ? "" : ", ", f.architecture, " (", f.model_type, ")");
+  for (const auto& f : kFamilies)
+    absl::StrAppend(&s, s.empty() ? "" : ", ", f.architecture, " (", f.model_type, ")");
   return s;
 }
 
-absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text, const std::string& path) {
+absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
+                                             const std::string& path) {
   json j;
   try {
     j = json::parse(json_text);
@@ -112,16 +121,18 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text, const
   ModelConfig c;
   RETURN_IF_ERROR(Get(j, "model_type", path, &c.model_type, false));
   std::string arch;
-  if (auto it = j.find("architectures"); it != j.end() && it->is_array() && !it->empty() && (*it)[0].is_string()) {
+  if (auto it = j.find("architectures");
+      it != j.end() && it->is_array() && !it->empty() && (*it)[0].is_string()) {
     arch = (*it)[0].get<std::string>();
   }
   const FamilyName* found = nullptr;
   for (const auto& f : kFamilies) {
-    if ((!arch.empty() && arch == f.architecture) || (arch.empty() && c.model_type == f.model_type)) found = &f;
+    if ((!arch.empty() && arch == f.architecture) || (arch.empty() && c.model_type == f.model_type))
+      found = &f;
   }
   if (found == nullptr || (!c.model_type.empty() && c.model_type != found->model_type)) {
-    return absl::InvalidArgumentError(absl::StrCat(path, ": unsupported model (architectures '", arch,
-                                                   "', model_type '", c.model_type,
+    return absl::InvalidArgumentError(absl::StrCat(path, ": unsupported model (architectures '",
+                                                   arch, "', model_type '", c.model_type,
                                                    "'); supported: ", SupportedArchitectures()));
   }
   c.family = found->family;
@@ -158,14 +169,18 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text, const
                                                    "' is not supported (silu, gelu_pytorch_tanh)"));
   }
   RETURN_IF_ERROR(ParseRope(j, path, &c));
-  if (c.rope.original_max_position_embeddings <= 0) c.rope.original_max_position_embeddings = c.max_position_embeddings;
-  if (auto it = j.find("bos_token_id"); it != j.end() && it->is_number_integer()) c.bos_token_id = it->get<int32_t>();
+  if (c.rope.original_max_position_embeddings <= 0)
+    c.rope.original_max_position_embeddings = c.max_position_embeddings;
+  if (auto it = j.find("bos_token_id"); it != j.end() && it->is_number_integer())
+    c.bos_token_id = it->get<int32_t>();
   RETURN_IF_ERROR(ParseIds(j, "eos_token_id", &c.eos_token_ids));
   RETURN_IF_ERROR(Get(j, "torch_dtype", path, &c.torch_dtype, false));
   RETURN_IF_ERROR(Get(j, "dtype", path, &c.torch_dtype, false));
 
   auto positive = [&](const char* name, int64_t v) -> absl::Status {
-    if (v <= 0) return absl::InvalidArgumentError(absl::StrCat(path, ": field '", name, "' must be > 0, got ", v));
+    if (v <= 0)
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ": field '", name, "' must be > 0, got ", v));
     return absl::OkStatus();
   };
   RETURN_IF_ERROR(positive("vocab_size", c.vocab_size));
@@ -177,9 +192,11 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text, const
   RETURN_IF_ERROR(positive("head_dim", c.head_dim));
   if (c.num_heads % c.num_kv_heads != 0) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": num_attention_heads ", c.num_heads,
-                                                   " is not a multiple of num_key_value_heads ", c.num_kv_heads));
+                                                   " is not a multiple of num_key_value_heads ",
+                                                   c.num_kv_heads));
   }
-  if (c.head_dim % 2 != 0) return absl::InvalidArgumentError(absl::StrCat(path, ": head_dim must be even"));
+  if (c.head_dim % 2 != 0)
+    return absl::InvalidArgumentError(absl::StrCat(path, ": head_dim must be even"));
   return c;
 }
 
@@ -203,11 +220,13 @@ void MergeGenerationConfig(const std::string& model_dir, ModelConfig* config) {
     std::vector<int32_t> ids;
     (void)ParseIds(j, "eos_token_id", &ids);
     for (int32_t id : ids) {
-      if (std::find(config->eos_token_ids.begin(), config->eos_token_ids.end(), id) == config->eos_token_ids.end()) {
+      if (std::find(config->eos_token_ids.begin(), config->eos_token_ids.end(), id) ==
+          config->eos_token_ids.end()) {
         config->eos_token_ids.push_back(id);
       }
     }
-    if (config->bos_token_id < 0 && j.contains("bos_token_id") && j["bos_token_id"].is_number_integer()) {
+    if (config->bos_token_id < 0 && j.contains("bos_token_id") &&
+        j["bos_token_id"].is_number_integer()) {
       config->bos_token_id = j["bos_token_id"].get<int32_t>();
     }
   } catch (const std::exception&) {

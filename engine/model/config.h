@@ -18,9 +18,9 @@ enum class RopeType { kDefault, kLinear, kDynamic, kLlama3 };
 struct RopeParams {
   RopeType type = RopeType::kDefault;
   double theta = 10000.0;
-  double factor = 1.0;             // linear / dynamic / llama3
-  double low_freq_factor = 1.0;    // llama3
-  double high_freq_factor = 4.0;   // llama3
+  double factor = 1.0;                           // linear / dynamic / llama3
+  double low_freq_factor = 1.0;                  // llama3
+  double high_freq_factor = 4.0;                 // llama3
   int64_t original_max_position_embeddings = 0;  // llama3 / dynamic (0 = max_position_embeddings)
 };
 

@@ -3,6 +3,10 @@
 #include <spdlog/spdlog.h>
 
 namespace dropkv {
-void LogInfo(const std::string& message) { spdlog::info("{}", message); }
-void LogWarn(const std::string& message) { spdlog::warn("{}", message); }
+void LogInfo(const std::string& message) {
+  spdlog::info("{}", message);
+}
+void LogWarn(const std::string& message) {
+  spdlog::warn("{}", message);
+}
 }  // namespace dropkv

@@ -4,12 +4,11 @@
 
 #include <cmath>
 
-
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "engine/common/status_macros.h"
-#include "engine/model/log.h"
 #include "engine/model/attention.h"
+#include "engine/model/log.h"
 #include "engine/model/safetensors.h"
 
 namespace dropkv {
@@ -24,7 +23,9 @@ struct WeightSpec {
   bool required = true;
 };
 
-std::string ShapeStr(at::IntArrayRef s) { return absl::StrCat("[", absl::StrJoin(s, ", "), "]"); }
+std::string ShapeStr(at::IntArrayRef s) {
+  return absl::StrCat("[", absl::StrJoin(s, ", "), "]");
+}
 
 at::Tensor RotateHalf(const at::Tensor& x) {
   const int64_t half = x.size(-1) / 2;
@@ -40,7 +41,8 @@ at::Tensor RopeInvFreq(const ModelConfig& c, int64_t seq_len) {
     // transformers' _compute_dynamic_ntk_parameters.
     const double f = c.rope.factor;
     const double orig = static_cast<double>(c.rope.original_max_position_embeddings);
-    base = base * std::pow(f * static_cast<double>(seq_len) / orig - (f - 1), static_cast<double>(d) / (d - 2));
+    base = base * std::pow(f * static_cast<double>(seq_len) / orig - (f - 1),
+                           static_cast<double>(d) / (d - 2));
   }
   auto exponents = at::arange(0, d, 2, at::kLong).to(at::kFloat) / static_cast<double>(d);
   at::Tensor inv_freq = 1.0 / at::pow(base, exponents);  // fp32 [D/2]
@@ -65,15 +67,21 @@ at::Tensor RopeInvFreq(const ModelConfig& c, int64_t seq_len) {
 
 absl::StatusOr<at::Tensor> FullAttentionBackend::Attend(int32_t layer_idx, const at::Tensor& q,
                                                         const at::Tensor& k, const at::Tensor& v) {
-  return PrefillAttention(q, k.transpose(0, 1), v.transpose(0, 1), 1.0 / std::sqrt(static_cast<double>(q.size(2))));
+  return PrefillAttention(q, k.transpose(0, 1), v.transpose(0, 1),
+                          1.0 / std::sqrt(static_cast<double>(q.size(2))));
 }
 
 Model::~Model() = default;
-at::Device Model::device() const { return embed_.device(); }
-double Model::attention_scale() const { return 1.0 / std::sqrt(static_cast<double>(config_.head_dim)); }
+at::Device Model::device() const {
+  return embed_.device();
+}
+double Model::attention_scale() const {
+  return 1.0 / std::sqrt(static_cast<double>(config_.head_dim));
+}
 
-absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& model_dir, const ModelConfig& c,
-                                                   at::Device device, at::ScalarType dtype) {
+absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& model_dir,
+                                                   const ModelConfig& c, at::Device device,
+                                                   at::ScalarType dtype) {
   std::unique_ptr<Model> m(new Model(c, dtype));
   ASSIGN_OR_RETURN(auto folder, SafetensorsFolder::Open(model_dir));
   const int64_t h = c.hidden_size;
@@ -102,7 +110,8 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& model_dir,
       table.push_back({p + "self_attn.q_proj.bias", {c.q_size()}, &l.q_b});
       table.push_back({p + "self_attn.k_proj.bias", {c.kv_size()}, &l.k_b});
       table.push_back({p + "self_attn.v_proj.bias", {c.kv_size()}, &l.v_b});
-      if (c.family == ModelFamily::kLlama) table.push_back({p + "self_attn.o_proj.bias", {h}, &l.o_b});
+      if (c.family == ModelFamily::kLlama)
+        table.push_back({p + "self_attn.o_proj.bias", {h}, &l.o_b});
     }
     if (c.mlp_bias) {
       table.push_back({p + "mlp.gate_proj.bias", {inter}, &l.gate_b});
@@ -122,9 +131,9 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& model_dir,
       }
       const auto& entry = file->entries().at(spec.hf_name);
       if (entry.shape != spec.shape) {
-        return absl::InvalidArgumentError(absl::StrCat(file->path(), ": tensor '", spec.hf_name, "' has shape ",
-                                                       ShapeStr(entry.shape), ", config.json implies ",
-                                                       ShapeStr(spec.shape)));
+        return absl::InvalidArgumentError(
+            absl::StrCat(file->path(), ": tensor '", spec.hf_name, "' has shape ",
+                         ShapeStr(entry.shape), ", config.json implies ", ShapeStr(spec.shape)));
       }
       ASSIGN_OR_RETURN(at::Tensor t, file->Read(spec.hf_name));
       *spec.dst = t.to(device, dtype);
@@ -143,22 +152,25 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& model_dir,
   } catch (const std::exception& e) {
     return absl::InternalError(absl::StrCat(model_dir, ": loading weights failed: ", e.what()));
   }
-  LogInfo(absl::StrCat("model: loaded ", c.model_type, " (", c.num_layers, " layers, hidden ", c.hidden_size,
-                       ", heads ", c.num_heads, "/", c.num_kv_heads, ", head_dim ", c.head_dim, ") on ",
-                       device.str(), " as ", c10::toString(dtype)));
+  LogInfo(absl::StrCat("model: loaded ", c.model_type, " (", c.num_layers, " layers, hidden ",
+                       c.hidden_size, ", heads ", c.num_heads, "/", c.num_kv_heads, ", head_dim ",
+                       c.head_dim, ") on ", device.str(), " as ", c10::toString(dtype)));
   return m;
 }
 
 at::Tensor Model::Norm(const at::Tensor& x, const at::Tensor& w) const {
   auto xf = x.to(at::kFloat);
   auto normed = xf * at::rsqrt(xf.pow(2).mean(-1, true) + config_.rms_norm_eps);
-  if (config_.family == ModelFamily::kGemma) return (normed * w).to(x.scalar_type());  // w = 1 + w, fp32
-  return w * normed.to(x.scalar_type());  // Llama: cast back before the weight, as HF does
+  if (config_.family == ModelFamily::kGemma)
+    return (normed * w).to(x.scalar_type());  // w = 1 + w, fp32
+  return w * normed.to(x.scalar_type());      // Llama: cast back before the weight, as HF does
 }
 
-std::pair<at::Tensor, at::Tensor> Model::RopeCosSin(const at::Tensor& positions, int64_t max_position) const {
+std::pair<at::Tensor, at::Tensor> Model::RopeCosSin(const at::Tensor& positions,
+                                                    int64_t max_position) const {
   at::Tensor inv_freq = inv_freq_;
-  if (config_.rope.type == RopeType::kDynamic && max_position + 1 > config_.rope.original_max_position_embeddings) {
+  if (config_.rope.type == RopeType::kDynamic &&
+      max_position + 1 > config_.rope.original_max_position_embeddings) {
     inv_freq = RopeInvFreq(config_, max_position + 1).to(inv_freq_.device());
   }
   auto freqs = positions.to(at::kFloat).unsqueeze(1) * inv_freq.unsqueeze(0);  // [N, D/2]
@@ -188,7 +200,7 @@ absl::StatusOr<at::Tensor> Model::Forward(const at::Tensor& tokens, const at::Te
       auto v = at::linear(hs, l.v_w, l.v_b).view({n, c.num_kv_heads, c.head_dim});
       q = q * cos_h + RotateHalf(q) * sin_h;
       k = k * cos_h + RotateHalf(k) * sin_h;
-      ASSIGN_OR_RETURN(at::Tensor attn, backend.Attend(i, q, k, v));  // [N, Hq, D]
+      ASSIGN_OR_RETURN(at::Tensor attn, backend.Attend(i, q, k, v));     // [N, Hq, D]
       auto o = at::linear(attn.reshape({n, c.q_size()}), l.o_w, l.o_b);  // [N, hidden]
       if (observer != nullptr && *observer) (*observer)(i, o);
       x = x + o;
@@ -203,6 +215,8 @@ absl::StatusOr<at::Tensor> Model::Forward(const at::Tensor& tokens, const at::Te
   }
 }
 
-at::Tensor Model::Logits(const at::Tensor& hidden) const { return at::linear(hidden, lm_head_).to(at::kFloat); }
+at::Tensor Model::Logits(const at::Tensor& hidden) const {
+  return at::linear(hidden, lm_head_).to(at::kFloat);
+}
 
 }  // namespace dropkv

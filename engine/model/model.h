@@ -23,8 +23,8 @@ class AttentionBackend {
   virtual ~AttentionBackend() = default;
   // q: [N, Hq, D]; k, v: [N, Hkv, D] of this forward's tokens, keys and queries after RoPE.
   // Returns the attention output [N, Hq, D] in q's dtype.
-  virtual absl::StatusOr<at::Tensor> Attend(int32_t layer_idx, const at::Tensor& q, const at::Tensor& k,
-                                            const at::Tensor& v) = 0;
+  virtual absl::StatusOr<at::Tensor> Attend(int32_t layer_idx, const at::Tensor& q,
+                                            const at::Tensor& k, const at::Tensor& v) = 0;
 };
 
 // Sees each layer's attention output (o_proj output, before the residual add): [N, hidden].
@@ -42,8 +42,9 @@ class FullAttentionBackend : public AttentionBackend {
 class Model {
  public:
   // Loads DIR's safetensors per `config` onto `device` in `dtype`. Errors name file and tensor.
-  static absl::StatusOr<std::unique_ptr<Model>> Load(const std::string& model_dir, const ModelConfig& config,
-                                                     at::Device device, at::ScalarType dtype);
+  static absl::StatusOr<std::unique_ptr<Model>> Load(const std::string& model_dir,
+                                                     const ModelConfig& config, at::Device device,
+                                                     at::ScalarType dtype);
   ~Model();
 
   const ModelConfig& config() const { return config_; }
@@ -54,23 +55,25 @@ class Model {
   // tokens, positions: int64 [N] on the model's device; max_position = max(positions) (only
   // dynamic RoPE reads it; the caller knows it on the host). Returns the final-norm hidden
   // states [N, hidden]. Throws nothing.
-  absl::StatusOr<at::Tensor> Forward(const at::Tensor& tokens, const at::Tensor& positions, int64_t max_position,
-                                     AttentionBackend& backend, const AttentionObserver* observer = nullptr) const;
+  absl::StatusOr<at::Tensor> Forward(const at::Tensor& tokens, const at::Tensor& positions,
+                                     int64_t max_position, AttentionBackend& backend,
+                                     const AttentionObserver* observer = nullptr) const;
   // hidden [N, hidden] -> fp32 logits [N, vocab].
   at::Tensor Logits(const at::Tensor& hidden) const;
 
  private:
   struct Layer {
-    at::Tensor input_norm, post_norm;        // [hidden] (Gemma: 1 + w, fp32)
-    at::Tensor q_w, k_w, v_w, o_w;           // [q_size, hidden], [kv_size, hidden] x2, [hidden, q_size]
-    at::Tensor q_b, k_b, v_b, o_b;           // optional biases
-    at::Tensor gate_w, up_w, down_w;         // [inter, hidden] x2, [hidden, inter]
-    at::Tensor gate_b, up_b, down_b;         // optional (Llama mlp_bias)
+    at::Tensor input_norm, post_norm;  // [hidden] (Gemma: 1 + w, fp32)
+    at::Tensor q_w, k_w, v_w, o_w;     // [q_size, hidden], [kv_size, hidden] x2, [hidden, q_size]
+    at::Tensor q_b, k_b, v_b, o_b;     // optional biases
+    at::Tensor gate_w, up_w, down_w;   // [inter, hidden] x2, [hidden, inter]
+    at::Tensor gate_b, up_b, down_b;   // optional (Llama mlp_bias)
   };
   Model(const ModelConfig& config, at::ScalarType dtype) : config_(config), dtype_(dtype) {}
   at::Tensor Norm(const at::Tensor& x, const at::Tensor& w) const;
   // cos, sin: [N, D] in the model dtype.
-  std::pair<at::Tensor, at::Tensor> RopeCosSin(const at::Tensor& positions, int64_t max_position) const;
+  std::pair<at::Tensor, at::Tensor> RopeCosSin(const at::Tensor& positions,
+                                               int64_t max_position) const;
 
   ModelConfig config_;
   at::ScalarType dtype_;

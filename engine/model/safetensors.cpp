@@ -23,7 +23,8 @@ int64_t DtypeBytes(const std::string& dtype) {
   if (dtype == "F32" || dtype == "I32" || dtype == "U32") return 4;
   if (dtype == "F16" || dtype == "BF16" || dtype == "I16" || dtype == "U16") return 2;
   if (dtype == "F64" || dtype == "I64" || dtype == "U64") return 8;
-  if (dtype == "I8" || dtype == "U8" || dtype == "BOOL" || dtype == "F8_E4M3" || dtype == "F8_E5M2") return 1;
+  if (dtype == "I8" || dtype == "U8" || dtype == "BOOL" || dtype == "F8_E4M3" || dtype == "F8_E5M2")
+    return 1;
   return 0;
 }
 
@@ -36,27 +37,35 @@ std::optional<at::ScalarType> ToScalarType(const std::string& dtype) {
 
 const char* DtypeName(at::ScalarType t) {
   switch (t) {
-    case at::kFloat: return "F32";
-    case at::kHalf: return "F16";
-    case at::kBFloat16: return "BF16";
-    default: return nullptr;
+    case at::kFloat:
+      return "F32";
+    case at::kHalf:
+      return "F16";
+    case at::kBFloat16:
+      return "BF16";
+    default:
+      return nullptr;
   }
 }
 
 }  // namespace
 
 SafetensorsFile::~SafetensorsFile() = default;
-const std::string& SafetensorsFile::path() const { return file_->path(); }
+const std::string& SafetensorsFile::path() const {
+  return file_->path();
+}
 
 absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::string& path) {
   ASSIGN_OR_RETURN(auto mapped, MappedFile::Open(path));
   const uint64_t size = mapped->size_bytes();
-  if (size < 8) return absl::DataLossError(absl::StrCat(path, ": truncated safetensors file (", size, " bytes)"));
+  if (size < 8)
+    return absl::DataLossError(
+        absl::StrCat(path, ": truncated safetensors file (", size, " bytes)"));
   uint64_t header_len = 0;
   std::memcpy(&header_len, mapped->data(), 8);  // little-endian hosts only (x86, arm64)
   if (header_len > size - 8) {
-    return absl::DataLossError(absl::StrCat(path, ": truncated safetensors file: header of ", header_len,
-                                            " bytes but the file has ", size));
+    return absl::DataLossError(absl::StrCat(path, ": truncated safetensors file: header of ",
+                                            header_len, " bytes but the file has ", size));
   }
   json header;
   try {
@@ -65,7 +74,8 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
   } catch (const std::exception& e) {
     return absl::DataLossError(absl::StrCat(path, ": bad safetensors header: ", e.what()));
   }
-  if (!header.is_object()) return absl::DataLossError(absl::StrCat(path, ": safetensors header is not an object"));
+  if (!header.is_object())
+    return absl::DataLossError(absl::StrCat(path, ": safetensors header is not an object"));
   std::unique_ptr<SafetensorsFile> f(new SafetensorsFile());
   const uint64_t data_len = size - 8 - header_len;
   for (const auto& [name, e] : header.items()) {
@@ -79,19 +89,21 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
       entry.begin = offsets[0];
       entry.end = offsets[1];
     } catch (const std::exception& ex) {
-      return absl::DataLossError(absl::StrCat(path, ": tensor '", name, "': bad header entry: ", ex.what()));
+      return absl::DataLossError(
+          absl::StrCat(path, ": tensor '", name, "': bad header entry: ", ex.what()));
     }
     if (entry.end < entry.begin || entry.end > data_len) {
-      return absl::DataLossError(absl::StrCat(path, ": tensor '", name, "': data [", entry.begin, ", ", entry.end,
-                                              ") lies outside the file's ", data_len,
-                                              " data bytes (truncated file?)"));
+      return absl::DataLossError(absl::StrCat(path, ": tensor '", name, "': data [", entry.begin,
+                                              ", ", entry.end, ") lies outside the file's ",
+                                              data_len, " data bytes (truncated file?)"));
     }
     int64_t numel = 1;
     for (int64_t d : entry.shape) numel *= d;
     const int64_t elem = DtypeBytes(entry.dtype);
     if (elem > 0 && static_cast<uint64_t>(numel * elem) != entry.end - entry.begin) {
-      return absl::DataLossError(absl::StrCat(path, ": tensor '", name, "': ", entry.end - entry.begin,
-                                              " bytes do not match its shape and dtype ", entry.dtype));
+      return absl::DataLossError(
+          absl::StrCat(path, ": tensor '", name, "': ", entry.end - entry.begin,
+                       " bytes do not match its shape and dtype ", entry.dtype));
     }
     f->entries_.emplace(name, std::move(entry));
   }
@@ -102,12 +114,13 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
 
 absl::StatusOr<at::Tensor> SafetensorsFile::Read(const std::string& name) const {
   auto it = entries_.find(name);
-  if (it == entries_.end()) return absl::NotFoundError(absl::StrCat(path(), ": no tensor '", name, "'"));
+  if (it == entries_.end())
+    return absl::NotFoundError(absl::StrCat(path(), ": no tensor '", name, "'"));
   const auto& e = it->second;
   auto st = ToScalarType(e.dtype);
   if (!st) {
-    return absl::InvalidArgumentError(absl::StrCat(path(), ": tensor '", name, "' has dtype ", e.dtype,
-                                                   "; supported: F32, F16, BF16"));
+    return absl::InvalidArgumentError(absl::StrCat(path(), ": tensor '", name, "' has dtype ",
+                                                   e.dtype, "; supported: F32, F16, BF16"));
   }
   // A copy, not a view of the mapping: the mapping may be unaligned and must not outlive us.
   at::Tensor t = at::empty(e.shape, at::TensorOptions().dtype(*st));
@@ -115,7 +128,8 @@ absl::StatusOr<at::Tensor> SafetensorsFile::Read(const std::string& name) const 
   return t;
 }
 
-absl::StatusOr<std::unique_ptr<SafetensorsFolder>> SafetensorsFolder::Open(const std::string& model_dir) {
+absl::StatusOr<std::unique_ptr<SafetensorsFolder>> SafetensorsFolder::Open(
+    const std::string& model_dir) {
   namespace fs = std::filesystem;
   auto folder = std::make_unique<SafetensorsFolder>();
   const fs::path dir(model_dir);
@@ -126,15 +140,18 @@ absl::StatusOr<std::unique_ptr<SafetensorsFolder>> SafetensorsFolder::Open(const
     std::set<std::string> uniq;
     try {
       json j = json::parse(text);
-      for (const auto& [tensor, file] : j.at("weight_map").items()) uniq.insert(file.get<std::string>());
+      for (const auto& [tensor, file] : j.at("weight_map").items())
+        uniq.insert(file.get<std::string>());
     } catch (const std::exception& e) {
-      return absl::InvalidArgumentError(absl::StrCat(index_path.string(), ": bad index: ", e.what()));
+      return absl::InvalidArgumentError(
+          absl::StrCat(index_path.string(), ": bad index: ", e.what()));
     }
     shard_names.assign(uniq.begin(), uniq.end());
   } else if (fs::exists(dir / "model.safetensors")) {
     shard_names.push_back("model.safetensors");
   } else {
-    return absl::NotFoundError(absl::StrCat(model_dir, ": no model.safetensors or model.safetensors.index.json"));
+    return absl::NotFoundError(
+        absl::StrCat(model_dir, ": no model.safetensors or model.safetensors.index.json"));
   }
   for (size_t i = 0; i < shard_names.size(); ++i) {
     const fs::path p = dir / shard_names[i];
@@ -143,8 +160,8 @@ absl::StatusOr<std::unique_ptr<SafetensorsFolder>> SafetensorsFolder::Open(const
                                               index_path.filename().string(), ")"));
     }
     ASSIGN_OR_RETURN(auto file, SafetensorsFile::Open(p.string()));
-    LogInfo(absl::StrCat("model: mapped shard ", i + 1, "/", shard_names.size(), " ", p.string(), " (",
-                         file->entries().size(), " tensors)"));
+    LogInfo(absl::StrCat("model: mapped shard ", i + 1, "/", shard_names.size(), " ", p.string(),
+                         " (", file->entries().size(), " tensors)"));
     for (const auto& [name, e] : file->entries()) folder->by_name_[name] = file.get();
     folder->files_.push_back(std::move(file));
   }
@@ -163,10 +180,12 @@ absl::Status WriteSafetensors(const std::string& path,
   std::vector<at::Tensor> data;
   for (const auto& [name, t0] : tensors) {
     const char* dt = DtypeName(t0.scalar_type());
-    if (dt == nullptr) return absl::InvalidArgumentError(absl::StrCat("tensor '", name, "': unsupported dtype"));
+    if (dt == nullptr)
+      return absl::InvalidArgumentError(absl::StrCat("tensor '", name, "': unsupported dtype"));
     at::Tensor t = t0.to(at::kCPU).contiguous();
     const uint64_t n = t.numel() * t.element_size();
-    header[name] = {{"dtype", dt}, {"shape", t.sizes().vec()}, {"data_offsets", {offset, offset + n}}};
+    header[name] = {
+        {"dtype", dt}, {"shape", t.sizes().vec()}, {"data_offsets", {offset, offset + n}}};
     offset += n;
     data.push_back(t);
   }
@@ -178,7 +197,8 @@ absl::Status WriteSafetensors(const std::string& path,
   out.write(reinterpret_cast<const char*>(&hlen), 8);
   out.write(h.data(), static_cast<std::streamsize>(h.size()));
   for (const auto& t : data) {
-    out.write(static_cast<const char*>(t.data_ptr()), static_cast<std::streamsize>(t.numel() * t.element_size()));
+    out.write(static_cast<const char*>(t.data_ptr()),
+              static_cast<std::streamsize>(t.numel() * t.element_size()));
   }
   if (!out) return absl::DataLossError(absl::StrCat(path, ": write failed"));
   return absl::OkStatus();

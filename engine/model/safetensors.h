@@ -20,9 +20,9 @@ namespace dropkv {
 class MappedFile;
 
 struct SafetensorsEntry {
-  std::string dtype;           // "F32", "F16", "BF16", ...
+  std::string dtype;  // "F32", "F16", "BF16", ...
   std::vector<int64_t> shape;
-  uint64_t begin = 0;          // byte offsets into the data section
+  uint64_t begin = 0;  // byte offsets into the data section
   uint64_t end = 0;
 };
 

@@ -71,8 +71,8 @@ std::string DemoTokenizerJson() {
   json vocab = json::object();
   for (int b = 0; b < 256; ++b) vocab[ByteToUnicode(b)] = b;
   auto special = [](int id, const char* content) {
-    return json{{"id", id},         {"content", content}, {"single_word", false}, {"lstrip", false},
-                {"rstrip", false},  {"normalized", false}, {"special", true}};
+    return json{{"id", id},        {"content", content},  {"single_word", false}, {"lstrip", false},
+                {"rstrip", false}, {"normalized", false}, {"special", true}};
   };
   json tok = {
       {"version", "1.0"},
@@ -80,16 +80,26 @@ std::string DemoTokenizerJson() {
       {"padding", nullptr},
       {"added_tokens", {special(256, "<s>"), special(257, "</s>")}},
       {"normalizer", nullptr},
-      {"pre_tokenizer", {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", false}}},
+      {"pre_tokenizer",
+       {{"type", "ByteLevel"},
+        {"add_prefix_space", false},
+        {"trim_offsets", true},
+        {"use_regex", false}}},
       {"post_processor",
        {{"type", "TemplateProcessing"},
-        {"single", {{{"SpecialToken", {{"id", "<s>"}, {"type_id", 0}}}}, {{"Sequence", {{"id", "A"}, {"type_id", 0}}}}}},
+        {"single",
+         {{{"SpecialToken", {{"id", "<s>"}, {"type_id", 0}}}},
+          {{"Sequence", {{"id", "A"}, {"type_id", 0}}}}}},
         {"pair",
          {{{"SpecialToken", {{"id", "<s>"}, {"type_id", 0}}}},
           {{"Sequence", {{"id", "A"}, {"type_id", 0}}}},
           {{"Sequence", {{"id", "B"}, {"type_id", 1}}}}}},
         {"special_tokens", {{"<s>", {{"id", "<s>"}, {"ids", {256}}, {"tokens", {"<s>"}}}}}}}},
-      {"decoder", {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", false}}},
+      {"decoder",
+       {{"type", "ByteLevel"},
+        {"add_prefix_space", false},
+        {"trim_offsets", true},
+        {"use_regex", false}}},
       {"model",
        {{"type", "BPE"},
         {"dropout", nullptr},
@@ -106,14 +116,17 @@ std::string DemoTokenizerJson() {
 
 absl::StatusOr<std::string> EnsureDemoModel(const std::string& dir) {
   const fs::path out(dir);
-  if (fs::exists(out / "config.json") && fs::exists(out / "model.safetensors") && fs::exists(out / "tokenizer.json")) {
+  if (fs::exists(out / "config.json") && fs::exists(out / "model.safetensors") &&
+      fs::exists(out / "tokenizer.json")) {
     return dir;
   }
   LogInfo(absl::StrCat("demo model: writing a random-weight demo model (not a real LLM) to ", dir));
   std::error_code ec;
   const fs::path tmp = out.string() + ".tmp-" + std::to_string(::getpid());
   fs::create_directories(tmp, ec);
-  if (ec) return absl::PermissionDeniedError(absl::StrCat(tmp.string(), ": cannot create: ", ec.message()));
+  if (ec)
+    return absl::PermissionDeniedError(
+        absl::StrCat(tmp.string(), ": cannot create: ", ec.message()));
   json config = {{"architectures", {"LlamaForCausalLM"}},
                  {"model_type", "llama"},
                  {"vocab_size", kDemoVocab},
@@ -133,15 +146,20 @@ absl::StatusOr<std::string> EnsureDemoModel(const std::string& dir) {
                  {"torch_dtype", "float32"},
                  {"dropkv_demo_model", true}};
   RETURN_IF_ERROR(WriteText(tmp / "config.json", config.dump(2)));
-  RETURN_IF_ERROR(WriteText(tmp / "generation_config.json", json{{"bos_token_id", 256}, {"eos_token_id", 257}}.dump(2)));
+  RETURN_IF_ERROR(WriteText(tmp / "generation_config.json",
+                            json{{"bos_token_id", 256}, {"eos_token_id", 257}}.dump(2)));
   RETURN_IF_ERROR(WriteText(tmp / "tokenizer.json", DemoTokenizerJson()));
-  RETURN_IF_ERROR(WriteText(
-      tmp / "tokenizer_config.json",
-      json{{"bos_token", "<s>"}, {"eos_token", "</s>"}, {"add_bos_token", true}, {"tokenizer_class", "PreTrainedTokenizerFast"}}
-          .dump(2)));
+  RETURN_IF_ERROR(
+      WriteText(tmp / "tokenizer_config.json", json{{"bos_token", "<s>"},
+                                                    {"eos_token", "</s>"},
+                                                    {"add_bos_token", true},
+                                                    {"tokenizer_class", "PreTrainedTokenizerFast"}}
+                                                   .dump(2)));
   try {
     auto gen = at::detail::createCPUGenerator(kDemoSeed);
-    auto randn = [&](std::vector<int64_t> shape, double std) { return at::randn(shape, gen) * std; };
+    auto randn = [&](std::vector<int64_t> shape, double std) {
+      return at::randn(shape, gen) * std;
+    };
     std::vector<std::pair<std::string, at::Tensor>> w;
     // std 0.5 on the embedding (tied head) keeps the logits peaked, so greedy output is stable.
     w.emplace_back("model.embed_tokens.weight", randn({kDemoVocab, kDemoHidden}, 0.5));
@@ -166,7 +184,9 @@ absl::StatusOr<std::string> EnsureDemoModel(const std::string& dir) {
   fs::create_directories(out.parent_path(), ec);
   fs::remove_all(out, ec);
   fs::rename(tmp, out, ec);
-  if (ec) return absl::PermissionDeniedError(absl::StrCat(dir, ": cannot move the demo model in place: ", ec.message()));
+  if (ec)
+    return absl::PermissionDeniedError(
+        absl::StrCat(dir, ": cannot move the demo model in place: ", ec.message()));
   return dir;
 }
 

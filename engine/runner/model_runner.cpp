@@ -31,7 +31,8 @@ absl::StatusOr<at::ScalarType> ParseDtype(const std::string& s, bool cuda) {
   if (s == "float32" || s == "fp32") return at::kFloat;
   if (s == "bfloat16" || s == "bf16") return at::kBFloat16;
   if (s == "float16" || s == "fp16") return at::kHalf;
-  return absl::InvalidArgumentError(absl::StrCat("dtype: '", s, "' is not one of auto, float32, bfloat16, float16"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("dtype: '", s, "' is not one of auto, float32, bfloat16, float16"));
 }
 
 void SetThreadsFromEnv() {
@@ -55,7 +56,11 @@ class PrefillBackend : public AttentionBackend {
  public:
   PrefillBackend(TorchModelRunner& runner, SequenceId seq, int64_t start_pos, bool is_last_chunk,
                  KvSelector* selector)
-      : runner_(runner), seq_(seq), start_pos_(start_pos), is_last_chunk_(is_last_chunk), selector_(selector) {}
+      : runner_(runner),
+        seq_(seq),
+        start_pos_(start_pos),
+        is_last_chunk_(is_last_chunk),
+        selector_(selector) {}
   absl::StatusOr<at::Tensor> Attend(int32_t layer_idx, const at::Tensor& q, const at::Tensor& k,
                                     const at::Tensor& v) override;
   std::vector<int32_t>& deferred_free() { return deferred_free_; }
@@ -73,7 +78,11 @@ class PrefillBackend : public AttentionBackend {
 class DecodeBackend : public AttentionBackend {
  public:
   DecodeBackend(BlockPool& pool, at::Tensor slots, at::Tensor tables, at::Tensor lens, double scale)
-      : pool_(pool), slots_(std::move(slots)), tables_(std::move(tables)), lens_(std::move(lens)), scale_(scale) {}
+      : pool_(pool),
+        slots_(std::move(slots)),
+        tables_(std::move(tables)),
+        lens_(std::move(lens)),
+        scale_(scale) {}
   absl::StatusOr<at::Tensor> Attend(int32_t layer_idx, const at::Tensor& q, const at::Tensor& k,
                                     const at::Tensor& v) override {
     const auto& kc = pool_.key_cache();
@@ -95,7 +104,8 @@ class DecodeBackend : public AttentionBackend {
 
 class TorchModelRunner : public ModelRunner {
  public:
-  TorchModelRunner(RunnerOptions options, std::unique_ptr<Model> model, std::unique_ptr<BlockPool> pool)
+  TorchModelRunner(RunnerOptions options, std::unique_ptr<Model> model,
+                   std::unique_ptr<BlockPool> pool)
       : options_(std::move(options)), model_(std::move(model)), pool_(std::move(pool)) {}
 
   const ModelConfig& config() const override { return model_->config(); }
@@ -103,12 +113,15 @@ class TorchModelRunner : public ModelRunner {
   const Model* model() const override { return model_.get(); }
   void SetKvSelectorFactory(KvSelectorFactory factory) override { factory_ = std::move(factory); }
 
-  int64_t BlocksForPrompt(int64_t prompt_len, const CompressionParams& c, int64_t decode_reserve_tokens) const override {
+  int64_t BlocksForPrompt(int64_t prompt_len, const CompressionParams& c,
+                          int64_t decode_reserve_tokens) const override {
     const int64_t num_layers = config().num_layers;
     int64_t peak_per_layer = prompt_len;
     if (c.method != ScoreMethod::kNone) {
-      int64_t kept = c.budget_tokens ? std::min(*c.budget_tokens, prompt_len)
-                                     : static_cast<int64_t>(std::ceil(c.keep_ratio * static_cast<double>(prompt_len)));
+      int64_t kept =
+          c.budget_tokens
+              ? std::min(*c.budget_tokens, prompt_len)
+              : static_cast<int64_t>(std::ceil(c.keep_ratio * static_cast<double>(prompt_len)));
       const bool chunked = c.chunk_size > 0 && c.chunk_size < prompt_len;
       if (!chunked) {
         peak_per_layer = kept;
@@ -118,24 +131,28 @@ class TorchModelRunner : public ModelRunner {
         peak_per_layer = std::min(prompt_len, std::max(kept, c.budget_cap_tokens) + c.chunk_size);
       }  // kLastChunk: every chunk is stored in full before the last one compresses
       // Per-layer budgets (DepthKV) differ around the mean: one block of slack per layer.
-      return num_layers * (pool_->BlocksFor(std::max(peak_per_layer, kept + decode_reserve_tokens)) + 1);
+      return num_layers *
+             (pool_->BlocksFor(std::max(peak_per_layer, kept + decode_reserve_tokens)) + 1);
     }
     return num_layers * pool_->BlocksFor(peak_per_layer + decode_reserve_tokens);
   }
 
-  absl::StatusOr<at::Tensor> Prefill(SequenceId seq, std::span<const int32_t> chunk, bool is_last_chunk,
+  absl::StatusOr<at::Tensor> Prefill(SequenceId seq, std::span<const int32_t> chunk,
+                                     bool is_last_chunk,
                                      const CompressionParams& compression) override {
     std::unique_ptr<KvSelector> owned;
     if (compression.method != ScoreMethod::kNone) {
       if (!factory_) {
-        return absl::FailedPreconditionError("compression requested but no KvSelector factory is registered");
+        return absl::FailedPreconditionError(
+            "compression requested but no KvSelector factory is registered");
       }
       ASSIGN_OR_RETURN(owned, factory_(compression, config()));
     }
     return PrefillWithSelector(seq, chunk, is_last_chunk, owned.get());
   }
 
-  absl::StatusOr<at::Tensor> PrefillWithSelector(SequenceId seq, std::span<const int32_t> chunk, bool is_last_chunk,
+  absl::StatusOr<at::Tensor> PrefillWithSelector(SequenceId seq, std::span<const int32_t> chunk,
+                                                 bool is_last_chunk,
                                                  KvSelector* selector) override {
     if (chunk.empty()) return absl::InvalidArgumentError("prefill chunk is empty");
     RETURN_IF_ERROR(CheckTokens(chunk));
@@ -158,7 +175,8 @@ class TorchModelRunner : public ModelRunner {
     };
     try {
       auto tokens = TokensTensor(chunk);
-      auto positions = at::arange(start, start + n, at::TensorOptions().dtype(at::kLong).device(model_->device()));
+      auto positions = at::arange(start, start + n,
+                                  at::TensorOptions().dtype(at::kLong).device(model_->device()));
       auto hidden = model_->Forward(tokens, positions, start + n - 1, backend);
       if (!hidden.ok()) return fail(hidden.status());
       pool_->FreeBlocks(backend.deferred_free());  // commit
@@ -170,14 +188,17 @@ class TorchModelRunner : public ModelRunner {
     }
   }
 
-  absl::StatusOr<at::Tensor> Decode(std::span<const SequenceId> seqs, std::span<const int32_t> tokens) override {
+  absl::StatusOr<at::Tensor> Decode(std::span<const SequenceId> seqs,
+                                    std::span<const int32_t> tokens) override {
     if (seqs.size() != tokens.size()) {
-      return absl::InvalidArgumentError(absl::StrCat("decode: ", seqs.size(), " sequences but ", tokens.size(), " tokens"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("decode: ", seqs.size(), " sequences but ", tokens.size(), " tokens"));
     }
     if (seqs.empty()) return absl::InvalidArgumentError("decode: empty batch");
     RETURN_IF_ERROR(CheckTokens(tokens));
     for (SequenceId s : seqs) {
-      if (!pool_->HasSequence(s)) return absl::NotFoundError(absl::StrCat("decode: unknown sequence ", s));
+      if (!pool_->HasSequence(s))
+        return absl::NotFoundError(absl::StrCat("decode: unknown sequence ", s));
     }
     c10::InferenceMode guard;
     const std::vector<int64_t> ids(seqs.begin(), seqs.end());
@@ -216,11 +237,13 @@ class TorchModelRunner : public ModelRunner {
           const int64_t last = t.stored_len - 1;
           slots_p[l * batch + b] = int64_t{t.block_ids[last / bs]} * bs + last % bs;
           lens_p[l * batch + b] = static_cast<int32_t>(t.stored_len);
-          std::copy(t.block_ids.begin(), t.block_ids.end(), tables_p + (l * batch + b) * max_blocks);
+          std::copy(t.block_ids.begin(), t.block_ids.end(),
+                    tables_p + (l * batch + b) * max_blocks);
         }
       }
       const auto dev = model_->device();
-      DecodeBackend backend(*pool_, slots.to(dev), tables.to(dev), lens.to(dev), model_->attention_scale());
+      DecodeBackend backend(*pool_, slots.to(dev), tables.to(dev), lens.to(dev),
+                            model_->attention_scale());
       auto hidden = model_->Forward(TokensTensor(tokens), positions.to(dev), max_pos, backend);
       if (!hidden.ok()) return undo(hidden.status());
       for (int64_t s : ids) pool_->set_logical_len(s, pool_->logical_len(s) + 1);
@@ -234,7 +257,8 @@ class TorchModelRunner : public ModelRunner {
     SequenceCacheInfo info;
     if (!pool_->HasSequence(seq)) return info;
     info.logical_len = pool_->logical_len(seq);
-    for (int32_t l = 0; l < pool_->num_layers(); ++l) info.stored_len_per_layer.push_back(pool_->stored_len(seq, l));
+    for (int32_t l = 0; l < pool_->num_layers(); ++l)
+      info.stored_len_per_layer.push_back(pool_->stored_len(seq, l));
     info.num_blocks = pool_->num_blocks_of(seq);
     return info;
   }
@@ -245,7 +269,8 @@ class TorchModelRunner : public ModelRunner {
   }
 
   absl::Status CompactLayer(SequenceId seq, int32_t layer_idx, const at::Tensor& kept) override {
-    if (!pool_->HasSequence(seq)) return absl::NotFoundError(absl::StrCat("unknown sequence ", seq));
+    if (!pool_->HasSequence(seq))
+      return absl::NotFoundError(absl::StrCat("unknown sequence ", seq));
     if (layer_idx < 0 || layer_idx >= config().num_layers) {
       return absl::InvalidArgumentError(absl::StrCat("layer_idx ", layer_idx, " out of range"));
     }
@@ -263,7 +288,8 @@ class TorchModelRunner : public ModelRunner {
   }
 
   absl::StatusOr<at::Tensor> StoredPositions(SequenceId seq, int32_t layer_idx) const override {
-    if (!pool_->HasSequence(seq)) return absl::NotFoundError(absl::StrCat("unknown sequence ", seq));
+    if (!pool_->HasSequence(seq))
+      return absl::NotFoundError(absl::StrCat("unknown sequence ", seq));
     auto it = positions_.find(seq);
     if (it != positions_.end() && it->second.size() > static_cast<size_t>(layer_idx) &&
         it->second[layer_idx].defined()) {
@@ -276,17 +302,21 @@ class TorchModelRunner : public ModelRunner {
         .contiguous();
   }
 
-  absl::StatusOr<std::vector<at::Tensor>> CaptureAttentionOutputs(std::span<const int32_t> tokens) override {
+  absl::StatusOr<std::vector<at::Tensor>> CaptureAttentionOutputs(
+      std::span<const int32_t> tokens) override {
     if (tokens.empty()) return absl::InvalidArgumentError("CaptureAttentionOutputs: no tokens");
     RETURN_IF_ERROR(CheckTokens(tokens));
     c10::InferenceMode guard;
     std::vector<at::Tensor> outs(config().num_layers);
-    AttentionObserver observer = [&](int32_t layer_idx, const at::Tensor& o) { outs[layer_idx] = o; };
+    AttentionObserver observer = [&](int32_t layer_idx, const at::Tensor& o) {
+      outs[layer_idx] = o;
+    };
     FullAttentionBackend backend;
     try {
       const int64_t n = static_cast<int64_t>(tokens.size());
       auto positions = at::arange(n, at::TensorOptions().dtype(at::kLong).device(model_->device()));
-      RETURN_IF_ERROR(model_->Forward(TokensTensor(tokens), positions, n - 1, backend, &observer).status());
+      RETURN_IF_ERROR(
+          model_->Forward(TokensTensor(tokens), positions, n - 1, backend, &observer).status());
     } catch (const std::exception& e) {
       return absl::InternalError(absl::StrCat("CaptureAttentionOutputs: ", e.what()));
     }
@@ -306,7 +336,8 @@ class TorchModelRunner : public ModelRunner {
   }
 
   // Writes new_k/new_v ([m, Hkv, D]) into slots [begin, begin + m) of a layer.
-  void WriteSlots(SequenceId seq, int32_t layer_idx, int64_t begin, const at::Tensor& new_k, const at::Tensor& new_v) {
+  void WriteSlots(SequenceId seq, int32_t layer_idx, int64_t begin, const at::Tensor& new_k,
+                  const at::Tensor& new_v) {
     const auto& kc = pool_->key_cache();
     const int64_t hkv = kc.size(2);
     const int64_t d = kc.size(3);
@@ -317,13 +348,14 @@ class TorchModelRunner : public ModelRunner {
 
   // Replaces a layer's contents by the kept entries of k/v/pos ([Hkv, n, D], [Hkv, n]); the old
   // blocks go to `old` (the caller frees them on commit).
-  absl::Status StoreKept(SequenceId seq, int32_t layer_idx, const at::Tensor& k, const at::Tensor& v,
-                         const at::Tensor& pos, const at::Tensor& kept, std::vector<int32_t>* old) {
+  absl::Status StoreKept(SequenceId seq, int32_t layer_idx, const at::Tensor& k,
+                         const at::Tensor& v, const at::Tensor& pos, const at::Tensor& kept,
+                         std::vector<int32_t>* old) {
     const int64_t hkv = k.size(0);
     const int64_t n = k.size(1);
     if (kept.dim() != 2 || kept.size(0) != hkv) {
-      return absl::InvalidArgumentError(absl::StrCat("KvSelector: kept indices must be [", hkv, ", k], got ",
-                                                     kept.dim(), " dims"));
+      return absl::InvalidArgumentError(absl::StrCat("KvSelector: kept indices must be [", hkv,
+                                                     ", k], got ", kept.dim(), " dims"));
     }
     auto idx = kept.to(k.device(), at::kLong);
     if (idx.numel() > 0 && (idx.min().item<int64_t>() < 0 || idx.max().item<int64_t>() >= n)) {
@@ -333,7 +365,7 @@ class TorchModelRunner : public ModelRunner {
     auto gather_idx = idx.unsqueeze(2).expand({hkv, m, k.size(2)});
     auto kk = k.gather(1, gather_idx).transpose(0, 1).contiguous();  // [m, Hkv, D]
     auto vv = v.gather(1, gather_idx).transpose(0, 1).contiguous();
-    auto pp = pos.gather(1, idx);                                     // [Hkv, m]
+    auto pp = pos.gather(1, idx);  // [Hkv, m]
     RETURN_IF_ERROR(pool_->ReplaceLayer(seq, layer_idx, m, old));
     WriteSlots(seq, layer_idx, 0, kk, vv);
     auto& per_layer = positions_[seq];
@@ -342,7 +374,8 @@ class TorchModelRunner : public ModelRunner {
     return absl::OkStatus();
   }
 
-  void AppendPositions(SequenceId seq, int32_t layer_idx, const at::Tensor& chunk_pos /*[Hkv, T]*/) {
+  void AppendPositions(SequenceId seq, int32_t layer_idx,
+                       const at::Tensor& chunk_pos /*[Hkv, T]*/) {
     auto it = positions_.find(seq);
     if (it == positions_.end() || it->second.size() <= static_cast<size_t>(layer_idx) ||
         !it->second[layer_idx].defined()) {
@@ -358,14 +391,15 @@ class TorchModelRunner : public ModelRunner {
   absl::Status CheckTokens(std::span<const int32_t> tokens) const {
     for (size_t i = 0; i < tokens.size(); ++i) {
       if (tokens[i] < 0 || tokens[i] >= config().vocab_size) {
-        return absl::InvalidArgumentError(absl::StrCat("token id ", tokens[i], " at index ", i, " is outside [0, ",
-                                                       config().vocab_size, ")"));
+        return absl::InvalidArgumentError(absl::StrCat(
+            "token id ", tokens[i], " at index ", i, " is outside [0, ", config().vocab_size, ")"));
       }
     }
     return absl::OkStatus();
   }
   at::Tensor TokensTensor(std::span<const int32_t> tokens) const {
-    return at::tensor(std::vector<int64_t>(tokens.begin(), tokens.end()), at::kLong).to(model_->device());
+    return at::tensor(std::vector<int64_t>(tokens.begin(), tokens.end()), at::kLong)
+        .to(model_->device());
   }
 
   RunnerOptions options_;
@@ -373,12 +407,13 @@ class TorchModelRunner : public ModelRunner {
   std::unique_ptr<BlockPool> pool_;
   KvSelectorFactory factory_;
   // Per sequence, per layer: positions [Hkv, stored] once a layer was compacted (undefined =
-  // arange(stored_len), the uncompressed case). Tracked through prefill; decode does not extend them.
+  // arange(stored_len), the uncompressed case). Tracked through prefill; decode does not extend
+  // them.
   std::unordered_map<SequenceId, std::vector<at::Tensor>> positions_;
 };
 
-absl::StatusOr<at::Tensor> PrefillBackend::Attend(int32_t layer_idx, const at::Tensor& q, const at::Tensor& k,
-                                                  const at::Tensor& v) {
+absl::StatusOr<at::Tensor> PrefillBackend::Attend(int32_t layer_idx, const at::Tensor& q,
+                                                  const at::Tensor& k, const at::Tensor& v) {
   BlockPool& pool = runner_.block_pool();
   const int64_t t_len = q.size(0);
   const int64_t stored = pool.stored_len(seq_, layer_idx);
@@ -393,7 +428,8 @@ absl::StatusOr<at::Tensor> PrefillBackend::Attend(int32_t layer_idx, const at::T
   }
   at::Tensor out = PrefillAttention(q, all_k, all_v, runner_.scale());  // [T, Hq, D]
   const int64_t hkv = k.size(1);
-  auto chunk_pos = at::arange(start_pos_, start_pos_ + t_len, at::TensorOptions().dtype(at::kLong).device(k.device()))
+  auto chunk_pos = at::arange(start_pos_, start_pos_ + t_len,
+                              at::TensorOptions().dtype(at::kLong).device(k.device()))
                        .unsqueeze(0)
                        .expand({hkv, t_len});
   std::optional<at::Tensor> kept;
@@ -432,20 +468,24 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const RunnerOpt
   std::string dir = options.model_dir;
   if (dir.empty()) {
     ASSIGN_OR_RETURN(dir, EnsureDemoModel(DefaultDemoModelDir()));
-    LogWarn(absl::StrCat("no model given: serving the built-in DEMO model (random weights) from ", dir));
+    LogWarn(absl::StrCat("no model given: serving the built-in DEMO model (random weights) from ",
+                         dir));
   }
   ASSIGN_OR_RETURN(ModelConfig config, LoadModelConfig(dir));
   at::Device device(at::kCPU);
   try {
     device = at::Device(options.device);
   } catch (const std::exception& e) {
-    return absl::InvalidArgumentError(absl::StrCat("device: '", options.device, "' is not cpu or cuda[:N]"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("device: '", options.device, "' is not cpu or cuda[:N]"));
   }
   if (device.is_cuda() && !at::hasCUDA()) {
-    return absl::FailedPreconditionError(absl::StrCat("device: '", options.device, "' but no CUDA device is available"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("device: '", options.device, "' but no CUDA device is available"));
   }
   if (!device.is_cpu() && !device.is_cuda()) {
-    return absl::InvalidArgumentError(absl::StrCat("device: '", options.device, "' is not cpu or cuda[:N]"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("device: '", options.device, "' is not cpu or cuda[:N]"));
   }
   ASSIGN_OR_RETURN(at::ScalarType dtype, ParseDtype(options.dtype, device.is_cuda()));
   if (options.block_size <= 0) return absl::InvalidArgumentError("block_size must be > 0");
@@ -457,20 +497,22 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const RunnerOpt
   po.head_dim = config.head_dim;
   po.dtype = dtype;
   po.device = device;
-  const int64_t block_bytes = int64_t{2} * options.block_size * config.num_kv_heads * config.head_dim *
-                              static_cast<int64_t>(c10::elementSize(dtype));
+  const int64_t block_bytes = int64_t{2} * options.block_size * config.num_kv_heads *
+                              config.head_dim * static_cast<int64_t>(c10::elementSize(dtype));
   if (options.num_kv_blocks > 0) {
     po.num_blocks = options.num_kv_blocks;
   } else {
     // TODO(issue 3): on CUDA, size from free memory after weights (needs the CUDA runtime API).
-    const int64_t bytes = options.kv_cache_bytes > 0 ? options.kv_cache_bytes
-                                                     : (device.is_cuda() ? (int64_t{8} << 30) : (int64_t{1} << 30));
+    const int64_t bytes = options.kv_cache_bytes > 0
+                              ? options.kv_cache_bytes
+                              : (device.is_cuda() ? (int64_t{8} << 30) : (int64_t{1} << 30));
     po.num_blocks = std::max<int64_t>(1, bytes / block_bytes);
   }
   ASSIGN_OR_RETURN(auto pool, BlockPool::Create(po));
-  LogInfo(absl::StrCat("runner: KV pool of ", po.num_blocks, " blocks x ", po.block_size, " slots (",
-                       po.num_blocks * block_bytes / (1 << 20), " MiB)"));
-  return std::unique_ptr<ModelRunner>(new TorchModelRunner(options, std::move(model), std::move(pool)));
+  LogInfo(absl::StrCat("runner: KV pool of ", po.num_blocks, " blocks x ", po.block_size,
+                       " slots (", po.num_blocks * block_bytes / (1 << 20), " MiB)"));
+  return std::unique_ptr<ModelRunner>(
+      new TorchModelRunner(options, std::move(model), std::move(pool)));
 }
 
 }  // namespace dropkv

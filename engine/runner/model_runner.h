@@ -26,17 +26,18 @@ struct ModelConfig;
 using SequenceId = int64_t;
 
 struct RunnerOptions {
-  std::string model_dir;           // Hugging Face folder; empty = the built-in demo model
-  std::string device = "cpu";      // "cpu" or "cuda[:N]"
-  std::string dtype = "auto";      // "auto" (bf16 on CUDA, fp32 on CPU), "float32", "bfloat16", "float16"
-  int32_t block_size = 16;         // KV slots per block
-  int64_t kv_cache_bytes = 0;      // 0 = a default (CPU: 1 GiB; CUDA: 90% of free memory after weights)
-  int64_t num_kv_blocks = 0;       // > 0 overrides kv_cache_bytes (tests use tiny pools)
+  std::string model_dir;       // Hugging Face folder; empty = the built-in demo model
+  std::string device = "cpu";  // "cpu" or "cuda[:N]"
+  std::string dtype =
+      "auto";               // "auto" (bf16 on CUDA, fp32 on CPU), "float32", "bfloat16", "float16"
+  int32_t block_size = 16;  // KV slots per block
+  int64_t kv_cache_bytes = 0;  // 0 = a default (CPU: 1 GiB; CUDA: 90% of free memory after weights)
+  int64_t num_kv_blocks = 0;   // > 0 overrides kv_cache_bytes (tests use tiny pools)
 };
 
 // What the scheduler needs to know about a sequence's cache after a step.
 struct SequenceCacheInfo {
-  int64_t logical_len = 0;                  // next RoPE position
+  int64_t logical_len = 0;  // next RoPE position
   std::vector<int64_t> stored_len_per_layer;
   int64_t num_blocks = 0;
 };
@@ -87,7 +88,8 @@ class ModelRunner {
   // Chunked prefill: each chunk is stored in full unless the selector compacts the layer; when
   // it does, the layer's table is rewritten with the kept entries (per KV head), and later
   // chunks append after them. RoPE positions always continue from the logical length.
-  virtual absl::StatusOr<at::Tensor> PrefillWithSelector(SequenceId seq, std::span<const int32_t> chunk,
+  virtual absl::StatusOr<at::Tensor> PrefillWithSelector(SequenceId seq,
+                                                         std::span<const int32_t> chunk,
                                                          bool is_last_chunk, KvSelector* selector) {
     return absl::UnimplementedError("PrefillWithSelector");
   }
@@ -103,7 +105,8 @@ class ModelRunner {
   // For calibration (issue 6): a full-cache causal forward of `tokens` from position 0 that does
   // not touch the pool; returns each layer's attention output (o_proj output, before the residual
   // add), [num_tokens, hidden] per layer, in the model dtype.
-  virtual absl::StatusOr<std::vector<at::Tensor>> CaptureAttentionOutputs(std::span<const int32_t> tokens) {
+  virtual absl::StatusOr<std::vector<at::Tensor>> CaptureAttentionOutputs(
+      std::span<const int32_t> tokens) {
     return absl::UnimplementedError("CaptureAttentionOutputs");
   }
 };
