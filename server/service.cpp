@@ -1,0 +1,398 @@
+#include "server/service.h"
+
+#include <chrono>
+#include <mutex>
+
+#include "engine/scheduler/scheduler.h"
+#include "engine/tokenizer/tokenizer.h"
+
+namespace dropkv {
+namespace {
+
+v1::FinishReason ToProto(FinishReason reason) {
+  switch (reason) {
+    case FinishReason::kStop:
+      return v1::FINISH_REASON_STOP;
+    case FinishReason::kLength:
+      return v1::FINISH_REASON_LENGTH;
+    case FinishReason::kCancelled:
+      return v1::FINISH_REASON_CANCELLED;
+    case FinishReason::kError:
+      return v1::FINISH_REASON_ERROR;
+    case FinishReason::kNone:
+      break;
+  }
+  return v1::FINISH_REASON_UNSPECIFIED;
+}
+
+// Appends an event's delta (ids, text, logprobs) to `response`.
+void AppendDelta(const GenerationEvent& event, v1::GenerateResponse* response) {
+  for (int32_t id : event.token_ids) response->add_token_ids(id);
+  response->mutable_text()->append(event.text);
+  for (const TokenLogprobInfo& lp : event.logprobs) {
+    v1::TokenLogprob* out = response->add_logprobs();
+    out->set_token_id(lp.token_id);
+    out->set_logprob(lp.logprob);
+    for (const TopLogprobEntry& t : lp.top) {
+      v1::TopLogprob* top = out->add_top();
+      top->set_token_id(t.token_id);
+      top->set_logprob(t.logprob);
+    }
+  }
+}
+
+// The gRPC status that ends a call whose last event is `event`, when it is not OK.
+grpc::Status FinalStatus(const GenerationEvent& event, grpc::CallbackServerContext* context) {
+  if (event.finish_reason == FinishReason::kError && !event.error.ok())
+    return ToGrpcStatus(event.error);
+  if (event.finish_reason == FinishReason::kCancelled) {
+    if (context->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled");
+    if (context->deadline() <= std::chrono::system_clock::now())
+      return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "deadline exceeded");
+  }
+  return grpc::Status::OK;  // server-side cancel (shutdown): the last message says CANCELLED
+}
+
+// Streams one request's events. Lives until OnDone.
+class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateResponse> {
+ public:
+  GenerateReactor(grpc::CallbackServerContext* context,
+                  std::shared_ptr<std::atomic<int64_t>> num_active)
+      : context_(context),
+        channel_(std::make_shared<RequestChannel>()),
+        num_active_(std::move(num_active)) {
+    ++*num_active_;
+  }
+
+  std::shared_ptr<RequestChannel> channel() const { return channel_; }
+  void set_request_id(std::string id) { request_id_ = std::move(id); }
+
+  // Called once the request is queued: from now on events drive the writes.
+  void Attach() {
+    channel_->SetNotify([this] { OnEvent(); });
+    OnEvent();  // events pushed before the notify was set
+  }
+  void FinishNow(const grpc::Status& status) {
+    std::lock_guard<std::mutex> lock(mu_);
+    finished_ = true;
+    Finish(status);
+  }
+
+  void OnWriteDone(bool ok) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    writing_ = false;
+    if (finished_) return;
+    if (!ok) {  // the client is gone
+      channel_->Cancel();
+      finished_ = true;
+      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "client went away"));
+      return;
+    }
+    if (pending_final_) {
+      finished_ = true;
+      Finish(final_status_);
+      return;
+    }
+    WriteNextLocked();
+  }
+  void OnCancel() override { channel_->Cancel(); }
+  void OnDone() override {
+    channel_->SetNotify(nullptr);  // after this no engine callback can reach us
+    channel_->Cancel();
+    --*num_active_;
+    delete this;
+  }
+
+ private:
+  void OnEvent() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!writing_ && !finished_ && !pending_final_) WriteNextLocked();
+  }
+  // Merges every queued event into one message (fewer writes under load) and writes it.
+  void WriteNextLocked() {
+    response_.Clear();
+    bool any = false;
+    while (auto event = channel_->Pop()) {
+      any = true;
+      AppendDelta(*event, &response_);
+      if (event->finished) {
+        final_status_ = FinalStatus(*event, context_);
+        if (!final_status_.ok()) {
+          finished_ = true;
+          Finish(final_status_);
+          return;
+        }
+        FillFinal(*event, &response_);
+        pending_final_ = true;
+        break;
+      }
+    }
+    if (!any) return;
+    response_.set_request_id(request_id_);
+    writing_ = true;
+    StartWrite(&response_);
+  }
+
+  grpc::CallbackServerContext* context_;
+  std::shared_ptr<RequestChannel> channel_;
+  std::shared_ptr<std::atomic<int64_t>> num_active_;
+  std::string request_id_;
+  std::mutex mu_;
+  v1::GenerateResponse response_;
+  bool writing_ = false;
+  bool pending_final_ = false;
+  bool finished_ = false;
+  grpc::Status final_status_;
+};
+
+// Collects every event into one response.
+class UnaryGenerateReactor final : public grpc::ServerUnaryReactor {
+ public:
+  UnaryGenerateReactor(grpc::CallbackServerContext* context, v1::GenerateResponse* response,
+                       std::shared_ptr<std::atomic<int64_t>> num_active)
+      : context_(context),
+        response_(response),
+        channel_(std::make_shared<RequestChannel>()),
+        num_active_(std::move(num_active)) {
+    ++*num_active_;
+  }
+  std::shared_ptr<RequestChannel> channel() const { return channel_; }
+  void set_request_id(std::string id) { response_->set_request_id(std::move(id)); }
+  void Attach() {
+    channel_->SetNotify([this] { OnEvent(); });
+    OnEvent();
+  }
+  void FinishNow(const grpc::Status& status) {
+    std::lock_guard<std::mutex> lock(mu_);
+    finished_ = true;
+    Finish(status);
+  }
+  void OnCancel() override { channel_->Cancel(); }
+  void OnDone() override {
+    channel_->SetNotify(nullptr);
+    channel_->Cancel();
+    --*num_active_;
+    delete this;
+  }
+
+ private:
+  void OnEvent() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (finished_) return;
+    while (auto event = channel_->Pop()) {
+      AppendDelta(*event, response_);
+      if (event->finished) {
+        finished_ = true;
+        grpc::Status status = FinalStatus(*event, context_);
+        if (status.ok()) FillFinal(*event, response_);
+        Finish(status);
+        return;
+      }
+    }
+  }
+
+  grpc::CallbackServerContext* context_;
+  v1::GenerateResponse* response_;
+  std::shared_ptr<RequestChannel> channel_;
+  std::shared_ptr<std::atomic<int64_t>> num_active_;
+  std::mutex mu_;
+  bool finished_ = false;
+};
+
+}  // namespace
+
+void FillFinal(const GenerationEvent& event, v1::GenerateResponse* response) {
+  response->set_finish_reason(ToProto(event.finish_reason));
+  if (!event.error.ok()) response->set_error_message(std::string(event.error.message()));
+  const GenerationSummary& s = event.summary;
+  v1::Usage* usage = response->mutable_usage();
+  usage->set_prompt_tokens(s.num_prompt_tokens);
+  usage->set_completion_tokens(s.num_completion_tokens);
+  usage->set_kv_tokens_kept(s.num_kv_tokens_kept);
+  for (int64_t n : s.kv_tokens_kept_per_layer) usage->add_kv_tokens_kept_per_layer(n);
+  usage->set_kv_bytes_saved(s.kv_bytes_saved);
+  usage->set_num_preemptions(s.num_preemptions);
+  v1::Timings* t = response->mutable_timings();
+  t->set_queue_ms(s.queue_ms);
+  t->set_prefill_ms(s.prefill_ms);
+  t->set_ttft_ms(s.ttft_ms);
+  t->set_decode_ms(s.decode_ms);
+}
+
+InferenceService::InferenceService(Scheduler& scheduler, const Tokenizer* tokenizer,
+                                   ServiceOptions options)
+    : scheduler_(scheduler),
+      tokenizer_(tokenizer),
+      options_(std::move(options)),
+      num_active_calls_(std::make_shared<std::atomic<int64_t>>(0)) {}
+
+grpc::Status InferenceService::CheckAuth(const grpc::CallbackServerContext* context) const {
+  if (options_.auth_token.empty()) return grpc::Status::OK;
+  const auto& md = context->client_metadata();
+  auto it = md.find("authorization");
+  const std::string want = "Bearer " + options_.auth_token;
+  if (it != md.end() && std::string(it->second.data(), it->second.size()) == want)
+    return grpc::Status::OK;
+  return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                      "missing or wrong 'authorization: Bearer <token>' metadata");
+}
+
+absl::Status InferenceService::Start(grpc::CallbackServerContext* context,
+                                     const v1::GenerateRequest& request,
+                                     std::shared_ptr<RequestChannel> channel,
+                                     std::string* request_id) {
+  auto validated = ValidateGenerateRequest(request, options_.limits, tokenizer_);
+  if (!validated.ok()) return validated.status();
+  // gRPC deadline (system clock) -> the engine's steady clock.
+  const auto deadline = context->deadline();
+  if (deadline != std::chrono::system_clock::time_point::max()) {
+    const auto left = deadline - std::chrono::system_clock::now();
+    validated->deadline = std::chrono::steady_clock::now() +
+                          std::chrono::duration_cast<std::chrono::steady_clock::duration>(left);
+  }
+  *request_id = validated->request_id;
+  return scheduler_.Submit(std::move(*validated), std::move(channel));
+}
+
+grpc::ServerWriteReactor<v1::GenerateResponse>* InferenceService::Generate(
+    grpc::CallbackServerContext* context, const v1::GenerateRequest* request) {
+  auto* reactor = new GenerateReactor(context, num_active_calls_);
+  if (grpc::Status auth = CheckAuth(context); !auth.ok()) {
+    reactor->FinishNow(auth);
+    return reactor;
+  }
+  std::string request_id;
+  absl::Status st = Start(context, *request, reactor->channel(), &request_id);
+  if (!st.ok()) {
+    reactor->FinishNow(ToGrpcStatus(st));
+    return reactor;
+  }
+  reactor->set_request_id(request_id);
+  reactor->Attach();
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* InferenceService::GenerateUnary(grpc::CallbackServerContext* context,
+                                                          const v1::GenerateRequest* request,
+                                                          v1::GenerateResponse* response) {
+  auto* reactor = new UnaryGenerateReactor(context, response, num_active_calls_);
+  if (grpc::Status auth = CheckAuth(context); !auth.ok()) {
+    reactor->FinishNow(auth);
+    return reactor;
+  }
+  std::string request_id;
+  absl::Status st = Start(context, *request, reactor->channel(), &request_id);
+  if (!st.ok()) {
+    reactor->FinishNow(ToGrpcStatus(st));
+    return reactor;
+  }
+  reactor->set_request_id(request_id);
+  reactor->Attach();
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* InferenceService::Tokenize(grpc::CallbackServerContext* context,
+                                                     const v1::TokenizeRequest* request,
+                                                     v1::TokenizeResponse* response) {
+  auto* reactor = context->DefaultReactor();
+  if (grpc::Status auth = CheckAuth(context); !auth.ok()) {
+    reactor->Finish(auth);
+    return reactor;
+  }
+  if (tokenizer_ == nullptr) {
+    reactor->Finish(grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "no tokenizer loaded"));
+    return reactor;
+  }
+  if (request->ByteSizeLong() > static_cast<size_t>(options_.limits.max_request_bytes)) {
+    reactor->Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "request: oversized"));
+    return reactor;
+  }
+  absl::StatusOr<std::vector<int32_t>> ids;
+  if (request->has_chat()) {
+    std::vector<ChatMessage> messages;
+    for (const auto& m : request->chat().messages()) messages.push_back({m.role(), m.content()});
+    auto text = tokenizer_->ApplyChatTemplate(messages, true);
+    ids = text.ok() ? tokenizer_->Encode(*text, false) : text.status();
+  } else {
+    const bool add_special = !request->has_add_special_tokens() || request->add_special_tokens();
+    ids = tokenizer_->Encode(request->text(), add_special);
+  }
+  if (!ids.ok()) {
+    reactor->Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                 "text: " + std::string(ids.status().message())));
+    return reactor;
+  }
+  for (int32_t id : *ids) response->add_token_ids(id);
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* InferenceService::Detokenize(grpc::CallbackServerContext* context,
+                                                       const v1::DetokenizeRequest* request,
+                                                       v1::DetokenizeResponse* response) {
+  auto* reactor = context->DefaultReactor();
+  if (grpc::Status auth = CheckAuth(context); !auth.ok()) {
+    reactor->Finish(auth);
+    return reactor;
+  }
+  if (tokenizer_ == nullptr) {
+    reactor->Finish(grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "no tokenizer loaded"));
+    return reactor;
+  }
+  for (int i = 0; i < request->token_ids_size(); ++i) {
+    const int32_t id = request->token_ids(i);
+    if (id < 0 || id >= options_.limits.vocab_size) {
+      reactor->Finish(grpc::Status(
+          grpc::StatusCode::INVALID_ARGUMENT,
+          "token_ids[" + std::to_string(i) + "]: unknown token id " + std::to_string(id)));
+      return reactor;
+    }
+  }
+  std::vector<int32_t> ids(request->token_ids().begin(), request->token_ids().end());
+  auto text = tokenizer_->Decode(ids, request->skip_special_tokens());
+  if (!text.ok()) {
+    reactor->Finish(ToGrpcStatus(text.status()));
+    return reactor;
+  }
+  response->set_text(*text);
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* InferenceService::GetModelInfo(grpc::CallbackServerContext* context,
+                                                         const v1::GetModelInfoRequest*,
+                                                         v1::ModelInfo* response) {
+  auto* reactor = context->DefaultReactor();
+  if (grpc::Status auth = CheckAuth(context); !auth.ok()) {
+    reactor->Finish(auth);
+    return reactor;
+  }
+  *response = options_.model_info;
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* InferenceService::GetServerStats(grpc::CallbackServerContext* context,
+                                                           const v1::GetServerStatsRequest*,
+                                                           v1::ServerStats* response) {
+  auto* reactor = context->DefaultReactor();
+  if (grpc::Status auth = CheckAuth(context); !auth.ok()) {
+    reactor->Finish(auth);
+    return reactor;
+  }
+  const SchedulerStats s = scheduler_.Stats();
+  response->set_num_waiting(s.num_waiting);
+  response->set_num_running(s.num_running);
+  response->set_kv_blocks_total(s.kv_blocks_total);
+  response->set_kv_blocks_free(s.kv_blocks_free);
+  response->set_kv_blocks_used(s.kv_blocks_total - s.kv_blocks_free);
+  response->set_num_preemptions(s.num_preemptions);
+  response->set_num_requests_finished(s.num_finished);
+  response->set_num_requests_rejected(s.num_rejected);
+  response->set_num_waiting_prompt_tokens(s.num_waiting_prompt_tokens);
+  response->set_draining(s.draining);
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+}  // namespace dropkv

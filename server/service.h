@@ -1,0 +1,65 @@
+// The dropkv.v1.Inference gRPC service (callback API). Handlers validate, submit to the Scheduler
+// and stream its events back; they never touch tensors or the runner (DESIGN.md decision 8).
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <string>
+
+#include "dropkv/v1/inference.grpc.pb.h"
+#include "server/validation.h"
+
+namespace dropkv {
+
+class Scheduler;
+class Tokenizer;
+
+struct ServiceOptions {
+  ValidationLimits limits;
+  v1::ModelInfo model_info;  // answered by GetModelInfo
+  std::string auth_token;    // non-empty: every RPC needs "authorization: Bearer <token>"
+};
+
+class InferenceService final : public v1::Inference::CallbackService {
+ public:
+  // `scheduler` and `tokenizer` (may be null) outlive the service.
+  InferenceService(Scheduler& scheduler, const Tokenizer* tokenizer, ServiceOptions options);
+
+  grpc::ServerWriteReactor<v1::GenerateResponse>* Generate(
+      grpc::CallbackServerContext* context, const v1::GenerateRequest* request) override;
+  grpc::ServerUnaryReactor* GenerateUnary(grpc::CallbackServerContext* context,
+                                          const v1::GenerateRequest* request,
+                                          v1::GenerateResponse* response) override;
+  grpc::ServerUnaryReactor* Tokenize(grpc::CallbackServerContext* context,
+                                     const v1::TokenizeRequest* request,
+                                     v1::TokenizeResponse* response) override;
+  grpc::ServerUnaryReactor* Detokenize(grpc::CallbackServerContext* context,
+                                       const v1::DetokenizeRequest* request,
+                                       v1::DetokenizeResponse* response) override;
+  grpc::ServerUnaryReactor* GetModelInfo(grpc::CallbackServerContext* context,
+                                         const v1::GetModelInfoRequest* request,
+                                         v1::ModelInfo* response) override;
+  grpc::ServerUnaryReactor* GetServerStats(grpc::CallbackServerContext* context,
+                                           const v1::GetServerStatsRequest* request,
+                                           v1::ServerStats* response) override;
+
+  // Number of Generate / GenerateUnary calls not finished yet (graceful shutdown waits on it).
+  int64_t num_active_calls() const { return num_active_calls_->load(); }
+
+ private:
+  // OK, or UNAUTHENTICATED when a token is configured and the call does not carry it.
+  grpc::Status CheckAuth(const grpc::CallbackServerContext* context) const;
+  // Validation + Submit; on success the request is queued on `channel`.
+  absl::Status Start(grpc::CallbackServerContext* context, const v1::GenerateRequest& request,
+                     std::shared_ptr<RequestChannel> channel, std::string* request_id);
+
+  Scheduler& scheduler_;
+  const Tokenizer* tokenizer_;
+  ServiceOptions options_;
+  std::shared_ptr<std::atomic<int64_t>> num_active_calls_;
+};
+
+// Fills the final message's fields from an event (shared by the streaming and unary paths).
+void FillFinal(const GenerationEvent& event, v1::GenerateResponse* response);
+
+}  // namespace dropkv
