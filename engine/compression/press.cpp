@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "engine/compression/compression.h"
+#include "engine/model/config.h"
 #include "kernels/dropkv_score.h"
 #include "kernels/scorers.h"
 #include "kernels/selection.h"
@@ -228,7 +229,9 @@ absl::StatusOr<std::unique_ptr<KvSelector>> CreateKvSelector(const CompressionPa
     profile = *overrides.profile;
   } else if (!params.profile_path.empty()) {
     absl::StatusOr<LayerProfile> loaded = LoadLayerProfile(params.profile_path);
-    if (!loaded.ok()) return loaded.status();
+    if (!loaded.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("profile_path: ", loaded.status().message()));
+    }
     profile = std::move(*loaded);
   }
   // Validate with the loaded profile (ValidateCompression would re-read the file).
@@ -244,6 +247,16 @@ absl::StatusOr<std::unique_ptr<KvSelector>> CreateKvSelector(const CompressionPa
     if (absl::Status s = ValidateCompression(v, model.num_layers); !s.ok()) return s;
   }
   return std::make_unique<Press>(params, model, overrides, std::move(profile));
+}
+
+absl::StatusOr<std::unique_ptr<KvSelector>> CreateKvSelectorForModel(
+    const CompressionParams& params, const ModelConfig& config) {
+  PressModelInfo info;
+  info.num_layers = config.num_layers;
+  info.num_q_heads = config.num_heads;
+  info.num_kv_heads = config.num_kv_heads;
+  info.head_dim = config.head_dim;
+  return CreateKvSelector(params, info);
 }
 
 }  // namespace dropkv::compression

@@ -13,6 +13,10 @@
 #include "engine/request.h"
 #include "engine/runner/kv_selector.h"
 
+namespace dropkv {
+struct ModelConfig;
+}
+
 namespace dropkv::compression {
 
 // The model geometry a press needs (a subset of the model config).
@@ -41,5 +45,10 @@ struct PressOverrides {
 absl::StatusOr<std::unique_ptr<KvSelector>> CreateKvSelector(const CompressionParams& params,
                                                              const PressModelInfo& model,
                                                              const PressOverrides& overrides = {});
+
+// The runner's KvSelectorFactory (engine/runner/model_runner.h):
+//   runner->SetKvSelectorFactory(&dropkv::compression::CreateKvSelectorForModel);
+absl::StatusOr<std::unique_ptr<KvSelector>> CreateKvSelectorForModel(
+    const CompressionParams& params, const ModelConfig& config);
 
 }  // namespace dropkv::compression

@@ -1,0 +1,82 @@
+// The compression flags (cli_flags.h) parse into CompressionParams and reject bad values naming
+// the flag.
+#include "engine/compression/cli_flags.h"
+
+#include <gtest/gtest.h>
+
+#include "CLI/CLI.hpp"
+
+namespace dropkv::compression {
+namespace {
+
+// Parses argv-style strings; returns the CLI11 error text ("" = ok).
+std::string Parse(std::vector<std::string> args, CompressionParams* p) {
+  CLI::App app("test");
+  AddCompressionFlags(app, p);
+  std::vector<const char*> argv = {"prog"};
+  for (const auto& a : args) argv.push_back(a.c_str());
+  try {
+    app.parse(static_cast<int>(argv.size()), argv.data());
+  } catch (const CLI::Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(CompressionFlags, ParsesEverySetting) {
+  CompressionParams p;
+  ASSERT_EQ(Parse({"--method",
+                   "snapkv",
+                   "--compression-ratio",
+                   "0.25",
+                   "--allocator",
+                   "mlp",
+                   "--window",
+                   "16",
+                   "--pooling",
+                   "avg",
+                   "--pooling-kernel",
+                   "5",
+                   "--chunk-policy",
+                   "every_chunk",
+                   "--chunk-size",
+                   "64",
+                   "--sinks",
+                   "2",
+                   "--protect-sinks",
+                   "--compression-seed",
+                   "9"},
+                  &p),
+            "");
+  EXPECT_EQ(p.method, ScoreMethod::kSnapKV);
+  EXPECT_DOUBLE_EQ(p.keep_ratio, 0.75);
+  EXPECT_EQ(p.allocator, BudgetAllocator::kMLP);
+  EXPECT_EQ(p.window, 16);
+  EXPECT_EQ(p.pooling, PoolingType::kAvg);
+  EXPECT_EQ(p.pooling_kernel, 5);
+  EXPECT_EQ(p.chunk_policy, ChunkPolicy::kEveryChunk);
+  EXPECT_EQ(p.chunk_size, 64);
+  EXPECT_EQ(p.num_sinks, 2);
+  EXPECT_TRUE(p.protect_sinks);
+  EXPECT_EQ(p.random_seed, 9u);
+
+  CompressionParams q;
+  ASSERT_EQ(Parse({"--method", "dropkv", "--budget-tokens", "128", "--allocator", "explicit",
+                   "--explicit-prune", "0.1,0.2,0.3"},
+                  &q),
+            "");
+  EXPECT_EQ(q.budget_tokens, 128);
+  EXPECT_EQ(q.explicit_layer_prune, (std::vector<double>{0.1, 0.2, 0.3}));
+}
+
+TEST(CompressionFlags, BadValuesNameTheFlag) {
+  CompressionParams p;
+  EXPECT_NE(Parse({"--method", "snap"}, &p).find("snapkv"), std::string::npos);
+  EXPECT_NE(Parse({"--compression-ratio", "1.0"}, &p).find("compression_ratio"), std::string::npos);
+  EXPECT_NE(Parse({"--allocator", "cone"}, &p).find("allocator"), std::string::npos);
+  EXPECT_NE(Parse({"--keep", "0.5", "--compression-ratio", "0.5"}, &p), "");
+  EXPECT_NE(Parse({"--keep", "0"}, &p), "");
+}
+
+}  // namespace
+}  // namespace dropkv::compression

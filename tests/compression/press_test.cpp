@@ -1,0 +1,306 @@
+// Presses behind the KvSelector hook (press.h): chunk policies on a simulated runner (a per-layer
+// stored cache that the selector compacts, as engine/runner does), invariants (window kept,
+// indices ascending, budgets per layer, bounded prefill memory), H2O-with-V against an fp64
+// brute force, seeding, and the error paths.
+#include "engine/compression/press.h"
+
+#include <ATen/ATen.h>
+
+#include <numeric>
+
+#include <gtest/gtest.h>
+
+#include "engine/compression/budget.h"
+#include "engine/compression/compression.h"
+
+namespace dropkv::compression {
+namespace {
+
+struct Geometry {
+  int32_t num_layers = 4, num_q_heads = 4, num_kv_heads = 2, head_dim = 16;
+  PressModelInfo Info() const { return {num_layers, num_q_heads, num_kv_heads, head_dim}; }
+};
+
+// Random per-layer prefill inputs: q [Hq, n, D], k/v [Hkv, n, D]. Scaled so attention is peaky
+// (few exact ties).
+struct LayerInputs {
+  std::vector<at::Tensor> q, k, v;
+};
+LayerInputs RandomInputs(const Geometry& g, int64_t n, uint64_t seed) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  LayerInputs in;
+  for (int32_t l = 0; l < g.num_layers; ++l) {
+    in.q.push_back(at::randn({g.num_q_heads, n, g.head_dim}, gen, at::kFloat) * 2.0);
+    in.k.push_back(at::randn({g.num_kv_heads, n, g.head_dim}, gen, at::kFloat));
+    in.v.push_back(at::randn({g.num_kv_heads, n, g.head_dim}, gen, at::kFloat));
+  }
+  return in;
+}
+
+// What the runner keeps per layer during a chunked prefill.
+struct SimResult {
+  std::vector<at::Tensor> positions;  // int64 [Hkv, stored] per layer, final
+  int64_t peak_tokens = 0;            // max over time of all layers' stored entries per head
+  std::vector<std::vector<int64_t>> stored_after_chunk;  // [chunk][layer]
+};
+
+// Chunked prefill of `in` through `selector` (chunk_len 0 = one pass). Memory in tokens per KV
+// head: while layer l runs, the other layers hold their stored entries and layer l holds
+// stored + chunk (only one layer's uncompressed K/V is alive at a time).
+SimResult Simulate(KvSelector& selector, const Geometry& g, const LayerInputs& in, int64_t n,
+                   int64_t chunk_len) {
+  if (chunk_len <= 0) chunk_len = n;
+  std::vector<at::Tensor> k(g.num_layers), v(g.num_layers), pos(g.num_layers);
+  for (int32_t l = 0; l < g.num_layers; ++l) {
+    k[l] = at::empty({g.num_kv_heads, 0, g.head_dim});
+    v[l] = at::empty({g.num_kv_heads, 0, g.head_dim});
+    pos[l] = at::empty({g.num_kv_heads, 0}, at::kLong);
+  }
+  SimResult r;
+  for (int64_t start = 0; start < n; start += chunk_len) {
+    const int64_t end = std::min(n, start + chunk_len);
+    std::vector<int64_t> stored;
+    for (int32_t l = 0; l < g.num_layers; ++l) {
+      LayerKvView view;
+      view.layer_idx = l;
+      view.num_layers = g.num_layers;
+      view.logical_len = end;
+      view.queries = in.q[l].slice(1, start, end);
+      view.keys = at::cat({k[l], in.k[l].slice(1, start, end)}, 1);
+      view.values = at::cat({v[l], in.v[l].slice(1, start, end)}, 1);
+      view.positions = at::cat(
+          {pos[l], at::arange(start, end, at::kLong).expand({g.num_kv_heads, end - start})}, 1);
+      view.is_last_chunk = end == n;
+      int64_t others = 0;
+      for (int32_t o = 0; o < g.num_layers; ++o) {
+        if (o != l) others += k[o].size(1);
+      }
+      r.peak_tokens = std::max(r.peak_tokens, others + view.keys.size(1));
+      auto kept = selector.Select(view);
+      EXPECT_TRUE(kept.ok()) << kept.status();
+      if (kept.ok() && kept->has_value()) {
+        const at::Tensor& idx = **kept;
+        EXPECT_EQ(idx.size(0), g.num_kv_heads);
+        // Sorted ascending per head, no duplicates.
+        if (idx.size(1) > 1) {
+          EXPECT_TRUE((idx.slice(1, 1) > idx.slice(1, 0, -1)).all().item<bool>());
+        }
+        k[l] = view.keys.gather(1, idx.unsqueeze(-1).expand({-1, -1, g.head_dim}));
+        v[l] = view.values.gather(1, idx.unsqueeze(-1).expand({-1, -1, g.head_dim}));
+        pos[l] = view.positions.gather(1, idx);
+      } else {
+        k[l] = view.keys;
+        v[l] = view.values;
+        pos[l] = view.positions;
+      }
+      stored.push_back(k[l].size(1));
+    }
+    r.stored_after_chunk.push_back(stored);
+  }
+  r.positions = pos;
+  return r;
+}
+
+std::unique_ptr<KvSelector> MakeSelector(const CompressionParams& p, const Geometry& g) {
+  auto s = CreateKvSelector(p, g.Info());
+  EXPECT_TRUE(s.ok()) << s.status();
+  return s.ok() ? std::move(*s) : nullptr;
+}
+
+const ScoreMethod kMethods[] = {
+    ScoreMethod::kDropKV, ScoreMethod::kSnapKV,       ScoreMethod::kH2O,   ScoreMethod::kH2OVl1,
+    ScoreMethod::kH2OVl2, ScoreMethod::kStreamingLLM, ScoreMethod::kKNorm, ScoreMethod::kRandom};
+
+TEST(Press, LastChunkEqualsSinglePass) {
+  Geometry g;
+  const int64_t n = 200;
+  LayerInputs in = RandomInputs(g, n, 7);
+  for (ScoreMethod m : kMethods) {
+    SCOPED_TRACE(std::string(ScoreMethodName(m)));
+    CompressionParams p;
+    p.method = m;
+    p.keep_ratio = 0.3;
+    p.allocator = BudgetAllocator::kPyramid;
+    auto single = MakeSelector(p, g);
+    SimResult a = Simulate(*single, g, in, n, 0);
+    p.chunk_size = 48;
+    auto chunked = MakeSelector(p, g);
+    SimResult b = Simulate(*chunked, g, in, n, 48);
+    auto budgets = KeptTokensPerLayer(p, g.num_layers, n);
+    ASSERT_TRUE(budgets.ok());
+    for (int32_t l = 0; l < g.num_layers; ++l) {
+      EXPECT_EQ(a.positions[l].size(1), (*budgets)[l]);
+      EXPECT_TRUE(at::equal(a.positions[l], b.positions[l])) << "layer " << l;
+      // The window (last W positions) is always kept.
+      EXPECT_TRUE((a.positions[l].slice(1, -p.window) ==
+                   at::arange(n - p.window, n, at::kLong).expand({g.num_kv_heads, p.window}))
+                      .all()
+                      .item<bool>());
+    }
+  }
+}
+
+TEST(Press, EveryChunkKeepsLayerBudgetsAndBoundsMemory) {
+  // A 4K-token prompt, 10% budget, chunks of 512: stored per layer after each chunk is
+  // keep_l(n_seen), and the peak is the compressed cache + one layer's stored + one chunk.
+  Geometry g;
+  const int64_t n = 4096, chunk = 512;
+  LayerInputs in = RandomInputs(g, n, 11);
+  for (BudgetAllocator a : {BudgetAllocator::kUniform, BudgetAllocator::kPyramid}) {
+    CompressionParams p;
+    p.method = ScoreMethod::kDropKV;
+    p.keep_ratio = 0.1;
+    p.allocator = a;
+    p.chunk_policy = ChunkPolicy::kEveryChunk;
+    p.chunk_size = chunk;
+    auto sel = MakeSelector(p, g);
+    SimResult r = Simulate(*sel, g, in, n, chunk);
+    int64_t max_layer = 0, compressed_total = 0;
+    for (size_t c = 0; c < r.stored_after_chunk.size(); ++c) {
+      const int64_t seen = std::min<int64_t>(n, (c + 1) * chunk);
+      auto budgets = KeptTokensPerLayer(p, g.num_layers, seen);
+      ASSERT_TRUE(budgets.ok());
+      EXPECT_EQ(r.stored_after_chunk[c], *budgets) << "after chunk " << c;
+      for (int64_t b : *budgets) max_layer = std::max(max_layer, b);
+    }
+    auto final_budgets = KeptTokensPerLayer(p, g.num_layers, n);
+    for (int64_t b : *final_budgets) compressed_total += b;
+    EXPECT_EQ(compressed_total, std::llround(g.num_layers * 0.1 * n));
+    EXPECT_LE(r.peak_tokens, compressed_total + max_layer + chunk);
+    EXPECT_LT(r.peak_tokens, g.num_layers * n / 4);  // far below the full cache
+  }
+}
+
+TEST(Press, BudgetPolicyCompressesWhenTheCapWouldBeCrossed) {
+  Geometry g;
+  const int64_t n = 2048, chunk = 256, cap = 700;
+  LayerInputs in = RandomInputs(g, n, 3);
+  CompressionParams p;
+  p.method = ScoreMethod::kKNorm;
+  p.keep_ratio = 0.1;
+  p.chunk_policy = ChunkPolicy::kBudget;
+  p.chunk_size = chunk;
+  p.budget_cap_tokens = cap;
+  auto sel = MakeSelector(p, g);
+  SimResult r = Simulate(*sel, g, in, n, chunk);
+  for (size_t c = 0; c + 1 < r.stored_after_chunk.size(); ++c) {
+    for (int64_t stored : r.stored_after_chunk[c]) EXPECT_LE(stored + chunk, cap) << "chunk " << c;
+  }
+  // Chunks 0 and 1 fit uncompressed (256 + 256 <= 700); after chunk 1, 512 + 256 > 700.
+  EXPECT_EQ(r.stored_after_chunk[0][0], 256);
+  EXPECT_LT(r.stored_after_chunk[1][0], 512);
+  EXPECT_EQ(r.stored_after_chunk.back(), *KeptTokensPerLayer(p, g.num_layers, n));
+}
+
+TEST(Press, H2oWithValueNormMatchesFp64BruteForce) {
+  Geometry g;
+  const int64_t n = 96;
+  LayerInputs in = RandomInputs(g, n, 5);
+  CompressionParams p;
+  p.method = ScoreMethod::kH2OVl2;
+  p.keep_ratio = 0.25;
+  auto sel = MakeSelector(p, g);
+  SimResult r = Simulate(*sel, g, in, n, 32);  // accumulated over 3 chunks
+  const int64_t keep = *KeptTokensPerLayer(p, g.num_layers, n).value().begin();
+  const int64_t group = g.num_q_heads / g.num_kv_heads;
+  for (int32_t l = 0; l < g.num_layers; ++l) {
+    auto q = in.q[l].to(at::kDouble), k = in.k[l].to(at::kDouble), v = in.v[l].to(at::kDouble);
+    auto mask = at::ones({n, n}, at::kBool).triu(1);
+    for (int64_t h = 0; h < g.num_kv_heads; ++h) {
+      at::Tensor s = at::zeros({n}, at::kDouble);
+      for (int64_t j = 0; j < group; ++j) {
+        auto logits = at::matmul(q[h * group + j], k[h].t()) / std::sqrt(double(g.head_dim));
+        s += at::softmax(logits.masked_fill(mask, -INFINITY), -1).sum(0);  // sum over queries
+      }
+      s = s / double(group) * v[h].norm(2, -1);
+      s.slice(0, n - p.window).fill_(1e30);  // window protected
+      auto ref = std::get<0>(std::get<1>(s.topk(keep)).sort());
+      EXPECT_TRUE(at::equal(ref, r.positions[l][h])) << "layer " << l << " head " << h;
+    }
+  }
+}
+
+TEST(Press, RandomIsSeededAndNoneKeepsEverything) {
+  Geometry g;
+  const int64_t n = 120;
+  LayerInputs in = RandomInputs(g, n, 9);
+  CompressionParams p;
+  p.method = ScoreMethod::kRandom;
+  p.keep_ratio = 0.5;
+  p.random_seed = 42;
+  auto a = Simulate(*MakeSelector(p, g), g, in, n, 0);
+  auto b = Simulate(*MakeSelector(p, g), g, in, n, 0);
+  p.random_seed = 43;
+  auto c = Simulate(*MakeSelector(p, g), g, in, n, 0);
+  EXPECT_TRUE(at::equal(a.positions[0], b.positions[0]));
+  EXPECT_FALSE(at::equal(a.positions[0], c.positions[0]));
+  p.method = ScoreMethod::kNone;
+  auto none = Simulate(*MakeSelector(p, g), g, in, n, 0);
+  for (const auto& pos : none.positions) EXPECT_EQ(pos.size(1), n);
+  // n <= W: nothing evicted.
+  p.method = ScoreMethod::kDropKV;
+  auto tiny = Simulate(*MakeSelector(p, g), g, RandomInputs(g, 6, 1), 6, 0);
+  for (const auto& pos : tiny.positions) EXPECT_EQ(pos.size(1), 6);
+}
+
+TEST(Press, BadSettingsAreErrorsNamingTheField) {
+  Geometry g;
+  auto expect_error = [&](const CompressionParams& p, const std::string& field) {
+    auto s = CreateKvSelector(p, g.Info());
+    ASSERT_FALSE(s.ok()) << field;
+    EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(s.status().message().find(field), std::string::npos) << s.status();
+    EXPECT_FALSE(ValidateCompression(p, g.num_layers).ok());
+  };
+  CompressionParams p;
+  p.method = ScoreMethod::kDropKV;
+  p.chunk_size = 4;
+  expect_error(p, "chunk_size");
+  p = {};
+  p.method = ScoreMethod::kSnapKV;
+  p.pooling_kernel = 4;
+  expect_error(p, "pooling_kernel");
+  p = {};
+  p.method = ScoreMethod::kH2O;
+  p.keep_ratio = 1.5;
+  expect_error(p, "keep_ratio");
+  p = {};
+  p.method = ScoreMethod::kKNorm;
+  p.chunk_policy = ChunkPolicy::kBudget;
+  expect_error(p, "budget_cap_tokens");
+  p = {};
+  p.method = ScoreMethod::kDropKV;
+  p.allocator = BudgetAllocator::kMGA;
+  expect_error(p, "profile");
+  p.profile_path = "/nonexistent/profile.json";
+  expect_error(p, "/nonexistent/profile.json");
+  p = {};
+  p.method = ScoreMethod::kDropKV;
+  p.allocator = BudgetAllocator::kExplicit;
+  p.explicit_layer_prune = {0.5, 0.5};
+  expect_error(p, "explicit_layer_prune");
+  EXPECT_NE(ParseScoreMethod("snap").status().message().find("snapkv"), std::string::npos);
+  EXPECT_EQ(*ParseBudgetAllocator("mlma4"), BudgetAllocator::kMLMA4);
+  EXPECT_EQ(ScoreMethodName(ScoreMethod::kH2OVl2), "h2o_vl2");
+  // A malformed view is an error, not a crash.
+  p = {};
+  p.method = ScoreMethod::kDropKV;
+  auto sel = MakeSelector(p, g);
+  LayerKvView bad;
+  bad.layer_idx = 9;
+  EXPECT_FALSE(sel->Select(bad).ok());
+}
+
+TEST(Press, KeptTokensPerLayerForAdmission) {
+  CompressionParams p;
+  p.method = ScoreMethod::kSnapKV;
+  p.budget_tokens = 100;  // per layer on average
+  auto kept = KeptTokensPerLayer(p, 6, 1000);
+  ASSERT_TRUE(kept.ok());
+  EXPECT_EQ(std::accumulate(kept->begin(), kept->end(), int64_t{0}), 600);
+  p.method = ScoreMethod::kNone;
+  EXPECT_EQ(*KeptTokensPerLayer(p, 3, 50), (std::vector<int64_t>{50, 50, 50}));
+}
+
+}  // namespace
+}  // namespace dropkv::compression
