@@ -50,6 +50,17 @@ TEST(ServerConfigTest, ExampleFileHasEveryKeyAndParses) {
   }
 }
 
+// docs/configuration.md documents every key with its flag and environment variable.
+TEST(ServerConfigTest, DocsListEveryKey) {
+  std::string doc = ReadFile(testing::SourceDir() / "docs" / "configuration.md");
+  ASSERT_FALSE(doc.empty());
+  for (const std::string& key : ServerConfigKeys()) {
+    EXPECT_THAT(doc, HasSubstr("`" + key + "`")) << key;
+    EXPECT_THAT(doc, HasSubstr("`" + ServerConfigFlagName(key) + "`")) << key;
+    EXPECT_THAT(doc, HasSubstr("`" + ServerConfigEnvName(key) + "`")) << key;
+  }
+}
+
 // Each key of the example, set on its own to a non-default value, is read into the struct
 // (this catches a key that parses but lands in the wrong field).
 TEST(ServerConfigTest, EachKeyReachesItsField) {
@@ -238,10 +249,15 @@ TEST(ServerConfigTest, PrecedenceFileThenFlagsThenEnv) {
   EXPECT_EQ(c->max_batch, 22);
   EXPECT_EQ(c->block_size, 8);
   EXPECT_EQ(c->compression.keep_ratio, 0.25);
-  // DROPKV_CONFIG names the file as --config does.
+  // DROPKV_CONFIG names the file when --config is absent; --config wins over it.
   c = Load({}, {{"DROPKV_CONFIG", file.string()}});
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_EQ(c->port, 1111);
+  auto other = WriteScratch("other.yaml", "port: 4444\n");
+  c = Load({"--config", other.string()}, {{"DROPKV_CONFIG", file.string()}});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->port, 4444);
+  EXPECT_EQ(c->max_batch, 32);
   // A missing file is an error naming it.
   c = Load({"--config", "/nonexistent/x.yaml"});
   ASSERT_FALSE(c.ok());
