@@ -267,7 +267,7 @@ void ServerMetrics::OnPrefillCompressed(const std::vector<int64_t>& num_kept_per
     m.compression_ratio->Observe(static_cast<double>(num_entries - num_kept) /
                                  static_cast<double>(num_entries));
   }
-  m.scoring->Observe(std::max(0.0, scoring_seconds));
+  if (scoring_seconds >= 0) m.scoring->Observe(scoring_seconds);
 
   // One gauge per layer up to the cap; the rest sum into "overflow".
   std::lock_guard<std::mutex> lock(m.layer_mutex);

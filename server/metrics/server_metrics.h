@@ -47,8 +47,9 @@ class ServerMetrics {
 
   // --- KV compression at prefill: one call per compressed sequence ---
   // num_kept_per_layer[l] = tokens layer l kept of num_prompt_tokens; scoring_seconds = time spent
-  // scoring + selecting for this sequence. Updates kept/evicted counters, the achieved compression
-  // ratio (fraction evicted over all layers), the scoring histogram and dropkv_layer_kept_tokens.
+  // scoring + selecting for this sequence (< 0: not measured, not observed). Updates kept/evicted
+  // counters, the achieved compression ratio (fraction evicted over all layers), the scoring
+  // histogram and dropkv_layer_kept_tokens.
   void OnPrefillCompressed(const std::vector<int64_t>& num_kept_per_layer,
                            int64_t num_prompt_tokens, double scoring_seconds);
 
