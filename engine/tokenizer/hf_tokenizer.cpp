@@ -224,6 +224,35 @@ void ApplySplit(std::string_view s, const std::vector<std::pair<size_t, size_t>>
   }
 }
 
+// A byte-level token (GPT-2 alphabet) back to raw bytes; false when a character is outside it.
+bool ByteLevelToBytes(std::string_view tok, std::string* out) {
+  out->clear();
+  for (size_t i = 0; i < tok.size();) {
+    char32_t cp = 0;
+    if (unicode::ValidSequenceLength(tok, i) == 0) return false;
+    i += unicode::DecodeCodePoint(tok, i, &cp);
+    const int b = unicode::CodePointToByte(cp);
+    if (b < 0) return false;
+    out->push_back(static_cast<char>(b));
+  }
+  return true;
+}
+
+bool HasByteLevel(const json& j) {
+  if (j.is_object()) {
+    auto t = j.find("type");
+    if (t != j.end() && t->is_string() && t->get<std::string>() == "ByteLevel") return true;
+    for (const auto& [k, v] : j.items()) {
+      if (HasByteLevel(v)) return true;
+    }
+  } else if (j.is_array()) {
+    for (const auto& v : j) {
+      if (HasByteLevel(v)) return true;
+    }
+  }
+  return false;
+}
+
 absl::StatusOr<SplitBehavior> ParseBehavior(const std::string& b) {
   if (b == "Removed") return SplitBehavior::kRemoved;
   if (b == "Isolated") return SplitBehavior::kIsolated;
@@ -300,7 +329,62 @@ absl::Status HfTokenizer::LoadJson(const std::string& dir, std::string_view text
   std::map<std::string, json> top;  // every member but model.vocab / model.merges
   std::map<std::string, json> model;
   std::vector<std::pair<std::string, int32_t>> vocab;
-  std::vector<std::pair<std::string, std::string>> merges;
+  // Merges are resolved while scanning when the vocab and pre-tokenizer came first (the usual
+  // order); 515k pairs of strings held in memory would cost a third of Gemma's load time.
+  std::vector<std::pair<std::string, std::string>> pending_merges;
+  bool vocab_built = false;
+  int32_t num_merges = 0;
+  std::string ka, kb, km;
+  auto build_vocab = [&](bool byte_level) {
+    model_.vocab.reserve(vocab.size());
+    model_.merges.reserve(2 * vocab.size());
+    std::string raw;
+    for (auto& [tok, id] : vocab) {
+      if (byte_level) {
+        if (ByteLevelToBytes(tok, &raw)) model_.vocab.emplace(raw, id);
+      } else {
+        model_.vocab.emplace(tok, id);
+      }
+      if (id >= static_cast<int32_t>(id_to_token_.size())) id_to_token_.resize(id + 1);
+      id_to_token_[id] = std::move(tok);
+    }
+    vocab.clear();
+    vocab.shrink_to_fit();
+    vocab_built = true;
+  };
+  // Rank = position; a later duplicate overrides (as HF's map collect does).
+  auto add_merge = [&](std::string_view a, std::string_view b, bool byte_level) -> absl::Status {
+    const int32_t rank = num_merges++;
+    if (byte_level) {
+      km.assign(a);
+      km.append(b);
+      if (!ByteLevelToBytes(a, &ka) || !ByteLevelToBytes(b, &kb)) return absl::OkStatus();
+      std::string merged_raw;
+      if (!ByteLevelToBytes(km, &merged_raw)) return absl::OkStatus();
+      km = std::move(merged_raw);
+    } else {
+      ka.assign(a);
+      kb.assign(b);
+      km.assign(a);
+      km.append(b);
+    }
+    auto ia = model_.vocab.find(ka), ib = model_.vocab.find(kb), im = model_.vocab.find(km);
+    if (ia == model_.vocab.end() || ib == model_.vocab.end() || im == model_.vocab.end()) {
+      return absl::InvalidArgumentError(absl::StrCat(file, ": merge ", rank, " ('", std::string(a),
+                                                     "' '", std::string(b),
+                                                     "') uses a token not in the vocab"));
+    }
+    model_.merges.insert_or_assign(
+        (static_cast<uint64_t>(ia->second) << 32) | static_cast<uint32_t>(ib->second),
+        std::make_pair(rank, im->second));
+    return absl::OkStatus();
+  };
+  bool early_byte_level = false;
+  auto merge_or_defer = [&](std::string a, std::string b) -> absl::Status {
+    if (vocab_built) return add_merge(a, b, early_byte_level);
+    pending_merges.emplace_back(std::move(a), std::move(b));
+    return absl::OkStatus();
+  };
   auto parse_raw = [&](std::string_view raw, const std::string& key) -> absl::StatusOr<json> {
     json j = json::parse(raw, nullptr, /*allow_exceptions=*/false);
     if (j.is_discarded())
@@ -334,6 +418,10 @@ absl::Status HfTokenizer::LoadJson(const std::string& dir, std::string_view text
             } while (scan.Consume(','));
             RETURN_IF_ERROR(scan.Expect('}'));
           }
+          if (top.count("pre_tokenizer")) {
+            early_byte_level = HasByteLevel(top["pre_tokenizer"]);
+            build_vocab(early_byte_level);
+          }
         } else if (mkey == "merges") {
           RETURN_IF_ERROR(scan.Expect('['));
           if (!scan.Consume(']')) {
@@ -343,14 +431,14 @@ absl::Status HfTokenizer::LoadJson(const std::string& dir, std::string_view text
                 RETURN_IF_ERROR(scan.Expect(','));
                 ASSIGN_OR_RETURN(std::string b, scan.String());
                 RETURN_IF_ERROR(scan.Expect(']'));
-                merges.emplace_back(std::move(a), std::move(b));
+                RETURN_IF_ERROR(merge_or_defer(std::move(a), std::move(b)));
               } else {  // "a b"
                 ASSIGN_OR_RETURN(std::string m, scan.String());
                 const size_t sp = m.find(' ');
                 if (sp == std::string::npos || m.find(' ', sp + 1) != std::string::npos) {
                   return scan.Error(absl::StrCat("merge '", m, "' is not two tokens"));
                 }
-                merges.emplace_back(m.substr(0, sp), m.substr(sp + 1));
+                RETURN_IF_ERROR(merge_or_defer(m.substr(0, sp), m.substr(sp + 1)));
               }
             } while (scan.Consume(','));
             RETURN_IF_ERROR(scan.Expect(']'));
@@ -464,8 +552,13 @@ absl::Status HfTokenizer::LoadJson(const std::string& dir, std::string_view text
     model_.byte_level = byte_level;
 
     // Vocab: byte-level tokens are translated back to raw bytes for the model's lookup table.
-    int32_t max_id = -1;
-    for (const auto& [tok, id] : vocab) max_id = std::max(max_id, id);
+    if (vocab_built && early_byte_level != byte_level) {
+      return absl::InternalError(absl::StrCat(file, ": inconsistent ByteLevel detection"));
+    }
+    if (!vocab_built) build_vocab(byte_level);
+    for (auto& [a, b] : pending_merges) RETURN_IF_ERROR(add_merge(a, b, byte_level));
+    pending_merges.clear();
+    int32_t max_id = static_cast<int32_t>(id_to_token_.size()) - 1;
     std::vector<AddedToken> added;
     if (top.count("added_tokens")) {
       for (const auto& a : top["added_tokens"]) {
@@ -484,47 +577,8 @@ absl::Status HfTokenizer::LoadJson(const std::string& dir, std::string_view text
       }
     }
     vocab_size_ = max_id + 1;
-    id_to_token_.assign(vocab_size_, std::string());
+    id_to_token_.resize(vocab_size_);
     id_is_special_.assign(vocab_size_, 0);
-    auto to_bytes = [](const std::string& tok, std::string* out) {
-      out->clear();
-      for (size_t i = 0; i < tok.size();) {
-        char32_t cp = 0;
-        if (unicode::ValidSequenceLength(tok, i) == 0) return false;
-        i += unicode::DecodeCodePoint(tok, i, &cp);
-        const int b = unicode::CodePointToByte(cp);
-        if (b < 0) return false;
-        out->push_back(static_cast<char>(b));
-      }
-      return true;
-    };
-    model_.vocab.reserve(vocab.size());
-    std::string raw;
-    for (auto& [tok, id] : vocab) {
-      if (byte_level) {
-        if (to_bytes(tok, &raw)) model_.vocab.emplace(raw, id);
-      } else {
-        model_.vocab.emplace(tok, id);
-      }
-      id_to_token_[id] = std::move(tok);
-    }
-    // Merges: rank = position; a later duplicate overrides (as HF's map collect does).
-    model_.merges.reserve(merges.size());
-    for (size_t rank = 0; rank < merges.size(); ++rank) {
-      auto& [a, b] = merges[rank];
-      std::string merged = a + b;
-      std::string ka = a, kb = b, km = merged;
-      if (byte_level && (!to_bytes(a, &ka) || !to_bytes(b, &kb) || !to_bytes(merged, &km)))
-        continue;
-      auto ia = model_.vocab.find(ka), ib = model_.vocab.find(kb), im = model_.vocab.find(km);
-      if (ia == model_.vocab.end() || ib == model_.vocab.end() || im == model_.vocab.end()) {
-        return absl::InvalidArgumentError(absl::StrCat(file, ": merge ", rank, " ('", a, "' '", b,
-                                                       "') uses a token not in the vocab"));
-      }
-      model_.merges.insert_or_assign(
-          (static_cast<uint64_t>(ia->second) << 32) | static_cast<uint32_t>(ib->second),
-          std::make_pair(static_cast<int32_t>(rank), im->second));
-    }
     if (model_.vocab.empty())
       return absl::InvalidArgumentError(absl::StrCat(file, ": empty model.vocab"));
 
@@ -702,9 +756,10 @@ std::optional<int32_t> HfTokenizer::TokenToId(const std::string& token) const {
   for (const auto& a : added_) {
     if (a.content == token) return a.id;
   }
-  for (int32_t id = 0; id < static_cast<int32_t>(id_to_token_.size()); ++id) {
-    if (id_to_token_[id] == token) return id;
-  }
+  std::string key = token;
+  if (model_.byte_level && !ByteLevelToBytes(token, &key)) return std::nullopt;
+  auto it = model_.vocab.find(key);
+  if (it != model_.vocab.end()) return it->second;
   return std::nullopt;
 }
 

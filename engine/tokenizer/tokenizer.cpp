@@ -18,15 +18,18 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromDirectory(const std::s
     if (!fs::exists(root / name, ec)) return std::string();
     return ReadFileToString((root / name).string());
   };
-  auto tokenizer_json = ReadFileToString((root / "tokenizer.json").string());
+  // Mapped, not read: Gemma's is 33 MB and a copy costs a tenth of its load time.
+  auto tokenizer_json = MappedFile::Open((root / "tokenizer.json").string());
   if (!tokenizer_json.ok()) return tokenizer_json.status();
+  const std::string_view json_text(reinterpret_cast<const char*>((*tokenizer_json)->data()),
+                                   (*tokenizer_json)->size_bytes());
   auto config = read_optional("tokenizer_config.json");
   if (!config.ok()) return config.status();
   auto generation = read_optional("generation_config.json");
   if (!generation.ok()) return generation.status();
   auto chat_template = read_optional("chat_template.jinja");
   if (!chat_template.ok()) return chat_template.status();
-  auto tok = HfTokenizer::Create(dir, *tokenizer_json, *config, *generation, *chat_template);
+  auto tok = HfTokenizer::Create(dir, json_text, *config, *generation, *chat_template);
   if (!tok.ok()) return tok.status();
   return std::unique_ptr<Tokenizer>(std::move(*tok));
 }

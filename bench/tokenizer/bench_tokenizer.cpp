@@ -1,0 +1,140 @@
+// dropkv-bench-tokenizer: single-thread encode throughput (MB/s) on ~1 MB of mixed text for each
+// tokenizer folder, side by side with HF `tokenizers` (Python, RAYON_NUM_THREADS=1) on the same
+// text in the same run, plus tokenizer.json load times (the 33 MB Gemma one must be < 1 s).
+// The text is encoded line by line (as a server sees requests); ids counts must agree.
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include "engine/tokenizer/tokenizer.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Seconds(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+// ~1 MB of mixed text: English prose, code, numbers, CJK, Arabic, emoji, whitespace runs.
+std::string MixedText(size_t target_bytes) {
+  const std::vector<std::string> pieces = {
+      "Once upon a time, there was a little girl named Lily. She loved to play outside. ",
+      "The quick brown fox jumps over the lazy dog; it's 5 o'clock and they're late! ",
+      "def attention(q, k, v):\n    scores = q @ k.T / math.sqrt(d)\n    return softmax(scores) @ "
+      "v\n",
+      "for (int i = 0; i < n; ++i) {\n\tsum += a[i] * b[i];\n}\n",
+      "Prices rose 3.5% to $1,234,567.89 in Q3 2024 (vs. 987654321 last year). ",
+      "你好，世界！我喜欢学习自然语言处理。日本語のテキストもテストします。",
+      "مرحبا بالعالم، كيف حالك اليوم؟ ",
+      "Emoji 🎉👍🏽 and families 👨‍👩‍👧‍👦 in text. ",
+      "    indented   with   runs    of   spaces\n\n\n",
+      "naïve café résumé — “quotes” and ‘apostrophes’… ",
+      "{\"key\": \"value\", \"list\": [1, 2, 3], \"nested\": {\"a\": null}}\n",
+  };
+  std::mt19937 rng(1234);
+  std::string out;
+  while (out.size() < target_bytes) {
+    out += pieces[rng() % pieces.size()];
+    if (rng() % 8 == 0) out += "\n";
+  }
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"dropkv-bench-tokenizer: encode MB/s vs HF tokenizers, tokenizer.json load time"};
+  std::vector<std::string> dirs;
+  std::string python = "python3";
+  std::string hf_script;
+  std::string load_dir;
+  size_t mbytes = 1;
+  app.add_option("--tokenizer", dirs, "tokenizer folders to measure encode on")->required();
+  app.add_option("--load", load_dir, "tokenizer folder whose load time to measure (Gemma)");
+  app.add_option("--python", python, "Python with `tokenizers` (empty: skip HF)");
+  app.add_option("--hf-script", hf_script, "path of bench/tokenizer/bench_hf.py");
+  app.add_option("--mb", mbytes, "text size in MB");
+  CLI11_PARSE(app, argc, argv);
+
+  const std::string text = MixedText(mbytes << 20);
+  const auto text_path = std::filesystem::temp_directory_path() / "dropkv_bench_tokenizer.txt";
+  std::ofstream(text_path) << text;
+  std::vector<std::string_view> lines;
+  for (size_t pos = 0; pos <= text.size();) {
+    size_t nl = text.find('\n', pos);
+    if (nl == std::string::npos) nl = text.size();
+    lines.emplace_back(text.data() + pos, nl - pos);
+    pos = nl + 1;
+  }
+  const double mb = static_cast<double>(text.size()) / (1 << 20);
+
+  nlohmann::json hf = nlohmann::json::object();
+  if (!python.empty() && !hf_script.empty()) {
+    std::string cmd = "RAYON_NUM_THREADS=1 " + python + " " + hf_script + " " + text_path.string();
+    for (const auto& d : dirs) cmd += " " + d;
+    FILE* p = popen(cmd.c_str(), "r");
+    std::string out;
+    char buf[4096];
+    while (p != nullptr && fgets(buf, sizeof(buf), p) != nullptr) out += buf;
+    if (p != nullptr) pclose(p);
+    hf = nlohmann::json::parse(out, nullptr, false);
+    if (hf.is_discarded()) hf = nlohmann::json::object();
+  }
+
+  std::printf("text: %.2f MB, %zu lines, 1 thread\n", mb, lines.size());
+  std::printf("%-40s %10s %10s %12s %12s %10s\n", "tokenizer", "ours MB/s", "HF MB/s", "ours ids",
+              "HF ids", "load s");
+  for (const auto& d : dirs) {
+    const auto t0 = Clock::now();
+    auto tok = dropkv::Tokenizer::FromDirectory(d);
+    const double load_s = Seconds(t0, Clock::now());
+    if (!tok.ok()) {
+      std::cerr << tok.status() << "\n";
+      return 1;
+    }
+    double best = 1e9;
+    size_t num_ids = 0;
+    for (int rep = 0; rep < 3; ++rep) {
+      const auto a = Clock::now();
+      num_ids = 0;
+      for (auto line : lines) num_ids += (*tok)->Encode(line, false)->size();
+      best = std::min(best, Seconds(a, Clock::now()));
+    }
+    double hf_mbs = 0;
+    int64_t hf_ids = -1;
+    if (hf.contains(d)) {
+      hf_mbs = mb / hf[d]["encode_s"].get<double>();
+      hf_ids = hf[d]["num_ids"].get<int64_t>();
+    }
+    std::printf("%-40s %10.2f %10.2f %12zu %12lld %10.3f\n", d.c_str(), mb / best, hf_mbs, num_ids,
+                static_cast<long long>(hf_ids), load_s);
+  }
+  if (!load_dir.empty()) {
+    double best = 1e9, first = 0;
+    for (int rep = 0; rep < 3; ++rep) {
+      const auto t0 = Clock::now();
+      auto tok = dropkv::Tokenizer::FromDirectory(load_dir);
+      const double s = Seconds(t0, Clock::now());
+      if (!tok.ok()) {
+        std::cerr << tok.status() << "\n";
+        return 1;
+      }
+      if (rep == 0) first = s;
+      best = std::min(best, s);
+    }
+    std::printf("load %s: first %.3f s, best of 3 %.3f s\n", load_dir.c_str(), first, best);
+  }
+  std::filesystem::remove(text_path);
+  return 0;
+}
