@@ -5,6 +5,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <array>
 #include <cerrno>
 #include <charconv>
@@ -317,7 +318,8 @@ std::vector<Setting> MakeSettings() {
       "host", "gRPC bind address (0.0.0.0 = all interfaces)",
       [](C& c) -> std::string& { return c.host; }, CheckNonEmpty));
   v.push_back(IntSetting<int32_t>(
-      "port", "gRPC port", [](C& c) -> int32_t& { return c.port; }, 1, 65535));
+      "port", "gRPC port; 0 = any free port (tests)", [](C& c) -> int32_t& { return c.port; }, 0,
+      65535));
   v.push_back(IntSetting<int32_t>(
       "metrics_port", "Prometheus /metrics HTTP port; 0 = off",
       [](C& c) -> int32_t& { return c.metrics_port; }, 0, 65535));
@@ -510,8 +512,15 @@ absl::string_view NodeTypeName(const YAML::Node& node) {
 
 absl::Status ApplyYamlMap(ServerConfig& config, const YAML::Node& map, const std::string& prefix,
                           absl::string_view source) {
+  std::vector<std::string> seen;
   for (const auto& item : map) {
     std::string name = item.first.as<std::string>();
+    if (std::find(seen.begin(), seen.end(), name) != seen.end()) {
+      return absl::InvalidArgumentError(absl::StrCat(source, ": duplicate key '",
+                                                     prefix.empty() ? "" : prefix + ".", name, "'",
+                                                     NodeLocation(item.first)));
+    }
+    seen.push_back(name);
     std::string key = prefix.empty() ? name : absl::StrCat(prefix, ".", name);
     const YAML::Node& value = item.second;
     if (prefix.empty() && name == "compression") {
@@ -759,7 +768,8 @@ absl::StatusOr<ServerConfig> LoadServerConfigFrom(const std::vector<std::string>
   app.get_formatter()->column_width(40);
   std::string config_file;
   bool print_config = false;
-  app.add_option("--config", config_file, "YAML config file (env: DROPKV_CONFIG)");
+  app.add_option("--config", config_file,
+                 "YAML config file (env: DROPKV_CONFIG, used when --config is absent)");
   app.add_flag("--print-config", print_config, "print the effective config as YAML and exit");
 
   const std::vector<Setting>& settings = Settings();
@@ -794,7 +804,11 @@ absl::StatusOr<ServerConfig> LoadServerConfigFrom(const std::vector<std::string>
     if (it == env.end()) return std::nullopt;
     return it->second;
   };
-  if (auto v = env_value("DROPKV_CONFIG"); v.has_value()) config_file = *v;
+  // Which file is read is not a setting: --config wins, DROPKV_CONFIG names the file otherwise
+  // (so an image can point at its own file and `docker run IMAGE --config other.yaml` still works).
+  if (auto v = env_value("DROPKV_CONFIG"); v.has_value() && config_file.empty()) {
+    config_file = *v;
+  }
 
   ServerConfig config;
   if (!config_file.empty()) {
@@ -827,6 +841,21 @@ absl::StatusOr<ServerConfig> LoadServerConfigFrom(const std::vector<std::string>
     if (auto v = env_value(name); v.has_value()) {
       absl::Status st = ApplyValue(config, s, *v, absl::StrCat("environment ", name));
       if (!st.ok()) return st;
+    }
+  }
+  // A misspelt DROPKV_* variable would otherwise be ignored without a word.
+  static const char* kNotSettings[] = {
+      "DROPKV_CONFIG",         "DROPKV_SHARED",     "DROPKV_PYTHON",
+      "DROPKV_KVPRESS_PYTHON", "DROPKV_SOURCE_DIR", "DROPKV_BUILD_DIR",
+      "DROPKV_VENV",           "DROPKV_CACHE",      "DROPKV_TEST_JOBS"};
+  for (const auto& [name, value] : env) {
+    if (!absl::StartsWith(name, "DROPKV_")) continue;
+    bool known = std::any_of(std::begin(kNotSettings), std::end(kNotSettings),
+                             [&](const char* n) { return name == n; });
+    for (const Setting& s : settings) known = known || name == ServerConfigEnvName(s.key);
+    if (!known) {
+      config.warnings.push_back(
+          absl::StrCat("environment ", name, " is not a setting and was ignored"));
     }
   }
   absl::Status valid = ValidateServerConfig(config);

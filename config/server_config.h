@@ -31,7 +31,7 @@ struct ServerConfig {
 
   // --- network ---
   std::string host = "127.0.0.1";                // gRPC bind address (0.0.0.0 to serve other hosts)
-  int32_t port = 50051;                          // gRPC port, 1..65535
+  int32_t port = 50051;                          // gRPC port; 0 = any free port (tests)
   int32_t metrics_port = 9400;                   // Prometheus /metrics port; 0 = no endpoint
   int64_t max_message_bytes = 16 * 1024 * 1024;  // gRPC max receive/send message size
   std::string tls_cert_file;                     // PEM certificate chain; set with tls_key_file
@@ -59,8 +59,9 @@ struct ServerConfig {
   CompressionParams compression;
 
   // --- not settings: how this config came to be ---
-  std::string config_file;       // the YAML file read, "" when none
-  bool exit_after_load = false;  // --help or --print-config was handled: the caller exits 0
+  std::string config_file;            // the YAML file read, "" when none
+  bool exit_after_load = false;       // --help or --print-config was handled: the caller exits 0
+  std::vector<std::string> warnings;  // e.g. an unknown DROPKV_* variable; the caller logs them
 };
 
 // Loads defaults <- file <- flags <- environment (the process's own environ), validates, and

@@ -189,10 +189,26 @@ TEST(ServerConfigTest, UnknownKeyIsAnError) {
   EXPECT_THAT(c.status().message(), HasSubstr("--no-such-flag"));
 }
 
+TEST(ServerConfigTest, DuplicateKeyIsAnError) {
+  auto c = ParseServerConfigYaml("port: 1\nmax_batch: 2\nport: 3\n", "f.yaml");
+  ASSERT_FALSE(c.ok());
+  EXPECT_THAT(c.status().message(), HasSubstr("duplicate key 'port' (line 3)"));
+  c = ParseServerConfigYaml("compression:\n  window: 1\n  window: 2\n", "f.yaml");
+  ASSERT_FALSE(c.ok());
+  EXPECT_THAT(c.status().message(), HasSubstr("duplicate key 'compression.window'"));
+}
+
+TEST(ServerConfigTest, MisspeltEnvironmentVariableIsReported) {
+  auto c = Load({}, {{"DROPKV_PROT", "1"}, {"DROPKV_SHARED", "/x"}, {"DROPKV_PORT", "5"}});
+  ASSERT_TRUE(c.ok()) << c.status();
+  ASSERT_EQ(c->warnings.size(), 1u);
+  EXPECT_THAT(c->warnings[0], HasSubstr("DROPKV_PROT"));
+}
+
 TEST(ServerConfigTest, OutOfRangeNamesTheKey) {
   auto c = ParseServerConfigYaml("port: 70000", "f.yaml");
   ASSERT_FALSE(c.ok());
-  EXPECT_THAT(c.status().message(), HasSubstr("port: value 70000 is out of range [1, 65535]"));
+  EXPECT_THAT(c.status().message(), HasSubstr("port: value 70000 is out of range [0, 65535]"));
 
   c = ParseServerConfigYaml("compression: {keep_ratio: 0}", "f.yaml");
   ASSERT_FALSE(c.ok());
