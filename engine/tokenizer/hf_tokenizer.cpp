@@ -688,6 +688,18 @@ absl::Status HfTokenizer::LoadJson(const std::string& dir, std::string_view text
 absl::Status HfTokenizer::LoadConfig(const std::string& dir, std::string_view config_json,
                                      std::string_view generation_config_json,
                                      std::string_view chat_template_file) {
+  // nlohmann's value()/get() throw on type mismatches: a bad config is an error, not a crash.
+  try {
+    return LoadConfigUnchecked(dir, config_json, generation_config_json, chat_template_file);
+  } catch (const json::exception& e) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(dir, "/tokenizer_config.json: unexpected structure: ", e.what()));
+  }
+}
+
+absl::Status HfTokenizer::LoadConfigUnchecked(const std::string& dir, std::string_view config_json,
+                                              std::string_view generation_config_json,
+                                              std::string_view chat_template_file) {
   json cfg = json::object();
   if (!config_json.empty()) {
     cfg = json::parse(config_json, nullptr, false);

@@ -81,6 +81,9 @@ class HfTokenizer final : public Tokenizer {
   absl::Status LoadConfig(const std::string& dir, std::string_view config_json,
                           std::string_view generation_config_json,
                           std::string_view chat_template_file);
+  absl::Status LoadConfigUnchecked(const std::string& dir, std::string_view config_json,
+                                   std::string_view generation_config_json,
+                                   std::string_view chat_template_file);
   std::string Normalize(std::string_view text) const;
   absl::Status EncodeSegment(std::string_view text, std::vector<int32_t>* ids) const;
   absl::Status EncodeNormalized(std::string_view normalized, std::vector<int32_t>* ids) const;
