@@ -58,6 +58,11 @@ absl::Status WriteKv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor&
   }
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
   if (auto s = CheckSlots(slot_mapping, k_new.size(0), num_slots); !s.ok()) return s;
+  if (k_new.device() != k_cache.device() || v_new.device() != k_cache.device() ||
+      slot_mapping.device() != k_cache.device()) {
+    return absl::InvalidArgumentError(
+        "WriteKv: k_new, v_new, slot_mapping must be on the cache's device");
+  }
   if (k_cache.is_cuda()) return cuda::WriteKv(k_cache, v_cache, k_new, v_new, slot_mapping);
   return CatchTorch("WriteKv", [&]() -> absl::Status {
     auto valid = (slot_mapping >= 0).nonzero().squeeze(1);  // [T']
@@ -88,6 +93,11 @@ absl::Status WriteKeptKv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Ten
   }
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
   if (auto s = CheckSlots(slot_mapping, kept_idx.size(1), num_slots); !s.ok()) return s;
+  if (k.device() != k_cache.device() || v.device() != k_cache.device() ||
+      kept_idx.device() != k_cache.device() || slot_mapping.device() != k_cache.device()) {
+    return absl::InvalidArgumentError(
+        "WriteKeptKv: k, v, kept_idx, slot_mapping must be on the cache's device");
+  }
   if (!kept_idx.is_cuda() && kept_idx.numel() > 0 &&
       (kept_idx.min().item<int64_t>() < 0 || kept_idx.max().item<int64_t>() >= k.size(1))) {
     return absl::InvalidArgumentError(

@@ -1,0 +1,266 @@
+// dropkv-bench-score [--n N ...] [--runs R] [--json]
+// One layer of Llama-3.1-8B geometry (Hq 32, Hkv 8, D 128), W = 8, bf16:
+//  - fused DropKV scoring (kernels/dropkv_score.h) vs a naive LibTorch version that materialises
+//    the window attention and the differences a_t - v_j, as a PyTorch user would write it;
+//  - scratch bytes of each (peak allocated beyond inputs and output, caching-allocator stats);
+//  - fraction of the HBM roofline: (K twice + V once) / device-to-device copy bandwidth measured
+//    in the same run (bytes read + written);
+//  - selection: pool + protect + top-k (keep 10%) + gather of K and V;
+//  - paged decode attention, batch 1, 8K context, all 32 layers (one call per layer).
+// Median of `runs` timed runs with CUDA events after warm-up, L2 flushed (256 MiB memset) before
+// each run.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "kernels/dropkv_score.h"
+#include "kernels/paged_attention.h"
+#include "kernels/selection.h"
+
+namespace {
+
+using dropkv::kernels::DropKvParams;
+
+constexpr int64_t kHq = 32, kHkv = 8, kD = 128, kW = 8;
+
+at::Tensor& FlushBuffer() {
+  static at::Tensor buf =
+      at::empty({256ll << 20}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA));
+  return buf;
+}
+
+// Median milliseconds of fn over `runs` timed runs (3 warm-ups), L2 flushed before each.
+double TimeMs(const std::function<void()>& fn, int runs, bool flush = true) {
+  for (int i = 0; i < 3; ++i) fn();
+  std::vector<double> ms;
+  auto stream = at::cuda::getCurrentCUDAStream();
+  for (int i = 0; i < runs; ++i) {
+    if (flush) FlushBuffer().zero_();
+    at::cuda::CUDAEvent start(cudaEventDefault), stop(cudaEventDefault);
+    start.record(stream);
+    fn();
+    stop.record(stream);
+    stop.synchronize();
+    ms.push_back(start.elapsed_time(stop));
+  }
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+int64_t AllocatedBytes() {
+  auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(at::cuda::current_device());
+  return stats.allocated_bytes[0].current;
+}
+int64_t PeakBytes() {
+  auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(at::cuda::current_device());
+  return stats.allocated_bytes[0].peak;
+}
+// Peak bytes allocated by fn beyond what was live before it and what it returns.
+int64_t ScratchBytes(const std::function<at::Tensor()>& fn) {
+  at::cuda::getCurrentCUDAStream().synchronize();
+  const int64_t before = AllocatedBytes();
+  c10::cuda::CUDACachingAllocator::resetPeakStats(at::cuda::current_device());
+  at::Tensor out = fn();
+  at::cuda::getCurrentCUDAStream().synchronize();
+  return PeakBytes() - before - static_cast<int64_t>(out.nbytes());
+}
+
+// What a PyTorch user writes: repeat K/V over the group, full window attention in fp32, then the
+// [Hq, W, n, D] differences a_t - v_j.
+at::Tensor NaiveScores(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  const int64_t n = k.size(2), g = kHq / kHkv;
+  auto qf = q.to(at::kFloat);
+  auto kf = k.to(at::kFloat).repeat_interleave(g, 1);  // [1, Hq, n, D]
+  auto vf = v.to(at::kFloat).repeat_interleave(g, 1);
+  auto logits = at::matmul(qf, kf.transpose(2, 3)) / std::sqrt(double(kD));  // [1, Hq, W, n]
+  auto rows = at::arange(kW, q.options().dtype(at::kLong)).unsqueeze(1) + (n - kW);
+  auto cols = at::arange(n, q.options().dtype(at::kLong)).unsqueeze(0);
+  logits = logits.masked_fill(cols > rows, -std::numeric_limits<float>::infinity());
+  auto p = at::softmax(logits, -1);              // [1, Hq, W, n]
+  auto a = at::matmul(p, vf);                    // [1, Hq, W, D]
+  auto diff = a.unsqueeze(3) - vf.unsqueeze(2);  // [1, Hq, W, n, D]
+  auto d2 = diff.square().sum(-1);               // [1, Hq, W, n]
+  auto w = (p / (1 - p + 1e-6)).square();
+  return (w * d2).sum(2).view({1, kHkv, g, n}).sum(2) / double(g);  // [1, Hkv, n]
+}
+
+struct ScoreRow {
+  int64_t n;
+  double fused_ms, naive_ms, roofline_frac, select_ms;
+  int64_t fused_scratch, naive_scratch;
+  bool naive_run;
+};
+
+std::string Human(int64_t bytes) {
+  char buf[32];
+  if (bytes < 0) return "-";
+  if (bytes >= (1ll << 30))
+    std::snprintf(buf, sizeof buf, "%.2f GiB", bytes / double(1ll << 30));
+  else
+    std::snprintf(buf, sizeof buf, "%.2f MiB", bytes / double(1ll << 20));
+  return buf;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<int64_t> ns;
+  int runs = 20;
+  bool json = false;
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--n") && i + 1 < argc) {
+      while (i + 1 < argc && argv[i + 1][0] != '-') ns.push_back(std::atoll(argv[++i]));
+    } else if (!std::strcmp(argv[i], "--runs") && i + 1 < argc) {
+      runs = std::max(1, std::atoi(argv[++i]));
+    } else if (!std::strcmp(argv[i], "--json")) {
+      json = true;
+    } else {
+      std::printf("usage: %s [--n N ...] [--runs R (20)] [--json]\n", argv[0]);
+      return std::strcmp(argv[i], "--help") ? 2 : 0;
+    }
+  }
+  if (ns.empty()) ns = {4096, 16384, 32768, 65536, 131072, 524288};
+  if (!at::hasCUDA()) {
+    std::fprintf(stderr, "dropkv-bench-score: no CUDA device\n");
+    return 1;
+  }
+  try {
+    const auto bf16 = at::TensorOptions().dtype(at::kBFloat16).device(at::kCUDA);
+    auto* props = at::cuda::getCurrentDeviceProperties();
+    // Device-to-device copy bandwidth, bytes read + written.
+    auto src = at::empty({1ll << 30}, bf16.dtype(at::kByte)).fill_(1);
+    auto dst = at::empty_like(src);
+    const double copy_ms = TimeMs([&] { dst.copy_(src); }, runs, false);
+    const double copy_gbs = 2.0 * src.nbytes() / (copy_ms * 1e-3) / 1e9;
+    src = dst = at::Tensor();
+
+    std::vector<ScoreRow> rows;
+    for (int64_t n : ns) {
+      auto q = at::randn({1, kHq, kW, kD}, bf16);
+      auto k = at::randn({1, kHkv, n, kD}, bf16);
+      auto v = at::randn({1, kHkv, n, kD}, bf16);
+      DropKvParams params;
+      params.p_round_dtype = at::kBFloat16;
+      ScoreRow row{n, 0, -1, 0, 0, 0, -1, false};
+      at::Tensor scores;
+      row.fused_ms =
+          TimeMs([&] { scores = *dropkv::kernels::DropKvScores(q, k, v, params); }, runs);
+      row.fused_scratch =
+          ScratchBytes([&] { return *dropkv::kernels::DropKvScores(q, k, v, params); });
+      const double bytes = 3.0 * k.nbytes();  // K twice + V once
+      row.roofline_frac = (bytes / (copy_gbs * 1e9) * 1e3) / row.fused_ms;
+      const int64_t keep = dropkv::kernels::KeepCount(n, 0.1, kW);
+      row.select_ms = TimeMs(
+          [&] {
+            auto idx = *dropkv::kernels::SelectTopK(scores, keep);
+            auto kk = *dropkv::kernels::GatherKept(k, idx);
+            auto vv = *dropkv::kernels::GatherKept(v, idx);
+          },
+          runs);
+      // Naive: fp32 K/V repeated over the group (2 x Hq n D), the differences (Hq W n D) and a
+      // few [Hq, W, n] temporaries; run it when that fits in 80% of the free memory.
+      size_t free_b = 0, total_b = 0;
+      cudaMemGetInfo(&free_b, &total_b);
+      const double naive_need =
+          4.0 * (2.0 * kHq * n * kD + 2.0 * kHq * kW * n * kD + 8.0 * kHq * kW * n);
+      if (naive_need < 0.8 * static_cast<double>(free_b)) {
+        row.naive_run = true;
+        row.naive_ms = TimeMs([&] { NaiveScores(q, k, v); }, runs);
+        row.naive_scratch = ScratchBytes([&] { return NaiveScores(q, k, v); });
+      } else {
+        std::fprintf(stderr, "naive skipped at n=%lld: needs about %s, %s free\n",
+                     static_cast<long long>(n), Human(int64_t(naive_need)).c_str(),
+                     Human(int64_t(free_b)).c_str());
+      }
+      rows.push_back(row);
+      c10::cuda::CUDACachingAllocator::emptyCache();
+    }
+
+    // Paged decode: batch 1, context 8192 (and 819 = keep 10%), 32 layers, block size 16.
+    const int64_t layers = 32, block_size = 16, ctx = 8192;
+    const int64_t blocks_per_layer = ctx / block_size;
+    auto k_pool = at::randn({layers * blocks_per_layer, block_size, kHkv, kD}, bf16);
+    auto v_pool = at::randn({layers * blocks_per_layer, block_size, kHkv, kD}, bf16);
+    auto q1 = at::randn({1, kHq, kD}, bf16);
+    std::vector<at::Tensor> tables;
+    auto perm = at::randperm(layers * blocks_per_layer, bf16.dtype(at::kInt));
+    for (int64_t l = 0; l < layers; ++l) {
+      tables.push_back(perm.slice(0, l * blocks_per_layer, (l + 1) * blocks_per_layer)
+                           .view({1, -1})
+                           .contiguous());
+    }
+    double decode_ms[2];
+    const int64_t lens[2] = {ctx, ctx / 10};
+    for (int c = 0; c < 2; ++c) {
+      auto seq_lens = at::full({1}, lens[c], bf16.dtype(at::kInt));
+      decode_ms[c] = TimeMs(
+          [&] {
+            for (int64_t l = 0; l < layers; ++l) {
+              (void)*dropkv::kernels::PagedDecodeAttention(q1, k_pool, v_pool, tables[l], seq_lens);
+            }
+          },
+          runs);
+    }
+    // Peer: SDPA over a dense contiguous cache of one layer, x32 (GQA expanded to Hq heads).
+    auto kd = at::randn({1, kHq, ctx, kD}, bf16), vd = at::randn({1, kHq, ctx, kD}, bf16);
+    auto qd = at::randn({1, kHq, 1, kD}, bf16);
+    const double sdpa_ms = TimeMs(
+        [&] {
+          for (int64_t l = 0; l < layers; ++l) at::scaled_dot_product_attention(qd, kd, vd);
+        },
+        runs);
+    const double decode_bytes = 2.0 * layers * ctx * kHkv * kD * 2;  // K + V of 32 layers
+
+    if (json) {
+      std::printf("{\"device\":\"%s\",\"copy_gbs\":%.1f,\"scoring\":[", props->name, copy_gbs);
+      for (size_t i = 0; i < rows.size(); ++i) {
+        const auto& r = rows[i];
+        std::printf(
+            "%s{\"n\":%lld,\"fused_ms\":%.4f,\"naive_ms\":%.4f,\"speedup\":%.2f,"
+            "\"fused_scratch_bytes\":%lld,\"naive_scratch_bytes\":%lld,"
+            "\"roofline_frac\":%.3f,\"select_ms\":%.4f}",
+            i ? "," : "", static_cast<long long>(r.n), r.fused_ms, r.naive_ms,
+            r.naive_run ? r.naive_ms / r.fused_ms : -1.0, static_cast<long long>(r.fused_scratch),
+            static_cast<long long>(r.naive_scratch), r.roofline_frac, r.select_ms);
+      }
+      std::printf(
+          "],\"decode\":{\"ctx\":%lld,\"layers\":%lld,\"paged_ms\":%.4f,\"paged_keep10_ms\":%.4f,"
+          "\"sdpa_dense_ms\":%.4f,\"roofline_ms\":%.4f}}\n",
+          static_cast<long long>(ctx), static_cast<long long>(layers), decode_ms[0], decode_ms[1],
+          sdpa_ms, decode_bytes / (copy_gbs * 1e9) * 1e3);
+    } else {
+      std::printf("device %s, %d SMs; d2d copy %.0f GB/s (read + write); median of %d runs\n",
+                  props->name, props->multiProcessorCount, copy_gbs, runs);
+      std::printf("%8s %10s %10s %8s %12s %12s %9s %10s\n", "n", "fused ms", "naive ms", "speedup",
+                  "fused scr", "naive scr", "roofline", "select ms");
+      for (const auto& r : rows) {
+        std::printf("%8lld %10.4f %10s %8s %12s %12s %8.1f%% %10.4f\n", static_cast<long long>(r.n),
+                    r.fused_ms, r.naive_run ? std::to_string(r.naive_ms).c_str() : "skipped",
+                    r.naive_run ? std::to_string(r.naive_ms / r.fused_ms).c_str() : "-",
+                    Human(r.fused_scratch).c_str(), Human(r.naive_scratch).c_str(),
+                    100 * r.roofline_frac, r.select_ms);
+      }
+      std::printf(
+          "paged decode, batch 1, %lld layers: ctx %lld %.4f ms/token, ctx %lld (keep 10%%) "
+          "%.4f ms/token; dense SDPA peer %.4f ms; K+V roofline %.4f ms\n",
+          static_cast<long long>(layers), static_cast<long long>(ctx), decode_ms[0],
+          static_cast<long long>(lens[1]), decode_ms[1], sdpa_ms,
+          decode_bytes / (copy_gbs * 1e9) * 1e3);
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "dropkv-bench-score: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

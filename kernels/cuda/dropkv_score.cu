@@ -1,0 +1,237 @@
+// Launcher of the fused DropKV scoring (algorithms.md section 1, three passes) and the build
+// marker of the CUDA kernels. Checks shapes, dtypes and devices, turns head_dim into a template
+// constant (64 / 128 / 256 only), uses the current stream and the caching allocator for scratch.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/check.h"
+#include "kernels/cuda/dropkv_score_kernels.cuh"
+#include "kernels/cuda/launchers.h"
+
+namespace dropkv::kernels::cuda {
+
+bool Built() {
+  return true;
+}
+
+namespace {
+
+constexpr int kScoreRowChunk = 16;  // packed window rows per CTA chunk
+
+// 16-byte vector loads need a contiguous last dim, other strides in whole vectors, an aligned base.
+bool VectorAligned(const at::Tensor& t) {
+  const int64_t vec = 16 / t.element_size();
+  if (t.stride(-1) != 1 || reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0) return false;
+  for (int64_t i = 0; i + 1 < t.dim(); ++i) {
+    if (t.stride(i) % vec != 0) return false;
+  }
+  return true;
+}
+
+// Pass 1 CTAs: about 2 per SM, at least 4 key tiles per split, at most 64 splits.
+int ChooseSplits(int64_t num_heads_total, int64_t num_row_chunks, int64_t max_n, int requested) {
+  const int64_t max_splits = std::max<int64_t>(1, std::min<int64_t>(64, max_n / (4 * kKeyTile)));
+  if (requested > 0)
+    return static_cast<int>(
+        std::min<int64_t>(requested, std::max<int64_t>(1, (max_n + kKeyTile - 1) / kKeyTile)));
+  const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int64_t want =
+      (2 * num_sms + num_heads_total * num_row_chunks - 1) / (num_heads_total * num_row_chunks);
+  return static_cast<int>(std::clamp<int64_t>(want, 1, max_splits));
+}
+
+template <typename T, int D>
+absl::Status Launch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                    const at::Tensor& kv_offset, const at::Tensor& seq_lens,
+                    const at::Tensor& out_offset, int64_t out_stride_head, int64_t max_n,
+                    int64_t stride_tok, int64_t stride_head, at::Tensor& out,
+                    const DropKvParams& params) {
+  const int64_t batch = q.size(0), hq = q.size(1), w = q.size(2);
+  const int64_t hkv = k.size(1);  // dense [B, Hkv, n, D] and varlen [total, Hkv, D] alike
+  const int64_t g = hq / hkv, rows = g * w;
+  constexpr int RC = kScoreRowChunk;
+  const int64_t rows_pad = (rows + RC - 1) / RC * RC;
+  const int64_t num_chunks = rows_pad / RC;
+  const int64_t bh = batch * hkv;
+  const int splits = ChooseSplits(bh, num_chunks, max_n, params.num_splits);
+  const int64_t split_len = ((max_n + splits - 1) / splits + kKeyTile - 1) / kKeyTile * kKeyTile;
+  auto f32 = q.options().dtype(at::kFloat);
+  // Scratch: partials (S x rows x (D + 2)) + merged a and lse: O(n) through S only.
+  auto part_acc = at::empty({bh, splits, rows_pad, D}, f32);
+  auto part_ml = at::empty({2, bh, splits, rows_pad}, f32);
+  auto a = at::empty({bh, rows_pad, D}, f32);
+  auto lse = at::empty({bh, rows_pad}, f32);
+  const float scale =
+      static_cast<float>(params.scale > 0 ? params.scale : 1.0 / std::sqrt(double(D)));
+  auto stream = at::cuda::getCurrentCUDAStream();
+
+  PartialAttnParams<T> pa{};
+  pa.q = reinterpret_cast<const T*>(q.data_ptr());
+  pa.k = reinterpret_cast<const T*>(k.data_ptr());
+  pa.v = reinterpret_cast<const T*>(v.data_ptr());
+  pa.kv_offset = kv_offset.data_ptr<int64_t>();
+  pa.seq_lens = seq_lens.data_ptr<int32_t>();
+  pa.stride_tok = stride_tok;
+  pa.stride_head = stride_head;
+  pa.num_kv_heads = static_cast<int32_t>(hkv);
+  pa.window = static_cast<int32_t>(w);
+  pa.num_rows = static_cast<int32_t>(rows);
+  pa.rows_pad = static_cast<int32_t>(rows_pad);
+  pa.min_pos = 1;
+  pa.num_splits = splits;
+  pa.split_len = static_cast<int32_t>(split_len);
+  pa.scale = scale;
+  pa.part_m = part_ml[0].data_ptr<float>();
+  pa.part_l = part_ml[1].data_ptr<float>();
+  pa.part_acc = part_acc.data_ptr<float>();
+  {
+    auto kernel = PartialAttnKernel<T, D, RC, false>;
+    const int smem = PartialAttnSmemFloats<D, RC>() * sizeof(float);
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    kernel<<<dim3(bh, splits, num_chunks), kThreads, smem, stream>>>(pa);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  MergeKernel<float, D><<<dim3(bh, rows_pad), D, 0, stream>>>(
+      pa.part_m, pa.part_l, pa.part_acc, splits, static_cast<int>(rows_pad),
+      static_cast<int>(rows_pad), a.data_ptr<float>(), lse.data_ptr<float>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+
+  ScoreParams sp{};
+  sp.q = q.data_ptr();
+  sp.k = k.data_ptr();
+  sp.v = v.data_ptr();
+  sp.kv_offset = pa.kv_offset;
+  sp.seq_lens = pa.seq_lens;
+  sp.a = a.data_ptr<float>();
+  sp.lse = lse.data_ptr<float>();
+  sp.out = out.data_ptr<float>();
+  sp.out_offset = out_offset.data_ptr<int64_t>();
+  sp.out_stride_head = out_stride_head;
+  sp.stride_tok = stride_tok;
+  sp.stride_head = stride_head;
+  sp.num_kv_heads = pa.num_kv_heads;
+  sp.group = static_cast<int32_t>(g);
+  sp.window = pa.window;
+  sp.num_rows = pa.num_rows;
+  sp.rows_pad = pa.rows_pad;
+  sp.min_pos = 1;
+  sp.scale = scale;
+  sp.eps = static_cast<float>(params.eps);
+  sp.round_mode = !params.p_round_dtype                    ? 0
+                  : *params.p_round_dtype == at::kBFloat16 ? 1
+                  : *params.p_round_dtype == at::kHalf     ? 2
+                                                           : 0;
+  {
+    auto kernel = ScoreKernel<T, D, RC>;
+    const int smem = ScoreSmemFloats<D, RC>() * sizeof(float);
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    kernel<<<dim3(bh, (max_n + kKeyTile - 1) / kKeyTile), kThreads, smem, stream>>>(sp);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  return absl::OkStatus();
+}
+
+template <typename T, typename... Args>
+absl::Status DispatchHeadDim(int64_t d, Args&&... args) {
+  switch (d) {
+    case 64:
+      return Launch<T, 64>(args...);
+    case 128:
+      return Launch<T, 128>(args...);
+    case 256:
+      return Launch<T, 256>(args...);
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("DropKvScores on CUDA: head_dim must be 64, 128 or 256, got ", d));
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<at::Tensor> DropKvScores(const at::Tensor& q_window, const at::Tensor& k_in,
+                                        const at::Tensor& v_in,
+                                        const std::optional<at::Tensor>& cu_seqlens,
+                                        const DropKvParams& params) {
+  const auto dtype = k_in.scalar_type();
+  if (dtype != at::kFloat && dtype != at::kHalf && dtype != at::kBFloat16) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("DropKvScores on CUDA: dtype must be float32, float16 or bfloat16, got ",
+                     c10::toString(dtype)));
+  }
+  if (q_window.scalar_type() != dtype || v_in.scalar_type() != dtype) {
+    return absl::InvalidArgumentError("DropKvScores on CUDA: q_window, k, v must share a dtype");
+  }
+  const int64_t w = q_window.size(2), d = q_window.size(3);
+  if (w < 1 || w > 64) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("DropKvScores on CUDA: window must be in [1, 64], got ", w));
+  }
+  if (params.p_round_dtype && *params.p_round_dtype != at::kBFloat16 &&
+      *params.p_round_dtype != at::kHalf) {
+    return absl::InvalidArgumentError("DropKvScores on CUDA: p_round_dtype must be bf16 or fp16");
+  }
+  return internal::CatchTorch("DropKvScores(cuda)", [&]() -> absl::StatusOr<at::Tensor> {
+    c10::cuda::CUDAGuard guard(k_in.device());
+    // 16-byte vector loads need contiguous head_dim and aligned rows.
+    auto k = VectorAligned(k_in) ? k_in : k_in.contiguous();
+    auto v = VectorAligned(v_in) && v_in.strides() == k.strides() ? v_in : v_in.contiguous();
+    if (v.strides() != k.strides()) k = k.contiguous();
+    auto q = q_window.contiguous();
+    const int64_t batch = q.size(0);
+    std::vector<int64_t> kv_off(batch), out_off(batch);
+    std::vector<int32_t> lens(batch);
+    int64_t stride_tok, stride_head, out_stride_head, max_n = 0;
+    at::Tensor out;
+    if (!cu_seqlens) {  // dense [B, Hkv, n, D]
+      const int64_t n = k.size(2);
+      for (int64_t b = 0; b < batch; ++b) {
+        kv_off[b] = b * k.stride(0);
+        out_off[b] = b * k.size(1) * n;
+        lens[b] = static_cast<int32_t>(n);
+      }
+      stride_tok = k.stride(2);
+      stride_head = k.stride(1);
+      out_stride_head = n;
+      max_n = n;
+      out = at::empty({batch, k.size(1), n}, k.options().dtype(at::kFloat));
+    } else {  // varlen [total_n, Hkv, D]
+      const int64_t* cu = cu_seqlens->data_ptr<int64_t>();
+      for (int64_t b = 0; b < batch; ++b) {
+        kv_off[b] = cu[b] * k.stride(0);
+        out_off[b] = cu[b];
+        lens[b] = static_cast<int32_t>(cu[b + 1] - cu[b]);
+        max_n = std::max<int64_t>(max_n, lens[b]);
+      }
+      stride_tok = k.stride(0);
+      stride_head = k.stride(1);
+      out_stride_head = k.size(0);
+      out = at::zeros({k.size(1), k.size(0)}, k.options().dtype(at::kFloat));
+    }
+    if (max_n >= (int64_t{1} << 31) / 2) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("DropKvScores on CUDA: n = ", max_n, " too large"));
+    }
+    if (max_n == 0 || batch == 0) return out.zero_();
+    auto dev = at::TensorOptions().device(k.device());
+    auto kv_off_t = at::tensor(kv_off, at::kLong).to(dev.dtype(at::kLong), /*non_blocking=*/true);
+    auto out_off_t = at::tensor(out_off, at::kLong).to(dev.dtype(at::kLong), true);
+    auto lens_t = at::tensor(lens, at::kInt).to(dev.dtype(at::kInt), true);
+    auto launch = [&](auto type_tag) {
+      using T = decltype(type_tag);
+      return DispatchHeadDim<T>(d, q, k, v, kv_off_t, lens_t, out_off_t, out_stride_head, max_n,
+                                stride_tok, stride_head, out, params);
+    };
+    const absl::Status st = dtype == at::kFloat  ? launch(float{})
+                            : dtype == at::kHalf ? launch(__half{})
+                                                 : launch(__nv_bfloat16{});
+    if (!st.ok()) return st;
+    return out;
+  });
+}
+
+}  // namespace dropkv::kernels::cuda

@@ -1,0 +1,153 @@
+// Paged decode attention on CUDA: pass 1 of attention_common.cuh over the block table (split-K,
+// the g query heads of a KV head as the rows of one CTA, W = 1), then the LSE merge straight into
+// the output. One launch each for the whole batch.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/check.h"
+#include "kernels/cuda/attention_common.cuh"
+#include "kernels/cuda/launchers.h"
+
+namespace dropkv::kernels::cuda {
+namespace {
+
+template <typename T, int D, int RC>
+void Launch(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+            const at::Tensor& block_tables, const at::Tensor& seq_lens, float scale,
+            int requested_splits, at::Tensor& out) {
+  const int64_t batch = q.size(0), hq = q.size(1);
+  const int64_t block_size = k_cache.size(1), hkv = k_cache.size(2);
+  const int64_t g = hq / hkv, bh = batch * hkv;
+  const int64_t max_blocks = block_tables.size(1);
+  // Upper bound of the lengths without a device sync; CTAs past a sequence's end exit early.
+  const int64_t max_len = max_blocks * block_size;
+  int splits = requested_splits;
+  if (splits <= 0) {
+    const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    splits = static_cast<int>((2 * num_sms + bh - 1) / bh);
+  }
+  // At least 4 key tiles per split, at most 64 splits.
+  splits = static_cast<int>(std::clamp<int64_t>(
+      splits, 1, std::max<int64_t>(1, std::min<int64_t>(64, max_len / (4 * kKeyTile)))));
+  const int64_t split_len = ((max_len + splits - 1) / splits + kKeyTile - 1) / kKeyTile * kKeyTile;
+  auto f32 = q.options().dtype(at::kFloat);
+  auto part_acc = at::empty({bh, splits, RC, D}, f32);
+  auto part_ml = at::empty({2, bh, splits, RC}, f32);
+  auto stream = at::cuda::getCurrentCUDAStream();
+
+  PartialAttnParams<T> pa{};
+  pa.q = reinterpret_cast<const T*>(q.data_ptr());
+  pa.k = reinterpret_cast<const T*>(k_cache.data_ptr());
+  pa.v = reinterpret_cast<const T*>(v_cache.data_ptr());
+  pa.block_tables = block_tables.data_ptr<int32_t>();
+  pa.seq_lens = seq_lens.data_ptr<int32_t>();
+  pa.stride_tok = hkv * D;  // one slot
+  pa.stride_head = D;
+  pa.max_blocks = static_cast<int32_t>(max_blocks);
+  pa.block_size = static_cast<int32_t>(block_size);
+  pa.num_kv_heads = static_cast<int32_t>(hkv);
+  pa.window = 1;
+  pa.num_rows = static_cast<int32_t>(g);
+  pa.rows_pad = RC;
+  pa.min_pos = 0;
+  pa.num_splits = splits;
+  pa.split_len = static_cast<int32_t>(split_len);
+  pa.scale = scale;
+  pa.part_m = part_ml[0].data_ptr<float>();
+  pa.part_l = part_ml[1].data_ptr<float>();
+  pa.part_acc = part_acc.data_ptr<float>();
+  auto kernel = PartialAttnKernel<T, D, RC, true>;
+  const int smem = PartialAttnSmemFloats<D, RC>() * sizeof(float);
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  kernel<<<dim3(bh, splits, 1), kThreads, smem, stream>>>(pa);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  MergeKernel<T, D><<<dim3(bh, RC), D, 0, stream>>>(pa.part_m, pa.part_l, pa.part_acc, splits, RC,
+                                                    static_cast<int>(g),
+                                                    reinterpret_cast<T*>(out.data_ptr()), nullptr);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T, int D>
+void DispatchRows(int64_t g, const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
+                  const at::Tensor& bt, const at::Tensor& sl, float scale, int splits,
+                  at::Tensor& out) {
+  // Row chunk = the group rounded up to a multiple of 4 warps (D = 64 needs 8: two row groups).
+  if (g <= 4 && D >= 128) return Launch<T, D, 4>(q, kc, vc, bt, sl, scale, splits, out);
+  if (g <= 8) return Launch<T, D, 8>(q, kc, vc, bt, sl, scale, splits, out);
+  return Launch<T, D, 16>(q, kc, vc, bt, sl, scale, splits, out);
+}
+
+template <typename T>
+absl::Status DispatchHeadDim(int64_t d, int64_t g, const at::Tensor& q, const at::Tensor& kc,
+                             const at::Tensor& vc, const at::Tensor& bt, const at::Tensor& sl,
+                             float scale, int splits, at::Tensor& out) {
+  switch (d) {
+    case 64:
+      DispatchRows<T, 64>(g, q, kc, vc, bt, sl, scale, splits, out);
+      break;
+    case 128:
+      DispatchRows<T, 128>(g, q, kc, vc, bt, sl, scale, splits, out);
+      break;
+    case 256:
+      DispatchRows<T, 256>(g, q, kc, vc, bt, sl, scale, splits, out);
+      break;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("PagedDecodeAttention on CUDA: head_dim must be 64, 128 or 256, got ", d));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<at::Tensor> PagedDecodeAttention(const at::Tensor& q_in, const at::Tensor& k_cache,
+                                                const at::Tensor& v_cache,
+                                                const at::Tensor& block_tables_in,
+                                                const at::Tensor& seq_lens_in,
+                                                const PagedAttentionParams& params) {
+  const auto dtype = k_cache.scalar_type();
+  if (dtype != at::kFloat && dtype != at::kHalf && dtype != at::kBFloat16) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "PagedDecodeAttention on CUDA: dtype must be float32, float16 or bfloat16, got ",
+        c10::toString(dtype)));
+  }
+  if (q_in.scalar_type() != dtype) {
+    return absl::InvalidArgumentError(
+        "PagedDecodeAttention on CUDA: q and the cache must share a dtype");
+  }
+  if (!k_cache.is_contiguous() || !v_cache.is_contiguous()) {
+    return absl::InvalidArgumentError(
+        "PagedDecodeAttention on CUDA: k_cache and v_cache must be contiguous");
+  }
+  const int64_t g = q_in.size(1) / k_cache.size(2), d = q_in.size(2);
+  if (g > 16) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("PagedDecodeAttention on CUDA: at most 16 query heads per KV head, got ", g));
+  }
+  return internal::CatchTorch("PagedDecodeAttention(cuda)", [&]() -> absl::StatusOr<at::Tensor> {
+    c10::cuda::CUDAGuard guard(q_in.device());
+    auto q = q_in.contiguous();
+    auto block_tables = block_tables_in.contiguous();
+    auto seq_lens = seq_lens_in.contiguous();
+    auto out = at::empty_like(q);
+    if (q.size(0) == 0) return out;
+    const float scale =
+        static_cast<float>(params.scale > 0 ? params.scale : 1.0 / std::sqrt(double(d)));
+    auto launch = [&](auto type_tag) {
+      using T = decltype(type_tag);
+      return DispatchHeadDim<T>(d, g, q, k_cache, v_cache, block_tables, seq_lens, scale,
+                                params.num_splits, out);
+    };
+    const absl::Status st = dtype == at::kFloat  ? launch(float{})
+                            : dtype == at::kHalf ? launch(__half{})
+                                                 : launch(__nv_bfloat16{});
+    if (!st.ok()) return st;
+    return out;
+  });
+}
+
+}  // namespace dropkv::kernels::cuda

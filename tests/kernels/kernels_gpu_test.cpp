@@ -1,0 +1,223 @@
+// CUDA kernels against the CPU reference (label gpu; skips without a GPU). Every check draws
+// fresh random inputs; free blocks of the caching allocator are filled with NaN before each run
+// so that an output element the kernel forgot to write shows up as NaN.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <iterator>
+#include <string>
+#include <vector>
+
+#include "kernels/cache_ops.h"
+#include "kernels/dropkv_score.h"
+#include "kernels/paged_attention.h"
+#include "kernels/selection.h"
+
+namespace dropkv::kernels {
+namespace {
+
+const at::TensorOptions kCuda = at::TensorOptions().device(at::kCUDA);
+
+class KernelsGpuTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device (cudaGetDeviceCount returned 0 or failed)";
+    // The CPU reference is the oracle; keep cuBLAS (used by the naive paths) in true fp32 too.
+    at::globalContext().setAllowTF32CuBLAS(false);
+  }
+};
+
+// NaN into the allocator's free blocks of several sizes (the next allocations reuse them).
+void Poison() {
+  for (int64_t mib : {1, 4, 16, 64}) {
+    auto t = at::full({mib << 18}, NAN, kCuda.dtype(at::kFloat));
+  }
+}
+
+// max |got - want| / max |want|: scores span orders of magnitude, so the absolute tolerance is
+// relative to the largest score (atol 1e-4 of the scale) and rtol applies per element.
+void ExpectClose(const at::Tensor& got, const at::Tensor& want, double rtol, double atol_rel,
+                 const std::string& what) {
+  auto g = got.to(at::kCPU).to(at::kDouble), w = want.to(at::kCPU).to(at::kDouble);
+  ASSERT_EQ(g.sizes(), w.sizes()) << what;
+  ASSERT_FALSE(g.isnan().any().item<bool>()) << what << ": NaN in the output (unwritten?)";
+  const double scale = w.abs().max().item<double>();
+  auto excess = (g - w).abs() - (rtol * w.abs() + atol_rel * scale);
+  const double worst = excess.max().item<double>();
+  EXPECT_LE(worst, 0.0) << what << ": max |diff| " << (g - w).abs().max().item<double>()
+                        << " scale " << scale;
+}
+
+// Fraction of the top 10% (per head) of `want` that is also in the top 10% of `got`.
+double TopOverlap(const at::Tensor& got, const at::Tensor& want) {
+  auto g = got.to(at::kCPU).to(at::kFloat).reshape({-1, got.size(-1)});
+  auto w = want.to(at::kCPU).to(at::kFloat).reshape({-1, want.size(-1)});
+  const int64_t k = std::max<int64_t>(1, g.size(1) / 10);
+  auto gi = std::get<1>(g.topk(k, -1)), wi = std::get<1>(w.topk(k, -1));
+  int64_t hit = 0;
+  for (int64_t r = 0; r < g.size(0); ++r) {
+    auto a = gi[r].contiguous(), b = wi[r].contiguous();
+    std::vector<int64_t> va(a.data_ptr<int64_t>(), a.data_ptr<int64_t>() + k);
+    std::vector<int64_t> vb(b.data_ptr<int64_t>(), b.data_ptr<int64_t>() + k);
+    std::sort(va.begin(), va.end());
+    std::sort(vb.begin(), vb.end());
+    std::vector<int64_t> common;
+    std::set_intersection(va.begin(), va.end(), vb.begin(), vb.end(), std::back_inserter(common));
+    hit += static_cast<int64_t>(common.size());
+  }
+  return static_cast<double>(hit) / static_cast<double>(k * g.size(0));
+}
+
+struct Geo {
+  int64_t b, hq, hkv, w, n, d;
+};
+
+TEST_F(KernelsGpuTest, DropKvFp32MatchesCpuReference) {
+  const std::vector<Geo> cases = {{2, 8, 8, 8, 1000, 64},  {1, 32, 8, 8, 4097, 128},
+                                  {2, 14, 2, 5, 777, 128}, {1, 8, 1, 64, 2048, 64},
+                                  {1, 16, 2, 1, 513, 256}, {3, 4, 2, 8, 33, 128},
+                                  {1, 8, 4, 8, 6, 64}};
+  for (const auto& c : cases) {
+    auto q = at::randn({c.b, c.hq, c.w, c.d}) * 2.0;
+    auto k = at::randn({c.b, c.hkv, c.n, c.d});
+    auto v = at::randn({c.b, c.hkv, c.n, c.d});
+    auto want = DropKvScores(q, k, v);
+    ASSERT_TRUE(want.ok()) << want.status();
+    Poison();
+    auto got = DropKvScores(q.to(at::kCUDA), k.to(at::kCUDA), v.to(at::kCUDA));
+    ASSERT_TRUE(got.ok()) << got.status();
+    ExpectClose(*got, *want, 1e-3, 1e-4,
+                "g=" + std::to_string(c.hq / c.hkv) + " W=" + std::to_string(c.w) +
+                    " n=" + std::to_string(c.n) + " D=" + std::to_string(c.d));
+  }
+}
+
+TEST_F(KernelsGpuTest, DropKvVarlenAndStridedMatchCpu) {
+  const std::vector<int64_t> cu = {0, 300, 307, 1500, 1501, 2600};
+  const int64_t hq = 8, hkv = 2, w = 8, d = 128, total = cu.back();
+  auto q = at::randn({5, hq, w, d});
+  auto k = at::randn({total, hkv, d});
+  auto v = at::randn({total, hkv, d});
+  auto cu_t = at::tensor(cu, at::kLong);
+  auto want = DropKvScoresVarlen(q, k, v, cu_t);
+  ASSERT_TRUE(want.ok()) << want.status();
+  Poison();
+  auto got = DropKvScoresVarlen(q.to(at::kCUDA), k.to(at::kCUDA), v.to(at::kCUDA), cu_t);
+  ASSERT_TRUE(got.ok()) << got.status();
+  ExpectClose(*got, *want, 1e-3, 1e-4, "varlen");
+  // A strided (transposed) dense view goes through the same kernel.
+  auto kd = k.slice(0, 0, 300).transpose(0, 1).unsqueeze(0);  // [1, Hkv, 300, D], strided
+  auto vd = v.slice(0, 0, 300).transpose(0, 1).unsqueeze(0);
+  auto got_dense = DropKvScores(q.slice(0, 0, 1).to(at::kCUDA), kd.to(at::kCUDA), vd.to(at::kCUDA));
+  ASSERT_TRUE(got_dense.ok()) << got_dense.status();
+  ExpectClose((*got_dense)[0], want->slice(1, 0, 300), 1e-3, 1e-4, "strided dense");
+}
+
+TEST_F(KernelsGpuTest, DropKvBf16TopTenPercentOverlap) {
+  for (bool sink : {false, true}) {
+    for (auto dtype : {at::kBFloat16, at::kHalf}) {
+      const int64_t hq = 32, hkv = 8, w = 8, n = 8192, d = 128;
+      auto q = at::randn({1, hq, w, d}).to(dtype);
+      auto k = at::randn({1, hkv, n, d});
+      auto v = at::randn({1, hkv, n, d}).to(dtype);
+      if (sink) {
+        // Key 0 aligned with every query: very large logits, p close to 1.
+        k.select(2, 0).copy_(q.to(at::kFloat).view({1, hkv, hq / hkv * w, d}).mean(2) * 60.0);
+      }
+      k = k.to(dtype);
+      DropKvParams params;
+      params.p_round_dtype = dtype;
+      auto want = DropKvScores(q.to(at::kFloat), k.to(at::kFloat), v.to(at::kFloat), params);
+      ASSERT_TRUE(want.ok()) << want.status();
+      Poison();
+      auto got = DropKvScores(q.to(at::kCUDA), k.to(at::kCUDA), v.to(at::kCUDA), params);
+      ASSERT_TRUE(got.ok()) << got.status();
+      const double overlap = TopOverlap(*got, *want);
+      std::printf("%s%s top-10%% overlap %.4f\n", c10::toString(dtype), sink ? " sink" : "",
+                  overlap);
+      EXPECT_GE(overlap, 0.99) << (sink ? "sink input" : "random input");
+    }
+  }
+}
+
+TEST_F(KernelsGpuTest, SplitAndUnsplitAgree) {
+  auto q = at::randn({1, 32, 8, 128}, kCuda);
+  auto k = at::randn({1, 8, 20000, 128}, kCuda);
+  auto v = at::randn({1, 8, 20000, 128}, kCuda);
+  DropKvParams one, many;
+  one.num_splits = 1;
+  many.num_splits = 64;
+  auto a = DropKvScores(q, k, v, one), b = DropKvScores(q, k, v, many);
+  ASSERT_TRUE(a.ok() && b.ok());
+  // The LSE of one split and of 64 merged ones differ by fp32 rounding (~1e-6 relative).
+  ExpectClose(*b, *a, 1e-4, 1e-6, "64 splits vs 1");
+}
+
+TEST_F(KernelsGpuTest, RejectsUnsupportedHeadDim) {
+  auto q = at::randn({1, 4, 8, 96}, kCuda), k = at::randn({1, 2, 100, 96}, kCuda);
+  auto st = DropKvScores(q, k, k).status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("head_dim must be 64, 128 or 256, got 96"), std::string::npos) << st;
+}
+
+TEST_F(KernelsGpuTest, PagedDecodeMatchesCpuReference) {
+  for (auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    for (int64_t g : {1, 4, 7}) {
+      for (int64_t d : {64, 128, 256}) {
+        const int64_t b = 4, hkv = 2, hq = hkv * g, bs = 16, max_blocks = 400,
+                      nb = b * max_blocks + 7;
+        auto kc = at::randn({nb, bs, hkv, d}).to(dtype), vc = at::randn({nb, bs, hkv, d}).to(dtype);
+        auto q = at::randn({b, hq, d}).to(dtype);
+        auto tables = at::randperm(nb, at::kInt)
+                          .slice(0, 0, b * max_blocks)
+                          .view({b, max_blocks})
+                          .contiguous();
+        auto lens = at::tensor({6001, 1, 0, 333}, at::kInt);
+        auto want = PagedDecodeAttention(q.to(at::kFloat), kc.to(at::kFloat), vc.to(at::kFloat),
+                                         tables, lens);
+        ASSERT_TRUE(want.ok()) << want.status();
+        Poison();
+        auto got = PagedDecodeAttention(q.to(at::kCUDA), kc.to(at::kCUDA), vc.to(at::kCUDA),
+                                        tables.to(at::kCUDA), lens.to(at::kCUDA));
+        ASSERT_TRUE(got.ok()) << got.status();
+        // fp32: accumulation order only; bf16/fp16: the output is rounded to the model dtype.
+        const double tol = dtype == at::kFloat ? 1e-4 : (dtype == at::kHalf ? 2e-3 : 1e-2);
+        ExpectClose(*got, *want, tol, tol,
+                    std::string(c10::toString(dtype)) + " g=" + std::to_string(g) +
+                        " D=" + std::to_string(d));
+      }
+    }
+  }
+}
+
+TEST_F(KernelsGpuTest, CacheOpsAndSelectionMatchCpu) {
+  const int64_t nb = 64, bs = 16, hkv = 8, d = 128, t = 100, n = 500, keep = 50;
+  auto kc = at::randn({nb, bs, hkv, d}).to(at::kBFloat16),
+       vc = at::randn({nb, bs, hkv, d}).to(at::kBFloat16);
+  auto kc_gpu = kc.to(at::kCUDA), vc_gpu = vc.to(at::kCUDA);
+  auto kn = at::randn({t, hkv, d}).to(at::kBFloat16), vn = at::randn({t, hkv, d}).to(at::kBFloat16);
+  auto slots = at::randperm(nb * bs, at::kLong).slice(0, 0, t).contiguous();
+  slots[3] = -1;
+  ASSERT_TRUE(WriteKv(kc, vc, kn, vn, slots).ok());
+  ASSERT_TRUE(
+      WriteKv(kc_gpu, vc_gpu, kn.to(at::kCUDA), vn.to(at::kCUDA), slots.to(at::kCUDA)).ok());
+  EXPECT_TRUE(at::equal(kc, kc_gpu.cpu()) && at::equal(vc, vc_gpu.cpu()));
+
+  auto scores = at::randn({1, hkv, n});
+  auto idx = SelectTopK(scores, keep);
+  auto idx_gpu = SelectTopK(scores.to(at::kCUDA), keep);
+  ASSERT_TRUE(idx.ok() && idx_gpu.ok());
+  EXPECT_TRUE(at::equal(*idx, idx_gpu->cpu()));
+  auto k = at::randn({hkv, n, d}).to(at::kBFloat16), v = at::randn({hkv, n, d}).to(at::kBFloat16);
+  auto kept_slots = at::randperm(nb * bs, at::kLong).slice(0, 0, keep).contiguous();
+  ASSERT_TRUE(WriteKeptKv(kc, vc, k, v, (*idx)[0], kept_slots).ok());
+  ASSERT_TRUE(WriteKeptKv(kc_gpu, vc_gpu, k.to(at::kCUDA), v.to(at::kCUDA), (*idx_gpu)[0],
+                          kept_slots.to(at::kCUDA))
+                  .ok());
+  EXPECT_TRUE(at::equal(kc, kc_gpu.cpu()) && at::equal(vc, vc_gpu.cpu()));
+}
+
+}  // namespace
+}  // namespace dropkv::kernels
