@@ -91,7 +91,8 @@ struct HfTokenizer::NormStep {
 enum class SplitBehavior { kRemoved, kIsolated, kMergedWithPrevious, kMergedWithNext, kContiguous };
 
 struct HfTokenizer::PreStep {
-  enum class Kind { kSplit, kByteLevel };
+  enum class Kind { kSplit, kByteLevel, kMetaspace };
+  enum class Prepend { kAlways, kFirst, kNever };
   explicit PreStep(Kind k) : kind(k) {}
   Kind kind;
   std::shared_ptr<Pcre2Regex> regex;  // kSplit with a Regex pattern (and ByteLevel use_regex)
@@ -99,10 +100,13 @@ struct HfTokenizer::PreStep {
   SplitBehavior behavior = SplitBehavior::kIsolated;
   bool invert = false;
   bool add_prefix_space = false;
+  std::string replacement;  // kMetaspace
+  Prepend prepend = Prepend::kAlways;
+  bool split = true;
 };
 
 struct HfTokenizer::DecodeStep {
-  enum class Kind { kByteLevel, kReplace, kByteFallback, kFuse, kStrip };
+  enum class Kind { kByteLevel, kReplace, kByteFallback, kFuse, kStrip, kMetaspace };
   explicit DecodeStep(Kind k) : kind(k) {}
   Kind kind;
   std::string from;
@@ -542,6 +546,28 @@ absl::Status HfTokenizer::LoadJson(const std::string& dir, std::string_view text
         }
         byte_level = true;
         pre_tokenizers_.push_back(std::move(step));
+      } else if (type == "Metaspace") {
+        PreStep step(PreStep::Kind::kMetaspace);
+        step.replacement = p.value("replacement", std::string("\xE2\x96\x81"));
+        const std::string scheme = p.value("prepend_scheme", std::string());
+        if (scheme.empty()) {  // older files: add_prefix_space
+          step.prepend = p.value("add_prefix_space", true) ? PreStep::Prepend::kAlways
+                                                           : PreStep::Prepend::kNever;
+        } else if (scheme == "always") {
+          step.prepend = PreStep::Prepend::kAlways;
+        } else if (scheme == "first") {
+          step.prepend = PreStep::Prepend::kFirst;
+        } else if (scheme == "never") {
+          step.prepend = PreStep::Prepend::kNever;
+        } else {
+          return absl::InvalidArgumentError(
+              absl::StrCat(file, ": Metaspace prepend_scheme '", scheme, "'"));
+        }
+        step.split = p.value("split", true);
+        if (step.replacement.empty()) {
+          return absl::InvalidArgumentError(absl::StrCat(file, ": empty Metaspace replacement"));
+        }
+        pre_tokenizers_.push_back(std::move(step));
       } else {
         return absl::UnimplementedError(
             absl::StrCat(file, ": pre_tokenizer '", type, "' is not supported"));
@@ -671,6 +697,13 @@ absl::Status HfTokenizer::LoadJson(const std::string& dir, std::string_view text
         step.strip_char = d.at("content").get<std::string>();
         step.start = d.value("start", 0);
         step.stop = d.value("stop", 0);
+        decoders_.push_back(std::move(step));
+      } else if (type == "Metaspace") {
+        DecodeStep step(DecodeStep::Kind::kMetaspace);
+        step.from = d.value("replacement", std::string("\xE2\x96\x81"));
+        const std::string scheme = d.value("prepend_scheme", std::string());
+        const bool never = scheme.empty() ? !d.value("add_prefix_space", true) : scheme == "never";
+        step.start = never ? 0 : 1;  // 1: the first token loses its replacement characters
         decoders_.push_back(std::move(step));
       } else {
         return absl::UnimplementedError(
@@ -865,55 +898,90 @@ void SplitOnAdded(const TokenTrie& trie, const std::vector<AddedToken>& added, s
 
 }  // namespace
 
-absl::Status HfTokenizer::EncodeNormalized(std::string_view normalized,
+absl::Status HfTokenizer::EncodeNormalized(std::string_view normalized, bool at_text_start,
                                            std::vector<int32_t>* ids) const {
+  // Pieces, and whether each starts at offset 0 of the original text (Metaspace "first").
   std::vector<std::string_view> pieces{normalized};
+  std::vector<uint8_t> at_start{static_cast<uint8_t>(at_text_start)};
   std::vector<std::string_view> next;
-  std::vector<std::unique_ptr<std::string>> owned;  // pieces a ByteLevel prefix space created
+  std::vector<uint8_t> next_at_start;
+  std::vector<std::unique_ptr<std::string>> owned;  // pieces a step rewrote
   std::vector<std::pair<size_t, size_t>> matches;
   for (const auto& step : pre_tokenizers_) {
     next.clear();
-    for (std::string_view piece : pieces) {
+    next_at_start.clear();
+    for (size_t p = 0; p < pieces.size(); ++p) {
+      std::string_view piece = pieces[p];
+      const size_t first_out = next.size();
       if (step.kind == PreStep::Kind::kByteLevel && step.add_prefix_space &&
           (piece.empty() || piece[0] != ' ')) {
         owned.push_back(std::make_unique<std::string>(" " + std::string(piece)));
         piece = *owned.back();
       }
-      if (!step.regex && step.kind == PreStep::Kind::kByteLevel) {
-        next.push_back(piece);
-        continue;
-      }
       matches.clear();
-      if (step.regex) {
-        RETURN_IF_ERROR(step.regex->FindAll(piece, &matches));
-      } else {
-        for (size_t pos = piece.find(step.literal); pos != std::string_view::npos;
-             pos = piece.find(step.literal, pos + step.literal.size())) {
-          matches.emplace_back(pos, pos + step.literal.size());
+      SplitBehavior behavior = SplitBehavior::kIsolated;
+      bool invert = false;
+      if (step.kind == PreStep::Kind::kMetaspace) {
+        auto rewritten = std::make_unique<std::string>(piece);
+        ReplaceAll(rewritten.get(), " ", step.replacement);
+        const bool prepend = step.prepend == PreStep::Prepend::kAlways ||
+                             (step.prepend == PreStep::Prepend::kFirst && at_start[p] != 0);
+        if (prepend && rewritten->compare(0, step.replacement.size(), step.replacement) != 0) {
+          rewritten->insert(0, step.replacement);
         }
+        owned.push_back(std::move(rewritten));
+        piece = *owned.back();
+        if (!step.split) {
+          next.push_back(piece);
+        } else {
+          for (size_t pos = piece.find(step.replacement); pos != std::string_view::npos;
+               pos = piece.find(step.replacement, pos + step.replacement.size())) {
+            matches.emplace_back(pos, pos + step.replacement.size());
+          }
+          ApplySplit(piece, matches, false, SplitBehavior::kMergedWithNext, &next);
+        }
+      } else if (!step.regex && step.kind == PreStep::Kind::kByteLevel) {
+        next.push_back(piece);
+      } else {
+        if (step.regex) {
+          RETURN_IF_ERROR(step.regex->FindAll(piece, &matches));
+        } else {
+          for (size_t pos = piece.find(step.literal); pos != std::string_view::npos;
+               pos = piece.find(step.literal, pos + step.literal.size())) {
+            matches.emplace_back(pos, pos + step.literal.size());
+          }
+        }
+        if (step.kind == PreStep::Kind::kSplit) {
+          invert = step.invert;
+          behavior = step.behavior;
+        }
+        ApplySplit(piece, matches, invert, behavior, &next);
       }
-      const bool invert = step.kind == PreStep::Kind::kSplit && step.invert;
-      const SplitBehavior behavior =
-          step.kind == PreStep::Kind::kSplit ? step.behavior : SplitBehavior::kIsolated;
-      ApplySplit(piece, matches, invert, behavior, &next);
+      for (size_t k = first_out; k < next.size(); ++k) {
+        next_at_start.push_back(k == first_out && at_start[p] != 0 &&
+                                next[k].data() == piece.data());
+      }
     }
     pieces.swap(next);
+    at_start.swap(next_at_start);
   }
   for (std::string_view word : pieces) model_.Tokenize(word, ids);
   return absl::OkStatus();
 }
 
-absl::Status HfTokenizer::EncodeSegment(std::string_view text, std::vector<int32_t>* ids) const {
+absl::Status HfTokenizer::EncodeSegment(std::string_view text, bool at_text_start,
+                                        std::vector<int32_t>* ids) const {
   const std::string normalized = Normalize(text);
-  if (normalized_trie_.empty()) return EncodeNormalized(normalized, ids);
+  if (normalized_trie_.empty()) return EncodeNormalized(normalized, at_text_start, ids);
   std::vector<Segment> segs;
   SplitOnAdded(normalized_trie_, added_, normalized, &segs);
   for (const auto& seg : segs) {
     if (seg.token_idx >= 0) {
       ids->push_back(added_[seg.token_idx].id);
     } else {
-      RETURN_IF_ERROR(EncodeNormalized(
-          std::string_view(normalized).substr(seg.begin, seg.end - seg.begin), ids));
+      RETURN_IF_ERROR(
+          EncodeNormalized(std::string_view(normalized).substr(seg.begin, seg.end - seg.begin),
+                           at_text_start && seg.begin == 0, ids));
     }
   }
   return absl::OkStatus();
@@ -942,7 +1010,8 @@ absl::StatusOr<std::vector<int32_t>> HfTokenizer::Encode(std::string_view text,
     if (seg.token_idx >= 0) {
       ids.push_back(added_[seg.token_idx].id);
     } else {
-      RETURN_IF_ERROR(EncodeSegment(text.substr(seg.begin, seg.end - seg.begin), &ids));
+      RETURN_IF_ERROR(
+          EncodeSegment(text.substr(seg.begin, seg.end - seg.begin), seg.begin == 0, &ids));
     }
   }
   if (add_special_tokens) {
@@ -1035,6 +1104,13 @@ absl::StatusOr<std::string> HfTokenizer::Decode(const std::vector<int32_t>& ids,
         tokens = std::move(out);
         break;
       }
+      case DecodeStep::Kind::kMetaspace:
+        // As HF: in the first token every replacement character is dropped (not only a leading
+        // one) unless prepend_scheme is "never"; elsewhere it becomes a space.
+        for (size_t k = 0; k < tokens.size(); ++k) {
+          ReplaceAll(&tokens[k], d.from, (k == 0 && d.start == 1) ? "" : " ");
+        }
+        break;
       case DecodeStep::Kind::kFuse: {
         std::string all;
         for (const auto& t : tokens) all += t;

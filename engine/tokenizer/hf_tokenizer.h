@@ -85,8 +85,11 @@ class HfTokenizer final : public Tokenizer {
                                    std::string_view generation_config_json,
                                    std::string_view chat_template_file);
   std::string Normalize(std::string_view text) const;
-  absl::Status EncodeSegment(std::string_view text, std::vector<int32_t>* ids) const;
-  absl::Status EncodeNormalized(std::string_view normalized, std::vector<int32_t>* ids) const;
+  // `at_text_start`: the segment begins at offset 0 of the input (Metaspace prepend "first").
+  absl::Status EncodeSegment(std::string_view text, bool at_text_start,
+                             std::vector<int32_t>* ids) const;
+  absl::Status EncodeNormalized(std::string_view normalized, bool at_text_start,
+                                std::vector<int32_t>* ids) const;
   std::optional<int32_t> TokenToId(const std::string& token) const;
 
   BpeModel model_;
