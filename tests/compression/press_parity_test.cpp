@@ -20,6 +20,8 @@
 
 #include "engine/compression/budget.h"
 #include "engine/compression/press.h"
+#include "kernels/dropkv_score.h"
+#include "kernels/selection.h"
 #include "tests/common/test_env.h"
 #include "tests/compression/ref_data.h"
 
@@ -177,6 +179,14 @@ TEST_F(PressParity, DropKvMatchesFp64BruteForce) {
       auto kept = (*selector)->Select(View(l));
       ASSERT_TRUE(kept.ok()) << kept.status();
       ASSERT_TRUE(kept->has_value());
+      // The kernels' CPU reference on the same layer inputs: identical kept sets.
+      auto ref_scores = kernels::DropKvScores(q_[l].slice(1, n_ - p.window).unsqueeze(0),
+                                              k_[l].unsqueeze(0), v_[l].unsqueeze(0));
+      ASSERT_TRUE(ref_scores.ok()) << ref_scores.status();
+      kernels::SelectParams sp;  // max pooling 11, window 8
+      auto ref_idx = kernels::SelectTopK(*ref_scores, (**kept).size(1), sp);
+      ASSERT_TRUE(ref_idx.ok());
+      EXPECT_TRUE(at::equal((*ref_idx)[0], **kept)) << "layer " << l;
       const auto& ref_layer = entry["layers"][l];
       CompareKept(**kept, LoadBin(FixtureDir(), ref_layer["kept"], at::kLong),
                   LoadBin(FixtureDir(), ref_layer["scores"], at::kFloat), &diff);
