@@ -85,6 +85,7 @@ std::string ByteLevelJson() {
 
 struct Tokenizers {
   std::unique_ptr<HfTokenizer> sentencepiece;
+  std::unique_ptr<HfTokenizer> metaspace;  // the same vocab with a Metaspace pre-tokenizer
   std::unique_ptr<HfTokenizer> byte_level;
 };
 
@@ -96,7 +97,17 @@ const Tokenizers& Get() {
     auto sp = HfTokenizer::Create("tok512", *sp_json, dropkv::Tok512TokenizerConfigJson(), "", "");
     auto bl =
         HfTokenizer::Create("bytelevel", ByteLevelJson(), R"({"bos_token": "<|x|>"})", "", "");
-    if (!sp.ok() || !bl.ok()) std::abort();
+    auto ms_json = nlohmann::json::parse(*sp_json);
+    ms_json["normalizer"] = nullptr;
+    ms_json["pre_tokenizer"] = {{"type", "Metaspace"},
+                                {"replacement", "\xE2\x96\x81"},
+                                {"prepend_scheme", "first"},
+                                {"split", true}};
+    ms_json["decoder"] = {{"type", "Metaspace"}, {"replacement", "\xE2\x96\x81"}};
+    auto ms = HfTokenizer::Create("metaspace", ms_json.dump(), dropkv::Tok512TokenizerConfigJson(),
+                                  "", "");
+    if (!sp.ok() || !bl.ok() || !ms.ok()) std::abort();
+    out.metaspace = std::move(*ms);
     out.sentencepiece = std::move(*sp);
     out.byte_level = std::move(*bl);
     return out;
@@ -115,7 +126,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const Tokenizers& toks = Get();
   const uint8_t mode = data[0];
   const std::string input(reinterpret_cast<const char*>(data + 1), size - 1);
-  const HfTokenizer& tok = (mode & 1) ? *toks.byte_level : *toks.sentencepiece;
+  const HfTokenizer& tok = (mode & 1)    ? *toks.byte_level
+                           : (mode & 32) ? *toks.metaspace
+                                         : *toks.sentencepiece;
   switch ((mode >> 1) % 4) {
     case 0: {  // encode, then decode and stream the ids back
       auto ids = tok.Encode(input, (mode & 8) != 0);
