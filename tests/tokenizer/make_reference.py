@@ -343,6 +343,7 @@ def main():
     json.dump({"with_special": [runc(s) for s in corpus]},
               open(os.path.join(out_dir, "runc_tok512.json"), "w"))
 
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local folders only; never the network
     from transformers import AutoTokenizer
     for f in FAMILIES:
         hf = AutoTokenizer.from_pretrained(os.path.join(out_dir, "tokenizers", f))
