@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "dropkv/v1/inference.pb.h"
+#include "engine/compression/compression.h"
 #include "engine/tokenizer/tokenizer.h"
 
 namespace dropkv {
@@ -335,6 +336,15 @@ absl::StatusOr<GenerationRequest> ValidateGenerateRequest(const v1::GenerateRequ
   auto compression =
       MapCompression(request.compression(), limits.default_compression, limits.max_context_len);
   if (!compression.ok()) return compression.status();
+  if (limits.num_layers > 0 && compression->method != ScoreMethod::kNone) {
+    // Depth-dependent rules (profile length, infeasible MLP budgets, ...) live with compression.
+    absl::Status depth = compression::ValidateCompression(*compression, limits.num_layers);
+    if (!depth.ok()) {
+      const std::string msg(depth.message());
+      return absl::InvalidArgumentError(
+          msg.rfind("compression", 0) == 0 ? msg : absl::StrCat("compression: ", msg));
+    }
+  }
   out.compression = std::move(*compression);
   return out;
 }

@@ -34,6 +34,7 @@ struct ValidationLimits {
   int32_t max_top_logprobs = 20;
   int32_t max_request_id_len = 128;
   CompressionParams default_compression;  // fields a request leaves unset
+  int32_t num_layers = 0;  // > 0: also run compression::ValidateCompression for the model depth
 };
 
 // Checks `request` and maps it. `tokenizer` may be null: then only token-id input is accepted.

@@ -11,7 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "engine/runner/model_runner.h"
-#include "engine/scheduler/sampler.h"
+#include "engine/sampling/sampler.h"
 #include "engine/tokenizer/tokenizer.h"
 
 namespace dropkv {
@@ -39,9 +39,9 @@ struct Sequence {
   int64_t num_prefilled = 0;   // prompt tokens in the cache
   bool prefill_done = false;
   std::vector<int32_t> generated;
-  int64_t num_generated_fed = 0;  // generated tokens in the cache (the rest are replayed)
-  int64_t blocks_needed = 0;      // BlocksForPrompt at admission
-  std::mt19937_64 rng;
+  int64_t num_generated_fed = 0;          // generated tokens in the cache (the rest are replayed)
+  int64_t blocks_needed = 0;              // BlocksForPrompt at admission
+  std::unique_ptr<SamplerState> sampler;  // RNG + history; survives preemption
   // Output state.
   size_t num_tokens_sent = 0;
   size_t num_chars_sent = 0;  // of the decoded generated text
@@ -124,13 +124,10 @@ struct Scheduler::Impl {
   // After a new token: returns the finish reason, or kNone to go on. Truncates at a stop string.
   FinishReason CheckStop(Sequence& seq) {
     const SamplingParams& p = seq.request.sampling;
-    const int32_t token = seq.generated.back();
-    if (!p.ignore_eos && std::find(options.eos_token_ids.begin(), options.eos_token_ids.end(),
-                                   token) != options.eos_token_ids.end())
-      return FinishReason::kStop;
-    if (std::find(p.stop_token_ids.begin(), p.stop_token_ids.end(), token) !=
-        p.stop_token_ids.end())
-      return FinishReason::kStop;
+    // EOS (unless ignore_eos), stop token ids, max_new_tokens: engine/sampling's rules.
+    const FinishReason by_token =
+        dropkv::CheckStop(*seq.sampler, seq.generated.back(), options.eos_token_ids);
+    if (by_token == FinishReason::kStop) return by_token;
     if (!p.stop_strings.empty() && tokenizer != nullptr) {
       auto text_or = tokenizer->Decode(seq.generated, true);
       if (text_or.ok()) {
@@ -153,7 +150,6 @@ struct Scheduler::Impl {
             event.text = text_or->substr(seq.num_chars_sent, cut - seq.num_chars_sent);
           seq.num_chars_sent = text_or->size();  // suppress the rest at Finish
           if (!event.token_ids.empty() || !event.text.empty()) seq.channel->Push(std::move(event));
-          stop_string_hit = true;
           return FinishReason::kStop;
         }
       }
@@ -166,33 +162,45 @@ struct Scheduler::Impl {
       return FinishReason::kLength;
     return FinishReason::kNone;
   }
-  bool stop_string_hit = false;
 
-  // Samples from `logits` [vocab] and handles the outcome. Returns true when the sequence finished.
-  bool AcceptLogits(Sequence& seq, const at::Tensor& logits) {
-    std::vector<int32_t> history = seq.request.prompt_ids;
-    if (seq.request.sampling.repetition_penalty != 1.0f ||
-        seq.request.sampling.presence_penalty != 0.0f ||
-        seq.request.sampling.frequency_penalty != 0.0f)
-      history.insert(history.end(), seq.generated.begin(), seq.generated.end());
-    else
-      history.clear();
-    SampledToken sampled = SampleToken(logits, seq.request.sampling, history, seq.rng);
+  // Samples one token per sequence from `logits` [n, vocab] (row i belongs to seqs[i]) with
+  // engine/sampling, then handles each outcome. Returns the sequences that finished.
+  std::vector<Sequence*> SampleAndEmit(const at::Tensor& logits,
+                                       const std::vector<Sequence*>& seqs) {
+    std::vector<SamplerState*> states;
+    for (Sequence* seq : seqs) states.push_back(seq->sampler.get());
+    auto sampled_or = Sampler::Sample(logits, states);
+    std::vector<Sequence*> finished;
+    if (!sampled_or.ok()) {
+      for (Sequence* seq : seqs) {
+        Finish(*seq, FinishReason::kError, sampled_or.status());
+        finished.push_back(seq);
+      }
+      return finished;
+    }
+    for (size_t i = 0; i < seqs.size(); ++i)
+      if (OnToken(*seqs[i], (*sampled_or)[i])) finished.push_back(seqs[i]);
+    return finished;
+  }
+
+  // Records a sampled token, checks the stop rules and sends the delta. True when finished.
+  bool OnToken(Sequence& seq, const SampledToken& sampled) {
     seq.generated.push_back(sampled.token_id);
-    if (seq.request.sampling.return_logprobs || seq.request.sampling.num_top_logprobs > 0)
-      seq.pending_logprobs.push_back(sampled.logprob);
+    if (seq.request.sampling.return_logprobs || seq.request.sampling.num_top_logprobs > 0) {
+      TokenLogprobInfo info;
+      info.token_id = sampled.token_id;
+      info.logprob = sampled.logprob;
+      for (const auto& [id, lp] : sampled.top_logprobs) info.top.push_back({id, lp});
+      seq.pending_logprobs.push_back(std::move(info));
+    }
     const SteadyTime now = Clock::now();
     if (!seq.first_token_seen) {
       seq.first_token_seen = true;
       seq.first_token_time = now;
       seq.summary.ttft_ms = MsBetween(seq.request.arrival_time, now);
     }
-    stop_string_hit = false;
     const FinishReason reason = CheckStop(seq);
     if (reason != FinishReason::kNone) {
-      if (stop_string_hit) {
-        seq.num_tokens_sent = seq.generated.size();
-      }
       Finish(seq, reason);
       return true;
     }
@@ -387,7 +395,8 @@ struct Scheduler::Impl {
         ++i;
         continue;
       }
-      if (AcceptLogits(seq, *logits_or)) {
+      // [vocab] -> [1, vocab]
+      if (!SampleAndEmit(logits_or->reshape({1, -1}), {&seq}).empty()) {
         runner.Release(seq.seq_id);
         running.erase(running.begin() + static_cast<std::ptrdiff_t>(i));
         ++report.num_finished;
@@ -426,14 +435,23 @@ struct Scheduler::Impl {
         return;
       }
       report.num_decoded += static_cast<int32_t>(batch.size());
-      // [batch, vocab] -> CPU once; rows are sampled on the CPU.
-      at::Tensor logits = logits_or->to(at::kCPU, at::kFloat);
-      std::vector<Sequence*> finished;
+      // Rows of sequences that are replaying after a preemption are not sampled.
+      std::vector<Sequence*> to_sample;
+      std::vector<int64_t> rows;
       for (size_t row = 0; row < batch.size(); ++row) {
         Sequence& seq = *batch[row];
         ++seq.num_generated_fed;
         if (seq.num_generated_fed < static_cast<int64_t>(seq.generated.size())) continue;  // replay
-        if (AcceptLogits(seq, logits[static_cast<int64_t>(row)])) finished.push_back(&seq);
+        to_sample.push_back(&seq);
+        rows.push_back(static_cast<int64_t>(row));
+      }
+      std::vector<Sequence*> finished;
+      if (!to_sample.empty()) {
+        at::Tensor logits =
+            rows.size() == batch.size()
+                ? *logits_or
+                : logits_or->index_select(0, at::tensor(rows, at::kLong).to(logits_or->device()));
+        finished = SampleAndEmit(logits, to_sample);  // logits [n, vocab]
       }
       for (Sequence* seq : finished) runner.Release(seq->seq_id);
       std::erase_if(running, [&](const auto& s) {
@@ -502,7 +520,7 @@ Scheduler::~Scheduler() {
 absl::Status Scheduler::Submit(GenerationRequest request, std::shared_ptr<RequestChannel> channel) {
   auto seq = std::make_unique<Sequence>();
   const int64_t prompt_len = static_cast<int64_t>(request.prompt_ids.size());
-  seq->rng.seed(request.sampling.seed.value_or(std::random_device{}()));
+  seq->sampler = std::make_unique<SamplerState>(request.sampling, request.prompt_ids);
   seq->request = std::move(request);
   seq->channel = std::move(channel);
   {

@@ -274,7 +274,7 @@ TEST_F(SchedulerTest, CancelledAndExpiredSequencesLeaveAtNextStep) {
   Make(64, {});
   auto running = Submit(MakeRequest(Prompt(6, 1), 50));
   GenerationRequest late = MakeRequest(Prompt(6, 2), 50);
-  late.deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(30);
+  late.deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(400);
   auto expiring = Submit(std::move(late));
   auto kept = Submit(MakeRequest(Prompt(6, 3), 5));
   scheduler_->Step();
@@ -282,7 +282,7 @@ TEST_F(SchedulerTest, CancelledAndExpiredSequencesLeaveAtNextStep) {
   running->Cancel();
   StepReport s = scheduler_->Step();
   EXPECT_EQ(s.num_reaped, 1);
-  std::this_thread::sleep_for(std::chrono::milliseconds(40));
+  std::this_thread::sleep_for(std::chrono::milliseconds(420));
   s = scheduler_->Step();
   EXPECT_EQ(s.num_reaped, 1);
   RunAll();

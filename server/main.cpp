@@ -1,0 +1,126 @@
+// dropkv-server: loads the config (config/server_config.h: defaults <- YAML <- flags <- env),
+// builds the engine, serves dropkv.v1.Inference + health + reflection until SIGTERM/SIGINT, then
+// drains gracefully and exits 0.
+#include <csignal>
+#include <cstring>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include <spdlog/spdlog.h>
+
+#include "absl/strings/ascii.h"
+#include "config/logging.h"
+#include "config/server_config.h"
+#include "engine/common/file_util.h"
+#include "engine/scheduler/scheduler.h"
+#include "server/engine_setup.h"
+#include "server/grpc_server.h"
+#include "server/service.h"
+
+namespace {
+
+volatile std::sig_atomic_t g_signal = 0;
+void OnSignal(int signal) {
+  g_signal = signal;
+}
+
+// `--model DIR` is the documented short form of the config's `--model-dir DIR`.
+std::vector<std::string> AliasArgs(int argc, char** argv) {
+  std::vector<std::string> args;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a == "--model")
+      a = "--model-dir";
+    else if (a.rfind("--model=", 0) == 0)
+      a = "--model-dir=" + a.substr(8);
+    args.push_back(std::move(a));
+  }
+  return args;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace dropkv;
+  std::vector<std::string> args = AliasArgs(argc, argv);
+  std::vector<char*> argv2 = {argv[0]};
+  for (auto& a : args) argv2.push_back(a.data());
+  auto config_or = LoadServerConfig(static_cast<int>(argv2.size()), argv2.data());
+  if (!config_or.ok()) {
+    std::cerr << "dropkv-server: " << config_or.status().message() << "\n";
+    return 2;
+  }
+  const ServerConfig& config = *config_or;
+  if (config.exit_after_load) return 0;  // --help / --print-config
+  if (absl::Status st = SetUpLogging(config); !st.ok()) {
+    std::cerr << "dropkv-server: " << st.message() << "\n";
+    return 2;
+  }
+
+  // Signals first: a SIGTERM while the model loads must not kill the process uncleanly.
+  std::signal(SIGTERM, OnSignal);
+  std::signal(SIGINT, OnSignal);
+
+  std::string auth_token;
+  if (!config.auth_token_file.empty()) {
+    auto token = ReadFileToString(config.auth_token_file);
+    if (!token.ok()) {
+      spdlog::critical("auth_token_file: {}", token.status().ToString());
+      return 2;
+    }
+    auth_token = std::string(absl::StripAsciiWhitespace(*token));
+    if (auth_token.empty()) {
+      spdlog::critical("auth_token_file: {} is empty", config.auth_token_file);
+      return 2;
+    }
+  }
+
+  auto engine_or = CreateEngine(config);
+  if (!engine_or.ok()) {
+    spdlog::critical("cannot load the model: {}", engine_or.status().ToString());
+    return 1;
+  }
+  Engine& engine = **engine_or;
+
+  ServiceOptions service_options;
+  service_options.limits = engine.limits;
+  service_options.model_info = engine.model_info;
+  service_options.auth_token = auth_token;
+  InferenceService service(*engine.scheduler, engine.tokenizer.get(), service_options);
+
+  GrpcServerOptions grpc_options;
+  grpc_options.host = config.host;
+  grpc_options.port = config.port;
+  grpc_options.max_message_bytes = config.max_message_bytes;
+  grpc_options.tls_cert_file = config.tls_cert_file;
+  grpc_options.tls_key_file = config.tls_key_file;
+  auto server_or = GrpcServer::Start(grpc_options, service);
+  if (!server_or.ok()) {
+    spdlog::critical("{}", server_or.status().ToString());
+    return 1;
+  }
+  GrpcServer& server = **server_or;
+  // Health stays NOT_SERVING until the warm-up ran.
+  if (absl::Status st = WarmUp(engine); !st.ok()) {
+    spdlog::critical("{}", st.ToString());
+    return 1;
+  }
+  engine.scheduler->Start();
+  server.SetServing(true);
+  spdlog::info(
+      "dropkv-server listening on {}:{} ({} layers, vocab {}, {} KV blocks, TLS {}, auth {})",
+      config.host, server.port(), engine.model_info.num_layers(), engine.model_info.vocab_size(),
+      engine.scheduler->Stats().kv_blocks_total, config.tls_cert_file.empty() ? "off" : "on",
+      auth_token.empty() ? "off" : "on");
+  // The port line on stdout is what scripts and tests wait for.
+  std::cout << "LISTENING " << server.port() << std::endl;
+
+  while (g_signal == 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  spdlog::info("signal {}: draining (grace {} s)", static_cast<int>(g_signal),
+               config.shutdown_grace_seconds);
+  server.Shutdown(*engine.scheduler, config.shutdown_grace_seconds);
+  engine.scheduler->Stop();
+  spdlog::info("dropkv-server stopped");
+  return 0;
+}
