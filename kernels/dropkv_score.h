@@ -24,6 +24,9 @@ struct DropKvParams {
   std::optional<at::ScalarType> p_round_dtype;
   // CUDA only: number of key splits of pass 1; 0 = choose so that the grid fills the GPU.
   int32_t num_splits = 0;
+  // CUDA, bf16 / fp16 inputs: the QK^T, PV and <a, v> products on tensor cores (wmma, fp32
+  // accumulation; a_t rounded to the model dtype as in the spec). false = fp32 CUDA-core path.
+  bool use_tensor_cores = true;
 };
 
 // Dense batch.

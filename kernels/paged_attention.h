@@ -13,6 +13,10 @@ namespace dropkv::kernels {
 struct PagedAttentionParams {
   double scale = 0.0;      // 0 = 1/sqrt(D)
   int32_t num_splits = 0;  // CUDA only: 0 = choose from the batch and the longest sequence
+  // CUDA only: an upper bound of seq_lens the caller knows on the host (0 = the block tables'
+  // capacity), >= every seq_lens[b] (keys past it are not read). Sizes the split-K grid without a
+  // device sync; a tighter bound is faster.
+  int32_t max_seq_len = 0;
 };
 
 //   q:            [B, Hq, D]

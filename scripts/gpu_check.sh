@@ -28,6 +28,21 @@ unpack() {
   local pc="$prefix/usr/lib/x86_64-linux-gnu/pkgconfig" pc2="$prefix/usr/share/pkgconfig"
   sed -i -e "s#^prefix=/usr\$#prefix=$prefix/usr#" -e "s#=/usr/include#=$prefix/usr/include#" \
          -e "s#=/usr/lib/#=$prefix/usr/lib/#" "$pc"/*.pc 2>/dev/null || true
+  # server/metrics (configured even with DROPKV_SERVER=OFF) wants prometheus-cpp, whose config
+  # pulls civetweb and CURL: none exist there. The targets built here never link it, so a
+  # configure-only stub of its imported targets is enough.
+  local stub="$prefix/usr/lib/cmake/prometheus-cpp"
+  mkdir -p "$stub"
+  cat > "$stub/prometheus-cpp-config.cmake" <<'CMAKE'
+# Configure-only stub written by scripts/gpu_check.sh: linking any of these targets fails.
+foreach(_c core pull push)
+  if(NOT TARGET prometheus-cpp::${_c})
+    add_library(prometheus-cpp::${_c} INTERFACE IMPORTED)
+    set_target_properties(prometheus-cpp::${_c} PROPERTIES INTERFACE_LINK_LIBRARIES dropkv-no-prometheus-here)
+  endif()
+endforeach()
+set(prometheus-cpp_FOUND TRUE)
+CMAKE
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
   nvcc --version | tail -2
 }

@@ -12,7 +12,9 @@
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAEvent.h>
+#include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
 #include <cmath>
@@ -97,7 +99,7 @@ at::Tensor NaiveScores(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 
 struct ScoreRow {
   int64_t n;
-  double fused_ms, naive_ms, roofline_frac, select_ms;
+  double fused_ms, naive_ms, roofline_frac, select_ms, cuda_core_ms;
   int64_t fused_scratch, naive_scratch;
   bool naive_run;
 };
@@ -152,10 +154,14 @@ int main(int argc, char** argv) {
       auto v = at::randn({1, kHkv, n, kD}, bf16);
       DropKvParams params;
       params.p_round_dtype = at::kBFloat16;
-      ScoreRow row{n, 0, -1, 0, 0, 0, -1, false};
+      ScoreRow row{n, 0, -1, 0, 0, 0, 0, -1, false};
       at::Tensor scores;
       row.fused_ms =
           TimeMs([&] { scores = *dropkv::kernels::DropKvScores(q, k, v, params); }, runs);
+      DropKvParams cuda_cores = params;  // v1 path: all products on fp32 CUDA cores
+      cuda_cores.use_tensor_cores = false;
+      row.cuda_core_ms =
+          TimeMs([&] { (void)*dropkv::kernels::DropKvScores(q, k, v, cuda_cores); }, runs);
       row.fused_scratch =
           ScratchBytes([&] { return *dropkv::kernels::DropKvScores(q, k, v, params); });
       const double bytes = 3.0 * k.nbytes();  // K twice + V once
@@ -204,13 +210,34 @@ int main(int argc, char** argv) {
     const int64_t lens[2] = {ctx, ctx / 10};
     for (int c = 0; c < 2; ++c) {
       auto seq_lens = at::full({1}, lens[c], bf16.dtype(at::kInt));
+      dropkv::kernels::PagedAttentionParams hint;  // the runner knows its lengths on the host
+      hint.max_seq_len = static_cast<int32_t>(lens[c]);
       decode_ms[c] = TimeMs(
           [&] {
             for (int64_t l = 0; l < layers; ++l) {
-              (void)*dropkv::kernels::PagedDecodeAttention(q1, k_pool, v_pool, tables[l], seq_lens);
+              (void)*dropkv::kernels::PagedDecodeAttention(q1, k_pool, v_pool, tables[l], seq_lens,
+                                                           hint);
             }
           },
           runs);
+    }
+    // The same 32 calls captured in a CUDA graph (how a decode step would replay them).
+    double graph_ms = -1;
+    try {
+      auto seq_lens = at::full({1}, ctx, bf16.dtype(at::kInt));
+      at::cuda::CUDAGraph graph;
+      auto side = at::cuda::getStreamFromPool();
+      {
+        c10::cuda::CUDAStreamGuard guard(side);
+        graph.capture_begin();
+        for (int64_t l = 0; l < layers; ++l) {
+          (void)*dropkv::kernels::PagedDecodeAttention(q1, k_pool, v_pool, tables[l], seq_lens);
+        }
+        graph.capture_end();
+      }
+      graph_ms = TimeMs([&] { graph.replay(); }, runs);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "graph capture failed: %s\n", e.what());
     }
     // Peer: SDPA over a dense contiguous cache of one layer, x32 (GQA expanded to Hq heads).
     auto kd = at::randn({1, kHq, ctx, kD}, bf16), vd = at::randn({1, kHq, ctx, kD}, bf16);
@@ -229,34 +256,36 @@ int main(int argc, char** argv) {
         std::printf(
             "%s{\"n\":%lld,\"fused_ms\":%.4f,\"naive_ms\":%.4f,\"speedup\":%.2f,"
             "\"fused_scratch_bytes\":%lld,\"naive_scratch_bytes\":%lld,"
-            "\"roofline_frac\":%.3f,\"select_ms\":%.4f}",
+            "\"roofline_frac\":%.3f,\"select_ms\":%.4f,\"cuda_core_ms\":%.4f}",
             i ? "," : "", static_cast<long long>(r.n), r.fused_ms, r.naive_ms,
             r.naive_run ? r.naive_ms / r.fused_ms : -1.0, static_cast<long long>(r.fused_scratch),
-            static_cast<long long>(r.naive_scratch), r.roofline_frac, r.select_ms);
+            static_cast<long long>(r.naive_scratch), r.roofline_frac, r.select_ms, r.cuda_core_ms);
       }
       std::printf(
           "],\"decode\":{\"ctx\":%lld,\"layers\":%lld,\"paged_ms\":%.4f,\"paged_keep10_ms\":%.4f,"
-          "\"sdpa_dense_ms\":%.4f,\"roofline_ms\":%.4f}}\n",
+          "\"paged_graph_ms\":%.4f,\"sdpa_dense_ms\":%.4f,\"roofline_ms\":%.4f}}\n",
           static_cast<long long>(ctx), static_cast<long long>(layers), decode_ms[0], decode_ms[1],
-          sdpa_ms, decode_bytes / (copy_gbs * 1e9) * 1e3);
+          graph_ms, sdpa_ms, decode_bytes / (copy_gbs * 1e9) * 1e3);
     } else {
       std::printf("device %s, %d SMs; d2d copy %.0f GB/s (read + write); median of %d runs\n",
                   props->name, props->multiProcessorCount, copy_gbs, runs);
-      std::printf("%8s %10s %10s %8s %12s %12s %9s %10s\n", "n", "fused ms", "naive ms", "speedup",
-                  "fused scr", "naive scr", "roofline", "select ms");
+      std::printf("%8s %10s %10s %8s %12s %12s %9s %10s %10s\n", "n", "fused ms", "naive ms",
+                  "speedup", "fused scr", "naive scr", "roofline", "select ms", "v1 cc ms");
       for (const auto& r : rows) {
-        std::printf("%8lld %10.4f %10s %8s %12s %12s %8.1f%% %10.4f\n", static_cast<long long>(r.n),
-                    r.fused_ms, r.naive_run ? std::to_string(r.naive_ms).c_str() : "skipped",
+        std::printf("%8lld %10.4f %10s %8s %12s %12s %8.1f%% %10.4f %10.4f\n",
+                    static_cast<long long>(r.n), r.fused_ms,
+                    r.naive_run ? std::to_string(r.naive_ms).c_str() : "skipped",
                     r.naive_run ? std::to_string(r.naive_ms / r.fused_ms).c_str() : "-",
                     Human(r.fused_scratch).c_str(), Human(r.naive_scratch).c_str(),
-                    100 * r.roofline_frac, r.select_ms);
+                    100 * r.roofline_frac, r.select_ms, r.cuda_core_ms);
       }
       std::printf(
           "paged decode, batch 1, %lld layers: ctx %lld %.4f ms/token, ctx %lld (keep 10%%) "
-          "%.4f ms/token; dense SDPA peer %.4f ms; K+V roofline %.4f ms\n",
+          "%.4f ms/token; CUDA graph of the 32 calls (ctx %lld) %.4f ms; dense SDPA peer %.4f ms; "
+          "K+V roofline %.4f ms\n",
           static_cast<long long>(layers), static_cast<long long>(ctx), decode_ms[0],
-          static_cast<long long>(lens[1]), decode_ms[1], sdpa_ms,
-          decode_bytes / (copy_gbs * 1e9) * 1e3);
+          static_cast<long long>(lens[1]), decode_ms[1], static_cast<long long>(ctx), graph_ms,
+          sdpa_ms, decode_bytes / (copy_gbs * 1e9) * 1e3);
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "dropkv-bench-score: %s\n", e.what());

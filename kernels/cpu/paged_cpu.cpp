@@ -147,6 +147,10 @@ absl::StatusOr<at::Tensor> PagedDecodeAttention(const at::Tensor& q, const at::T
   if (!(params.scale >= 0)) {
     return absl::InvalidArgumentError(absl::StrCat("scale must be >= 0, got ", params.scale));
   }
+  if (params.max_seq_len < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_seq_len must be >= 0, got ", params.max_seq_len));
+  }
   if (q.is_cuda()) {
     return cuda::PagedDecodeAttention(q, k_cache, v_cache, block_tables, seq_lens, params);
   }

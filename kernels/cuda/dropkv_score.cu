@@ -6,11 +6,13 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/check.h"
 #include "kernels/cuda/dropkv_score_kernels.cuh"
+#include "kernels/cuda/dropkv_score_tc.cuh"
 #include "kernels/cuda/launchers.h"
 
 namespace dropkv::kernels::cuda {
@@ -33,15 +35,19 @@ bool VectorAligned(const at::Tensor& t) {
   return true;
 }
 
-// Pass 1 CTAs: about 2 per SM, at least 4 key tiles per split, at most 64 splits.
-int ChooseSplits(int64_t num_heads_total, int64_t num_row_chunks, int64_t max_n, int requested) {
-  const int64_t max_splits = std::max<int64_t>(1, std::min<int64_t>(64, max_n / (4 * kKeyTile)));
+// Pass 1 CTAs: about 8 per SM (4 resident x 2 waves: more loads in flight; v1 used 2 per SM
+// and was latency-bound), at least 4 key tiles per split, at most 48 splits.
+int ChooseSplits(int64_t num_heads_total, int64_t num_row_chunks, int64_t max_n, int requested,
+                 int key_tile) {
+  // At most 48 splits: the partials (S x rows x (D + 2) floats per KV head) stay under 8 MB at
+  // Llama-3.1-8B geometry (64 splits measured 8.25 MiB).
+  const int64_t max_splits = std::max<int64_t>(1, std::min<int64_t>(48, max_n / (4 * key_tile)));
   if (requested > 0)
     return static_cast<int>(
-        std::min<int64_t>(requested, std::max<int64_t>(1, (max_n + kKeyTile - 1) / kKeyTile)));
+        std::min<int64_t>(requested, std::max<int64_t>(1, (max_n + key_tile - 1) / key_tile)));
   const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int64_t want =
-      (2 * num_sms + num_heads_total * num_row_chunks - 1) / (num_heads_total * num_row_chunks);
+      (8 * num_sms + num_heads_total * num_row_chunks - 1) / (num_heads_total * num_row_chunks);
   return static_cast<int>(std::clamp<int64_t>(want, 1, max_splits));
 }
 
@@ -58,8 +64,12 @@ absl::Status Launch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   const int64_t rows_pad = (rows + RC - 1) / RC * RC;
   const int64_t num_chunks = rows_pad / RC;
   const int64_t bh = batch * hkv;
-  const int splits = ChooseSplits(bh, num_chunks, max_n, params.num_splits);
-  const int64_t split_len = ((max_n + splits - 1) / splits + kKeyTile - 1) / kKeyTile * kKeyTile;
+  // bf16 / fp16 go to the tensor-core kernels (64-key tiles) unless asked not to.
+  constexpr bool kHalfType = !std::is_same_v<T, float>;
+  const bool tc = kHalfType && params.use_tensor_cores;
+  const int key_tile = tc ? kTcKeys : kKeyTile;
+  const int splits = ChooseSplits(bh, num_chunks, max_n, params.num_splits, key_tile);
+  const int64_t split_len = ((max_n + splits - 1) / splits + key_tile - 1) / key_tile * key_tile;
   auto f32 = q.options().dtype(at::kFloat);
   // Scratch: partials (S x rows x (D + 2)) + merged a and lse: O(n) through S only.
   auto part_acc = at::empty({bh, splits, rows_pad, D}, f32);
@@ -89,10 +99,24 @@ absl::Status Launch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   pa.part_m = part_ml[0].data_ptr<float>();
   pa.part_l = part_ml[1].data_ptr<float>();
   pa.part_acc = part_acc.data_ptr<float>();
-  {
+  if constexpr (kHalfType) {
+    if (tc) {
+      static_assert(RC == kTcRows, "tensor-core kernels use 16-row chunks");
+      auto kernel = PartialAttnTcKernel<T, D>;
+      constexpr int smem = PartialAttnTcSmemBytes<T, D>();
+      static const cudaError_t attr =
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+      C10_CUDA_CHECK(attr);
+      kernel<<<dim3(bh, splits, num_chunks), kThreads, smem, stream>>>(pa);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+  }
+  if (!tc) {
     auto kernel = PartialAttnKernel<T, D, RC, false>;
-    const int smem = PartialAttnSmemFloats<D, RC>() * sizeof(float);
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    constexpr int smem = PartialAttnSmemFloats<D, RC>() * sizeof(float);
+    static const cudaError_t attr =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    C10_CUDA_CHECK(attr);
     kernel<<<dim3(bh, splits, num_chunks), kThreads, smem, stream>>>(pa);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
@@ -126,10 +150,23 @@ absl::Status Launch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
                   : *params.p_round_dtype == at::kBFloat16 ? 1
                   : *params.p_round_dtype == at::kHalf     ? 2
                                                            : 0;
-  {
+  if constexpr (kHalfType) {
+    if (tc) {
+      auto kernel = ScoreTcKernel<T, D>;
+      constexpr int smem = ScoreTcSmemBytes<T, D>();
+      static const cudaError_t attr =
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+      C10_CUDA_CHECK(attr);
+      kernel<<<dim3(bh, (max_n + kTcKeys - 1) / kTcKeys), kThreads, smem, stream>>>(sp);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+  }
+  if (!tc) {
     auto kernel = ScoreKernel<T, D, RC>;
-    const int smem = ScoreSmemFloats<D, RC>() * sizeof(float);
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    constexpr int smem = ScoreSmemFloats<D, RC>() * sizeof(float);
+    static const cudaError_t attr =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    C10_CUDA_CHECK(attr);
     kernel<<<dim3(bh, (max_n + kKeyTile - 1) / kKeyTile), kThreads, smem, stream>>>(sp);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
@@ -218,9 +255,18 @@ absl::StatusOr<at::Tensor> DropKvScores(const at::Tensor& q_window, const at::Te
     }
     if (max_n == 0 || batch == 0) return out.zero_();
     auto dev = at::TensorOptions().device(k.device());
-    auto kv_off_t = at::tensor(kv_off, at::kLong).to(dev.dtype(at::kLong), /*non_blocking=*/true);
-    auto out_off_t = at::tensor(out_off, at::kLong).to(dev.dtype(at::kLong), true);
-    auto lens_t = at::tensor(lens, at::kInt).to(dev.dtype(at::kInt), true);
+    // One pinned host buffer and one async copy for the per-sequence descriptors.
+    auto host = at::empty({3 * batch}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+    int64_t* h = host.data_ptr<int64_t>();
+    for (int64_t b = 0; b < batch; ++b) {
+      h[b] = kv_off[b];
+      h[batch + b] = out_off[b];
+      h[2 * batch + b] = lens[b];
+    }
+    auto dev_buf = host.to(dev.dtype(at::kLong), /*non_blocking=*/true);
+    auto kv_off_t = dev_buf.slice(0, 0, batch);
+    auto out_off_t = dev_buf.slice(0, batch, 2 * batch);
+    auto lens_t = dev_buf.slice(0, 2 * batch, 3 * batch).to(at::kInt);
     auto launch = [&](auto type_tag) {
       using T = decltype(type_tag);
       return DispatchHeadDim<T>(d, q, k, v, kv_off_t, lens_t, out_off_t, out_stride_head, max_n,

@@ -30,7 +30,8 @@ constexpr int ScoreSmemFloats() {
 // grid (B*Hkv, ceil(max_n / kKeyTile)), kThreads threads. CTA (bh, t) reads its K and V tile
 // once, then for every chunk of RC packed rows recomputes the logits with pass 1's arithmetic,
 // p = exp(logit - lse), w = (p / (1 - p + eps))^2, d2 = ||v||^2 - 2 <a, v> + ||a||^2 (>= 0), and
-// accumulates w * d2. Mapping: lane = key of the tile, warp = rows warp, warp + 4, ...
+// accumulates w * d2 (d2 summed directly as ||v - a||^2 on this fp32 path). Mapping: lane = key of
+// the tile, warp = rows warp, warp + 4, ...
 template <typename T, int D, int RC>
 __global__ void __launch_bounds__(kThreads) ScoreKernel(const ScoreParams p) {
   constexpr int kRowsPerWarp = RC / kWarps;
@@ -55,8 +56,8 @@ __global__ void __launch_bounds__(kThreads) ScoreKernel(const ScoreParams p) {
 
   const T* k_ptr = static_cast<const T*>(p.k) + p.kv_offset[b] + h * p.stride_head;
   const T* v_ptr = static_cast<const T*>(p.v) + p.kv_offset[b] + h * p.stride_head;
-  LoadTile<T, D>(k_s, D + 1, num_valid, [&](int j) { return k_ptr + (tile + j) * p.stride_tok; });
-  LoadTile<T, D>(v_s, D + 1, num_valid, [&](int j) { return v_ptr + (tile + j) * p.stride_tok; });
+  LoadTilePair<T, D>(k_s, D + 1, v_s, D + 1, num_valid, k_ptr, v_ptr,
+                     [&](int j) { return static_cast<int64_t>(tile + j) * p.stride_tok; });
   __syncthreads();
   if (warp == 0) {
     float s = 0.f;
@@ -103,7 +104,10 @@ __global__ void __launch_bounds__(kThreads) ScoreKernel(const ScoreParams p) {
       for (int i = 0; i < kRowsPerWarp; ++i) {
         const int r = warp + i * kWarps;
         logit[i] = fmaf(q_s[r * D + c], kc, logit[i]);
-        av[i] = fmaf(a_s[r * D + c], vc, av[i]);
+        // d2 = ||v - a||^2 directly: the expanded form cancels catastrophically in fp32
+        // when p is near 1 (a close to v) and w is huge.
+        const float diff = vc - a_s[r * D + c];
+        av[i] = fmaf(diff, diff, av[i]);
       }
     }
 #pragma unroll
@@ -116,7 +120,7 @@ __global__ void __launch_bounds__(kThreads) ScoreKernel(const ScoreParams p) {
         if (p.round_mode == 1) prob = __bfloat162float(__float2bfloat16_rn(prob));
         if (p.round_mode == 2) prob = __half2float(__float2half_rn(prob));
         const float w = prob / (1.f - prob + p.eps);
-        const float d2 = fmaxf(vn2_s[lane] - 2.f * av[i] + an2_s[r], 0.f);
+        const float d2 = av[i];
         score = fmaf(w * w, d2, score);
       }
     }

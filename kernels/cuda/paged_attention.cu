@@ -18,21 +18,24 @@ namespace {
 template <typename T, int D, int RC>
 void Launch(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const at::Tensor& block_tables, const at::Tensor& seq_lens, float scale,
-            int requested_splits, at::Tensor& out) {
+            int requested_splits, int64_t max_len_hint, at::Tensor& out) {
   const int64_t batch = q.size(0), hq = q.size(1);
   const int64_t block_size = k_cache.size(1), hkv = k_cache.size(2);
   const int64_t g = hq / hkv, bh = batch * hkv;
   const int64_t max_blocks = block_tables.size(1);
   // Upper bound of the lengths without a device sync; CTAs past a sequence's end exit early.
-  const int64_t max_len = max_blocks * block_size;
+  const int64_t capacity = max_blocks * block_size;
+  const int64_t max_len = max_len_hint > 0 ? std::min(max_len_hint, capacity) : capacity;
   int splits = requested_splits;
   if (splits <= 0) {
     const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-    splits = static_cast<int>((2 * num_sms + bh - 1) / bh);
+    splits = static_cast<int>((8 * num_sms + bh - 1) / bh);
   }
-  // At least 4 key tiles per split, at most 64 splits.
+  // Decode is latency-bound per CTA (few rows per tile): many short splits, at least one key
+  // tile each, at most 128 (the merge loops over them).
   splits = static_cast<int>(std::clamp<int64_t>(
-      splits, 1, std::max<int64_t>(1, std::min<int64_t>(64, max_len / (4 * kKeyTile)))));
+      splits, 1,
+      std::max<int64_t>(1, std::min<int64_t>(128, (max_len + kKeyTile - 1) / kKeyTile))));
   const int64_t split_len = ((max_len + splits - 1) / splits + kKeyTile - 1) / kKeyTile * kKeyTile;
   auto f32 = q.options().dtype(at::kFloat);
   auto part_acc = at::empty({bh, splits, RC, D}, f32);
@@ -61,8 +64,11 @@ void Launch(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   pa.part_l = part_ml[1].data_ptr<float>();
   pa.part_acc = part_acc.data_ptr<float>();
   auto kernel = PartialAttnKernel<T, D, RC, true>;
-  const int smem = PartialAttnSmemFloats<D, RC>() * sizeof(float);
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  constexpr int smem = PartialAttnSmemFloats<D, RC>() * sizeof(float);
+  // Once per instantiation: the attribute call costs host time on every decode step otherwise.
+  static const cudaError_t attr =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  C10_CUDA_CHECK(attr);
   kernel<<<dim3(bh, splits, 1), kThreads, smem, stream>>>(pa);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   MergeKernel<T, D><<<dim3(bh, RC), D, 0, stream>>>(pa.part_m, pa.part_l, pa.part_acc, splits, RC,
@@ -74,26 +80,26 @@ void Launch(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
 template <typename T, int D>
 void DispatchRows(int64_t g, const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
                   const at::Tensor& bt, const at::Tensor& sl, float scale, int splits,
-                  at::Tensor& out) {
+                  int64_t max_len, at::Tensor& out) {
   // Row chunk = the group rounded up to a multiple of 4 warps (D = 64 needs 8: two row groups).
-  if (g <= 4 && D >= 128) return Launch<T, D, 4>(q, kc, vc, bt, sl, scale, splits, out);
-  if (g <= 8) return Launch<T, D, 8>(q, kc, vc, bt, sl, scale, splits, out);
-  return Launch<T, D, 16>(q, kc, vc, bt, sl, scale, splits, out);
+  if (g <= 4 && D >= 128) return Launch<T, D, 4>(q, kc, vc, bt, sl, scale, splits, max_len, out);
+  if (g <= 8) return Launch<T, D, 8>(q, kc, vc, bt, sl, scale, splits, max_len, out);
+  return Launch<T, D, 16>(q, kc, vc, bt, sl, scale, splits, max_len, out);
 }
 
 template <typename T>
 absl::Status DispatchHeadDim(int64_t d, int64_t g, const at::Tensor& q, const at::Tensor& kc,
                              const at::Tensor& vc, const at::Tensor& bt, const at::Tensor& sl,
-                             float scale, int splits, at::Tensor& out) {
+                             float scale, int splits, int64_t max_len, at::Tensor& out) {
   switch (d) {
     case 64:
-      DispatchRows<T, 64>(g, q, kc, vc, bt, sl, scale, splits, out);
+      DispatchRows<T, 64>(g, q, kc, vc, bt, sl, scale, splits, max_len, out);
       break;
     case 128:
-      DispatchRows<T, 128>(g, q, kc, vc, bt, sl, scale, splits, out);
+      DispatchRows<T, 128>(g, q, kc, vc, bt, sl, scale, splits, max_len, out);
       break;
     case 256:
-      DispatchRows<T, 256>(g, q, kc, vc, bt, sl, scale, splits, out);
+      DispatchRows<T, 256>(g, q, kc, vc, bt, sl, scale, splits, max_len, out);
       break;
     default:
       return absl::InvalidArgumentError(
@@ -140,7 +146,7 @@ absl::StatusOr<at::Tensor> PagedDecodeAttention(const at::Tensor& q_in, const at
     auto launch = [&](auto type_tag) {
       using T = decltype(type_tag);
       return DispatchHeadDim<T>(d, g, q, k_cache, v_cache, block_tables, seq_lens, scale,
-                                params.num_splits, out);
+                                params.num_splits, params.max_seq_len, out);
     };
     const absl::Status st = dtype == at::kFloat  ? launch(float{})
                             : dtype == at::kHalf ? launch(__half{})
