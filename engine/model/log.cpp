@@ -1,5 +1,6 @@
 #include "engine/model/log.h"
 
+#include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
 namespace dropkv {
@@ -8,5 +9,8 @@ void LogInfo(const std::string& message) {
 }
 void LogWarn(const std::string& message) {
   spdlog::warn("{}", message);
+}
+void LogToStderr() {
+  spdlog::set_default_logger(spdlog::stderr_color_mt("dropkv"));
 }
 }  // namespace dropkv

@@ -7,4 +7,6 @@
 namespace dropkv {
 void LogInfo(const std::string& message);
 void LogWarn(const std::string& message);
+// Sends the default logger to stderr (tools whose stdout is their output).
+void LogToStderr();
 }  // namespace dropkv

@@ -140,7 +140,7 @@ absl::StatusOr<std::string> EnsureDemoModel(const std::string& dir) {
                  {"rms_norm_eps", 1e-5},
                  {"rope_theta", 10000.0},
                  {"hidden_act", "silu"},
-                 {"tie_word_embeddings", true},
+                 {"tie_word_embeddings", false},
                  {"bos_token_id", 256},
                  {"eos_token_id", 257},
                  {"torch_dtype", "float32"},
@@ -161,8 +161,10 @@ absl::StatusOr<std::string> EnsureDemoModel(const std::string& dir) {
       return at::randn(shape, gen) * std;
     };
     std::vector<std::pair<std::string, at::Tensor>> w;
-    // std 0.5 on the embedding (tied head) keeps the logits peaked, so greedy output is stable.
-    w.emplace_back("model.embed_tokens.weight", randn({kDemoVocab, kDemoHidden}, 0.5));
+    w.emplace_back("model.embed_tokens.weight", randn({kDemoVocab, kDemoHidden}, 1.0));
+    // An untied head with std 0.5 keeps the logits peaked (stable greedy output) without
+    // making every step repeat its input token, as a tied one would.
+    w.emplace_back("lm_head.weight", randn({kDemoVocab, kDemoHidden}, 0.5));
     w.emplace_back("model.norm.weight", at::ones({kDemoHidden}));
     const int64_t d = kDemoHidden / kDemoHeads;
     for (int i = 0; i < kDemoLayers; ++i) {
