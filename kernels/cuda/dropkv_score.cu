@@ -44,7 +44,8 @@ int ChooseSplits(int64_t num_heads_total, int64_t num_row_chunks, int64_t max_n,
   const int64_t max_splits = std::max<int64_t>(1, std::min<int64_t>(48, max_n / (4 * key_tile)));
   if (requested > 0)
     return static_cast<int>(
-        std::min<int64_t>(requested, std::max<int64_t>(1, (max_n + key_tile - 1) / key_tile)));
+        std::min<int64_t>({int64_t{requested}, int64_t{kMaxSplits},
+                           std::max<int64_t>(1, (max_n + key_tile - 1) / key_tile)}));
   const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int64_t want =
       (8 * num_sms + num_heads_total * num_row_chunks - 1) / (num_heads_total * num_row_chunks);

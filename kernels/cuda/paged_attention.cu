@@ -35,7 +35,7 @@ void Launch(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   // tile each, at most 128 (the merge loops over them).
   splits = static_cast<int>(std::clamp<int64_t>(
       splits, 1,
-      std::max<int64_t>(1, std::min<int64_t>(128, (max_len + kKeyTile - 1) / kKeyTile))));
+      std::max<int64_t>(1, std::min<int64_t>(kMaxSplits, (max_len + kKeyTile - 1) / kKeyTile))));
   const int64_t split_len = ((max_len + splits - 1) / splits + kKeyTile - 1) / kKeyTile * kKeyTile;
   auto f32 = q.options().dtype(at::kFloat);
   auto part_acc = at::empty({bh, splits, RC, D}, f32);
