@@ -1,0 +1,578 @@
+#include "bench/loadgen/loadgen.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstdio>
+#include <deque>
+#include <fstream>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <thread>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "dropkv/v1/inference.grpc.pb.h"
+
+namespace dropkv::loadgen {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Seconds(Clock::duration d) {
+  return std::chrono::duration<double>(d).count();
+}
+
+}  // namespace
+
+int64_t LengthDist::Sample(std::mt19937_64& rng) const {
+  if (uniform) return std::uniform_int_distribution<int64_t>(lo, hi)(rng);
+  if (values.size() == 1) return values[0];
+  return values[std::uniform_int_distribution<size_t>(0, values.size() - 1)(rng)];
+}
+
+int64_t LengthDist::Max() const {
+  if (uniform) return hi;
+  return values.empty() ? 0 : *std::max_element(values.begin(), values.end());
+}
+
+absl::StatusOr<LengthDist> ParseLengthDist(const std::string& spec, const std::string& flag) {
+  LengthDist d;
+  d.spec = spec;
+  std::vector<std::string> parts = absl::StrSplit(spec, absl::MaxSplits(':', 2));
+  auto bad = [&](const std::string& why) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag, ": ", why, " in '", spec, "' (use fixed:N, uniform:A:B or file:PATH)"));
+  };
+  auto positive = [&](const std::string& s, int64_t* v) {
+    return absl::SimpleAtoi(s, v) && *v >= 1 && *v <= (1 << 20);
+  };
+  if (parts[0] == "fixed" && parts.size() == 2) {
+    int64_t v = 0;
+    if (!positive(parts[1], &v)) return bad("length must be an integer in [1, 1048576]");
+    d.values = {v};
+  } else if (parts[0] == "uniform" && parts.size() == 3) {
+    if (!positive(parts[1], &d.lo) || !positive(parts[2], &d.hi) || d.lo > d.hi)
+      return bad("bounds must be integers 1 <= A <= B <= 1048576");
+    d.uniform = true;
+  } else if (parts[0] == "file" && parts.size() >= 2) {
+    const std::string path = spec.substr(5);
+    std::ifstream in(path);
+    if (!in) return absl::NotFoundError(absl::StrCat(flag, ": cannot read '", path, "'"));
+    std::string line;
+    int line_no = 0;
+    while (std::getline(in, line)) {
+      ++line_no;
+      const std::string s(absl::StripAsciiWhitespace(line));
+      if (s.empty() || s[0] == '#') continue;
+      int64_t v = 0;
+      if (!positive(s, &v))
+        return absl::InvalidArgumentError(absl::StrCat(
+            flag, ": ", path, ":", line_no, ": not a length in [1, 1048576]: '", s, "'"));
+      d.values.push_back(v);
+    }
+    if (d.values.empty())
+      return absl::InvalidArgumentError(absl::StrCat(flag, ": ", path, " holds no lengths"));
+  } else {
+    int64_t v = 0;  // a bare number means fixed
+    if (parts.size() == 1 && positive(parts[0], &v)) {
+      d.values = {v};
+    } else {
+      return bad("unknown form");
+    }
+  }
+  return d;
+}
+
+absl::StatusOr<CompressionChoice> ParseCompressionChoice(const std::string& spec) {
+  CompressionChoice c;
+  std::vector<std::string> parts = absl::StrSplit(spec, ':');
+  if (parts.empty() || parts.size() > 2 || parts[0].empty())
+    return absl::InvalidArgumentError(
+        absl::StrCat("--compression: '", spec, "' is not METHOD or METHOD:KEEP_RATIO"));
+  c.method = parts[0];
+  if (parts.size() == 2) {
+    if (!absl::SimpleAtod(parts[1], &c.keep_ratio) || !(c.keep_ratio > 0 && c.keep_ratio <= 1))
+      return absl::InvalidArgumentError(
+          absl::StrCat("--compression: keep ratio in '", spec, "' must be in (0, 1]"));
+  }
+  return c;
+}
+
+bool IsLoopbackAddress(const std::string& address) {
+  if (address.rfind("unix:", 0) == 0) return true;
+  std::string host = address;
+  if (!host.empty() && host[0] == '[') {  // [::1]:port
+    const size_t close = host.find(']');
+    if (close == std::string::npos) return false;
+    return host.substr(1, close - 1) == "::1";
+  }
+  const size_t colon = host.rfind(':');
+  if (colon != std::string::npos) host = host.substr(0, colon);
+  if (host == "localhost") return true;
+  in_addr a{};
+  if (inet_pton(AF_INET, host.c_str(), &a) != 1) return false;
+  return (ntohl(a.s_addr) >> 24) == 127;
+}
+
+Percentiles Summarize(std::vector<double> values) {
+  Percentiles p;
+  if (values.empty()) return p;
+  std::sort(values.begin(), values.end());
+  const size_t n = values.size();
+  auto rank =
+      [&](double q) {  // nearest rank: the smallest value with >= q of the sample at or below
+        size_t k = static_cast<size_t>(std::ceil(q * static_cast<double>(n)));
+        return values[std::clamp<size_t>(k, 1, n) - 1];
+      };
+  p.count = static_cast<int64_t>(n);
+  double sum = 0;
+  for (double v : values) sum += v;
+  p.mean = sum / static_cast<double>(n);
+  p.p50 = rank(0.50);
+  p.p90 = rank(0.90);
+  p.p99 = rank(0.99);
+  p.max = values.back();
+  return p;
+}
+
+namespace {
+
+// One finished request as the client saw it.
+struct Sample {
+  bool measured = false;
+  grpc::StatusCode code = grpc::StatusCode::OK;
+  double ttft_ms = -1, e2e_ms = 0;
+  std::vector<double> itl_ms;
+  int64_t prompt_tokens = 0, output_tokens = 0;
+  Clock::time_point done;
+};
+
+class Runner {
+ public:
+  Runner(const LoadOptions& o, int32_t vocab_size, int64_t max_context_len)
+      : o_(o), vocab_size_(vocab_size), max_context_len_(max_context_len) {}
+
+  absl::Status Connect() {
+    // Several connections: one HTTP/2 connection caps concurrent streams (100 by default).
+    const int num_channels = std::max(1, (o_.concurrency + 31) / 32);
+    for (int i = 0; i < num_channels; ++i) {
+      grpc::ChannelArguments args;
+      args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+      args.SetMaxReceiveMessageSize(64 << 20);
+      auto channel =
+          grpc::CreateCustomChannel(o_.address, grpc::InsecureChannelCredentials(), args);
+      if (!channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(10)))
+        return absl::UnavailableError(absl::StrCat("cannot connect to ", o_.address));
+      stubs_.push_back(v1::Inference::NewStub(channel));
+    }
+    return absl::OkStatus();
+  }
+
+  RunResult Run() {
+    start_ = Clock::now();
+    window_start_ = start_ + std::chrono::duration_cast<Clock::duration>(
+                                 std::chrono::duration<double>(o_.warmup_s));
+    end_ = window_start_ + std::chrono::duration_cast<Clock::duration>(
+                               std::chrono::duration<double>(o_.duration_s));
+    std::vector<std::thread> workers;
+    for (int i = 0; i < o_.concurrency; ++i) workers.emplace_back([this, i] { Worker(i); });
+    std::thread arrivals;
+    if (o_.rate > 0) arrivals = std::thread([this] { Arrivals(); });
+    std::thread progress;
+    if (o_.progress) progress = std::thread([this] { Progress(); });
+    if (arrivals.joinable()) arrivals.join();
+    for (auto& w : workers) w.join();
+    finished_ = true;
+    if (progress.joinable()) progress.join();
+    return Collect();
+  }
+
+ private:
+  bool Stopping() {
+    if (Clock::now() >= end_) return true;
+    return o_.max_requests > 0 && num_measured_started_.load() >= o_.max_requests;
+  }
+
+  // Open loop: Poisson arrival times; a worker picks each up. Latency counts from the scheduled
+  // arrival, so a backed-up client does not hide server queueing (no coordinated omission).
+  void Arrivals() {
+    std::mt19937_64 rng(o_.seed ^ 0x9e3779b97f4a7c15ULL);
+    std::exponential_distribution<double> gap(o_.rate);
+    Clock::time_point t = Clock::now();
+    while (true) {
+      t += std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(gap(rng)));
+      if (t >= end_) break;
+      std::this_thread::sleep_until(t);
+      if (Stopping()) break;
+      std::lock_guard<std::mutex> lock(mu_);
+      if (static_cast<int>(queue_.size()) + busy_ >= o_.concurrency) {
+        if (t >= window_start_) ++num_dropped_;
+        continue;
+      }
+      queue_.push_back(t);
+      cv_.notify_one();
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    arrivals_done_ = true;
+    cv_.notify_all();
+  }
+
+  void Worker(int worker_idx) {
+    std::mt19937_64 rng(o_.seed * 1000003ULL + static_cast<uint64_t>(worker_idx));
+    v1::Inference::Stub* stub = stubs_[worker_idx % stubs_.size()].get();
+    while (true) {
+      Clock::time_point scheduled;
+      if (o_.rate > 0) {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return !queue_.empty() || arrivals_done_; });
+        if (queue_.empty()) return;
+        scheduled = queue_.front();
+        queue_.pop_front();
+        ++busy_;
+      } else {
+        if (Stopping()) return;
+        scheduled = Clock::now();
+      }
+      const bool measured = scheduled >= window_start_;
+      if (measured) ++num_measured_started_;
+      Sample s = OneRequest(stub, rng, scheduled);
+      s.measured = measured;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        samples_.push_back(std::move(s));
+        if (o_.rate > 0) --busy_;
+      }
+      ++num_done_;
+    }
+  }
+
+  Sample OneRequest(v1::Inference::Stub* stub, std::mt19937_64& rng, Clock::time_point t0) {
+    Sample s;
+    int64_t out_len = o_.output_len.Sample(rng);
+    int64_t prompt_len = o_.prompt_len.Sample(rng);
+    if (max_context_len_ > 0) {  // keep prompt + output inside the context
+      prompt_len = std::min<int64_t>(prompt_len, std::max<int64_t>(1, max_context_len_ - 2));
+      out_len = std::min<int64_t>(out_len, std::max<int64_t>(1, max_context_len_ - prompt_len - 1));
+    }
+    v1::GenerateRequest req;
+    std::uniform_int_distribution<int32_t> token(3, std::max(3, vocab_size_ - 1));
+    for (int64_t i = 0; i < prompt_len; ++i) req.mutable_token_ids()->add_ids(token(rng));
+    req.set_max_new_tokens(static_cast<int32_t>(out_len));
+    req.mutable_sampling()->set_ignore_eos(true);  // exact output lengths
+    if (!o_.compression.empty()) {
+      const auto& c =
+          o_.compression[std::uniform_int_distribution<size_t>(0, o_.compression.size() - 1)(rng)];
+      if (!c.method.empty()) req.mutable_compression()->set_method(c.method);
+      if (c.keep_ratio > 0) req.mutable_compression()->set_keep_ratio(c.keep_ratio);
+    }
+    s.prompt_tokens = prompt_len;
+    grpc::ClientContext ctx;
+    // gRPC deadlines take the system clock; latencies use the steady one.
+    ctx.set_deadline(std::chrono::system_clock::now() +
+                     std::chrono::duration_cast<std::chrono::system_clock::duration>(
+                         std::chrono::duration<double>(o_.request_timeout_s)));
+    auto reader = stub->Generate(&ctx, req);
+    v1::GenerateResponse msg;
+    Clock::time_point last = t0;
+    while (reader->Read(&msg)) {
+      const int n = msg.token_ids_size();
+      if (n == 0) continue;
+      const Clock::time_point now = Clock::now();
+      if (s.ttft_ms < 0) {
+        s.ttft_ms = Seconds(now - t0) * 1e3;
+      } else {
+        // A message carrying n tokens: n gaps of equal share (the server may coalesce deltas).
+        const double gap_ms = Seconds(now - last) * 1e3 / n;
+        for (int i = 0; i < n; ++i) s.itl_ms.push_back(gap_ms);
+      }
+      last = now;
+      s.output_tokens += n;
+      tokens_streamed_ += n;
+    }
+    const grpc::Status st = reader->Finish();
+    s.done = Clock::now();
+    s.code = st.error_code();
+    s.e2e_ms = Seconds(s.done - t0) * 1e3;
+    return s;
+  }
+
+  // A redrawn bar on a terminal; one line every 5 s otherwise (CI logs).
+  void Progress() {
+    const double total = o_.warmup_s + o_.duration_s;
+    const bool tty = ::isatty(2) != 0;
+    int ticks = 0;
+    while (!finished_) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(500));
+      if (!tty && ++ticks % 10 != 0) continue;
+      const double t = Seconds(Clock::now() - start_);
+      const int width = 30;
+      const int filled = std::clamp(static_cast<int>(t / total * width), 0, width);
+      std::fprintf(
+          stderr, "%s[%s%s] %5.1f/%.0fs  %lld requests done, %lld tokens%s%s", tty ? "\r" : "",
+          std::string(filled, '#').c_str(), std::string(width - filled, '.').c_str(), t, total,
+          static_cast<long long>(num_done_.load()), static_cast<long long>(tokens_streamed_.load()),
+          t > total ? " (finishing in-flight requests)" : "", tty ? "" : "\n");
+    }
+    if (tty) std::fprintf(stderr, "\n");
+  }
+
+  RunResult Collect() {
+    RunResult r;
+    r.options = o_;
+    r.num_dropped = num_dropped_;
+    std::vector<double> ttft, itl, e2e;
+    Clock::time_point last_done = window_start_;
+    for (const Sample& s : samples_) {
+      if (!s.measured) continue;
+      if (s.code != grpc::StatusCode::OK) {
+        ++r.errors[StatusName(s.code)];
+        continue;
+      }
+      ++r.num_ok;
+      r.prompt_tokens += s.prompt_tokens;
+      r.output_tokens += s.output_tokens;
+      if (s.ttft_ms >= 0) ttft.push_back(s.ttft_ms);
+      itl.insert(itl.end(), s.itl_ms.begin(), s.itl_ms.end());
+      e2e.push_back(s.e2e_ms);
+      last_done = std::max(last_done, s.done);
+    }
+    r.measured_s = Seconds(last_done - window_start_);
+    r.ttft_ms = Summarize(std::move(ttft));
+    r.itl_ms = Summarize(std::move(itl));
+    r.e2e_ms = Summarize(std::move(e2e));
+    return r;
+  }
+
+  static std::string StatusName(grpc::StatusCode code) {
+    static const char* kNames[] = {"OK",
+                                   "CANCELLED",
+                                   "UNKNOWN",
+                                   "INVALID_ARGUMENT",
+                                   "DEADLINE_EXCEEDED",
+                                   "NOT_FOUND",
+                                   "ALREADY_EXISTS",
+                                   "PERMISSION_DENIED",
+                                   "RESOURCE_EXHAUSTED",
+                                   "FAILED_PRECONDITION",
+                                   "ABORTED",
+                                   "OUT_OF_RANGE",
+                                   "UNIMPLEMENTED",
+                                   "INTERNAL",
+                                   "UNAVAILABLE",
+                                   "DATA_LOSS",
+                                   "UNAUTHENTICATED"};
+    const int c = static_cast<int>(code);
+    return c >= 0 && c <= 16 ? kNames[c] : absl::StrCat("CODE_", c);
+  }
+
+  const LoadOptions& o_;
+  const int32_t vocab_size_;
+  const int64_t max_context_len_;
+  std::vector<std::unique_ptr<v1::Inference::Stub>> stubs_;
+  Clock::time_point start_, window_start_, end_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Clock::time_point> queue_;
+  int busy_ = 0;
+  bool arrivals_done_ = false;
+  int64_t num_dropped_ = 0;
+  std::vector<Sample> samples_;
+  std::atomic<int64_t> num_measured_started_{0}, num_done_{0}, tokens_streamed_{0};
+  std::atomic<bool> finished_{false};
+};
+
+}  // namespace
+
+absl::StatusOr<RunResult> RunLoad(const LoadOptions& o) {
+  if (!IsLoopbackAddress(o.address))
+    return absl::InvalidArgumentError(
+        absl::StrCat("--address: '", o.address,
+                     "' is not a loopback address (127.x.x.x, localhost, [::1], "
+                     "unix:); dropkv-loadgen only loads local servers"));
+  if (o.concurrency < 1 || o.concurrency > 1024)
+    return absl::InvalidArgumentError("--concurrency: must be in [1, 1024]");
+  if (!(o.duration_s > 0 && o.duration_s <= 3600))
+    return absl::InvalidArgumentError("--duration: must be in (0, 3600] seconds");
+  if (!(o.warmup_s >= 0 && o.warmup_s <= 600))
+    return absl::InvalidArgumentError("--warmup: must be in [0, 600] seconds");
+  if (!(o.rate >= 0 && o.rate <= 100000))
+    return absl::InvalidArgumentError("--rate: must be in [0, 100000] requests/s");
+  if (!(o.request_timeout_s > 0 && o.request_timeout_s <= 3600))
+    return absl::InvalidArgumentError("--timeout: must be in (0, 3600] seconds");
+  if (o.prompt_len.Max() < 1 || o.output_len.Max() < 1)
+    return absl::InvalidArgumentError("prompt and output lengths must be set");
+
+  // The model's vocabulary and context bound the random prompts.
+  grpc::ChannelArguments args;
+  auto channel = grpc::CreateCustomChannel(o.address, grpc::InsecureChannelCredentials(), args);
+  auto stub = v1::Inference::NewStub(channel);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  v1::ModelInfo info;
+  grpc::Status st = stub->GetModelInfo(&ctx, v1::GetModelInfoRequest(), &info);
+  if (!st.ok())
+    return absl::UnavailableError(
+        absl::StrCat("GetModelInfo on ", o.address, " failed: ", st.error_message()));
+  Runner runner(o, info.vocab_size(), info.max_context_len());
+  if (absl::Status c = runner.Connect(); !c.ok()) return c;
+  return runner.Run();
+}
+
+absl::StatusOr<std::map<std::string, double>> FetchMetrics(const std::string& url) {
+  absl::string_view rest_view = url;
+  if (!absl::ConsumePrefix(&rest_view, "http://"))
+    return absl::InvalidArgumentError(absl::StrCat("--metrics-url: '", url, "' is not http://"));
+  const std::string rest(rest_view);
+  const size_t slash = rest.find('/');
+  const std::string host_port = rest.substr(0, slash);
+  const std::string path = slash == std::string::npos ? "/metrics" : rest.substr(slash);
+  const size_t colon = host_port.rfind(':');
+  std::string host = host_port.substr(0, colon);
+  int port = 80;
+  if (colon != std::string::npos && !absl::SimpleAtoi(host_port.substr(colon + 1), &port))
+    return absl::InvalidArgumentError(absl::StrCat("--metrics-url: bad port in '", url, "'"));
+  if (host == "localhost") host = "127.0.0.1";
+  in_addr a{};
+  if (inet_pton(AF_INET, host.c_str(), &a) != 1 || (ntohl(a.s_addr) >> 24) != 127)
+    return absl::InvalidArgumentError(
+        absl::StrCat("--metrics-url: '", url, "' is not a loopback IPv4 address"));
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return absl::InternalError("socket() failed");
+  timeval tv{5, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_port = htons(static_cast<uint16_t>(port));
+  sa.sin_addr = a;
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) != 0) {
+    ::close(fd);
+    return absl::UnavailableError(absl::StrCat("--metrics-url: cannot connect to ", host_port));
+  }
+  const std::string req =
+      absl::StrCat("GET ", path, " HTTP/1.0\r\nHost: ", host_port, "\r\nConnection: close\r\n\r\n");
+  if (::send(fd, req.data(), req.size(), 0) != static_cast<ssize_t>(req.size())) {
+    ::close(fd);
+    return absl::UnavailableError("--metrics-url: send failed");
+  }
+  std::string body;
+  char buf[16384];
+  ssize_t n;
+  while ((n = ::recv(fd, buf, sizeof(buf), 0)) > 0 && body.size() < (64u << 20))
+    body.append(buf, n);
+  ::close(fd);
+  const size_t header_end = body.find("\r\n\r\n");
+  if (body.rfind("HTTP/1.", 0) != 0 || header_end == std::string::npos ||
+      body.find(" 200 ") > body.find("\r\n"))
+    return absl::UnavailableError(absl::StrCat("--metrics-url: ", url, " did not answer 200"));
+  std::map<std::string, double> samples;
+  std::istringstream lines(body.substr(header_end + 4));
+  std::string line;
+  while (std::getline(lines, line)) {
+    if (line.empty() || line[0] == '#') continue;
+    const size_t space = line.rfind(' ');
+    if (space == std::string::npos) continue;
+    double v = 0;
+    if (!absl::SimpleAtod(absl::StripAsciiWhitespace(line.substr(space + 1)), &v)) continue;
+    samples[line.substr(0, space)] = v;
+  }
+  return samples;
+}
+
+std::map<std::string, double> MetricDeltas(const std::map<std::string, double>& before,
+                                           const std::map<std::string, double>& after) {
+  std::map<std::string, double> out;
+  for (const auto& [key, v] : after) {
+    const std::string name = key.substr(0, key.find('{'));
+    const bool cumulative = absl::EndsWith(name, "_total") || absl::EndsWith(name, "_count") ||
+                            absl::EndsWith(name, "_sum");
+    if (!cumulative) continue;
+    auto it = before.find(key);
+    const double d = v - (it == before.end() ? 0.0 : it->second);
+    if (d != 0) out[key] = d;
+  }
+  return out;
+}
+
+namespace {
+nlohmann::json PercentilesJson(const Percentiles& p) {
+  return {{"count", p.count}, {"mean", p.mean}, {"p50", p.p50},
+          {"p90", p.p90},     {"p99", p.p99},   {"max", p.max}};
+}
+}  // namespace
+
+nlohmann::json ResultToJson(const RunResult& r) {
+  const LoadOptions& o = r.options;
+  nlohmann::json compression = nlohmann::json::array();
+  for (const auto& c : o.compression)
+    compression.push_back(c.keep_ratio > 0 ? absl::StrCat(c.method, ":", c.keep_ratio) : c.method);
+  nlohmann::json j;
+  j["config"] = {{"address", o.address},
+                 {"mode", o.rate > 0 ? "open" : "closed"},
+                 {"concurrency", o.concurrency},
+                 {"rate", o.rate},
+                 {"duration_s", o.duration_s},
+                 {"warmup_s", o.warmup_s},
+                 {"max_requests", o.max_requests},
+                 {"prompt_len", o.prompt_len.spec},
+                 {"output_len", o.output_len.spec},
+                 {"compression", compression},
+                 {"seed", o.seed}};
+  j["measured_s"] = r.measured_s;
+  j["requests_ok"] = r.num_ok;
+  j["errors"] = r.errors;
+  j["dropped_by_client"] = r.num_dropped;
+  j["prompt_tokens"] = r.prompt_tokens;
+  j["output_tokens"] = r.output_tokens;
+  j["requests_per_s"] = r.requests_per_s();
+  j["output_tokens_per_s"] = r.output_tokens_per_s();
+  j["ttft_ms"] = PercentilesJson(r.ttft_ms);
+  j["itl_ms"] = PercentilesJson(r.itl_ms);
+  j["e2e_ms"] = PercentilesJson(r.e2e_ms);
+  j["metrics_delta"] = r.metrics_delta;
+  return j;
+}
+
+std::string ResultsToMarkdown(const std::vector<RunResult>& results) {
+  std::string md =
+      "| mode | conc. | rate | ok | errors | req/s | out tok/s | TTFT p50/p90/p99/max ms | "
+      "ITL p50/p90/p99/max ms | E2E p50/p90/p99/max ms |\n"
+      "|---|---:|---:|---:|---|---:|---:|---|---|---|\n";
+  auto pct = [](const Percentiles& p) {
+    char buf[96];
+    std::snprintf(buf, sizeof(buf), "%.1f / %.1f / %.1f / %.1f", p.p50, p.p90, p.p99, p.max);
+    return std::string(buf);
+  };
+  for (const RunResult& r : results) {
+    std::string errors;
+    for (const auto& [name, n] : r.errors)
+      absl::StrAppend(&errors, errors.empty() ? "" : ", ", name, " ", n);
+    if (r.num_dropped > 0)
+      absl::StrAppend(&errors, errors.empty() ? "" : ", ", "dropped ", r.num_dropped);
+    if (errors.empty()) errors = "0";
+    char row[512];
+    std::snprintf(row, sizeof(row), "| %s | %d | %s | %lld | %s | %.2f | %.1f | %s | %s | %s |\n",
+                  r.options.rate > 0 ? "open" : "closed", r.options.concurrency,
+                  r.options.rate > 0 ? absl::StrCat(r.options.rate).c_str() : "-",
+                  static_cast<long long>(r.num_ok), errors.c_str(), r.requests_per_s(),
+                  r.output_tokens_per_s(), pct(r.ttft_ms).c_str(), pct(r.itl_ms).c_str(),
+                  pct(r.e2e_ms).c_str());
+    md += row;
+  }
+  return md;
+}
+
+}  // namespace dropkv::loadgen

@@ -1,0 +1,90 @@
+// dropkv-loadgen's engine (issue 10): drives a loopback dropkv-server over gRPC in a closed loop
+// (N streams back to back) or an open loop (Poisson arrivals at R requests/s), and measures time to
+// first token, inter-token latency and end-to-end latency per request. No torch: it is a client.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace dropkv::loadgen {
+
+// A length distribution: "fixed:N", "uniform:A:B" (inclusive) or "file:PATH" (one length a line,
+// drawn uniformly).
+struct LengthDist {
+  std::string spec;
+  std::vector<int64_t> values;  // fixed: {N}; file: the lengths
+  int64_t lo = 0, hi = 0;       // uniform bounds
+  bool uniform = false;
+  int64_t Sample(std::mt19937_64& rng) const;
+  int64_t Max() const;
+};
+absl::StatusOr<LengthDist> ParseLengthDist(const std::string& spec, const std::string& flag);
+
+// One compression setting of the mix: "none", "METHOD" or "METHOD:KEEP_RATIO" (e.g. dropkv:0.25).
+struct CompressionChoice {
+  std::string method;       // "" = the server's default
+  double keep_ratio = 0.0;  // 0 = the server's default
+};
+absl::StatusOr<CompressionChoice> ParseCompressionChoice(const std::string& spec);
+
+// True for 127.0.0.0/8, localhost, [::1] and unix: addresses. Load goes nowhere else.
+bool IsLoopbackAddress(const std::string& address);
+
+struct LoadOptions {
+  std::string address;
+  int concurrency = 1;       // closed loop: streams; open loop: most requests in flight
+  double rate = 0.0;         // > 0: open loop, Poisson arrivals per second
+  double duration_s = 10.0;  // measured window
+  double warmup_s = 0.0;     // requests started earlier are not measured
+  int64_t max_requests = 0;  // > 0: stop after this many measured requests
+  double request_timeout_s = 60.0;
+  LengthDist prompt_len;
+  LengthDist output_len;
+  std::vector<CompressionChoice> compression;  // drawn uniformly per request; empty = default
+  uint64_t seed = 1;
+  bool progress = true;  // a progress line on stderr
+};
+
+// Nearest-rank percentiles of a sample (empty -> all zero).
+struct Percentiles {
+  int64_t count = 0;
+  double mean = 0, p50 = 0, p90 = 0, p99 = 0, max = 0;
+};
+Percentiles Summarize(std::vector<double> values);
+
+struct RunResult {
+  LoadOptions options;
+  double measured_s = 0;  // window start -> last measured completion
+  int64_t num_ok = 0;
+  std::map<std::string, int64_t> errors;  // gRPC status name -> count (measured requests)
+  int64_t num_dropped = 0;  // open loop: arrivals with `concurrency` already in flight
+  int64_t prompt_tokens = 0, output_tokens = 0;
+  Percentiles ttft_ms, itl_ms, e2e_ms;
+  std::map<std::string, double> metrics_delta;  // server /metrics counters, after - before
+  double requests_per_s() const { return measured_s > 0 ? num_ok / measured_s : 0; }
+  double output_tokens_per_s() const { return measured_s > 0 ? output_tokens / measured_s : 0; }
+};
+
+// Runs one load point. Errors: bad options, non-loopback address, server unreachable.
+absl::StatusOr<RunResult> RunLoad(const LoadOptions& options);
+
+// GETs a Prometheus text page from a loopback http:// URL and returns every sample's value keyed by
+// "name{labels}".
+absl::StatusOr<std::map<std::string, double>> FetchMetrics(const std::string& url);
+// after - before for counters and histogram _count/_sum samples that changed.
+std::map<std::string, double> MetricDeltas(const std::map<std::string, double>& before,
+                                           const std::map<std::string, double>& after);
+
+nlohmann::json ResultToJson(const RunResult& result);
+// One Markdown table: one row per result.
+std::string ResultsToMarkdown(const std::vector<RunResult>& results);
+
+}  // namespace dropkv::loadgen
