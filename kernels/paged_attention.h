@@ -25,7 +25,9 @@ struct PagedAttentionParams {
 //                 block_tables[b, t / block_size] * block_size + t % block_size
 //   seq_lens:     int32 [B], 0 <= seq_lens[b] <= max_blocks * block_size (0 gives zeros)
 //   returns       [B, Hq, D] in q's dtype (softmax and accumulation in fp32)
-// CUDA: bf16 / fp16 / fp32, D in {64, 128, 256}, g = Hq / Hkv <= 16.
+// CUDA: bf16 / fp16 / fp32, D in {64, 128, 256}, g = Hq / Hkv <= 16. The CPU path validates
+// every block id and length; the CUDA path trusts them (checking would need a device sync each
+// decode step): the allocator must hand out in-range tables.
 absl::StatusOr<at::Tensor> PagedDecodeAttention(const at::Tensor& q, const at::Tensor& k_cache,
                                                 const at::Tensor& v_cache,
                                                 const at::Tensor& block_tables,
