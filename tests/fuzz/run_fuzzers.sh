@@ -32,7 +32,9 @@ fi
 FUZZ_DIR="$SOURCE/tests/fuzz"
 
 if (( ! NO_BUILD )); then
-  if [[ ! -f "$BUILD/CMakeCache.txt" ]]; then
+  # (Re)configure when the tree is new or was configured without the fuzz targets or the server.
+  if ! grep -q "^DROPKV_FUZZ:BOOL=ON" "$BUILD/CMakeCache.txt" 2>/dev/null ||
+     ! grep -q "^DROPKV_SERVER:BOOL=ON" "$BUILD/CMakeCache.txt" 2>/dev/null; then
     echo "== configuring the clang fuzz tree in $BUILD"
     # TORCH_CUDA_ARCH_LIST: torch's CMake would otherwise try_run a GPU probe, which fails under clang.
     TORCH_CUDA_ARCH_LIST="8.0;9.0" cmake -S "$SOURCE" -B "$BUILD" -G Ninja \

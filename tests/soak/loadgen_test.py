@@ -1,0 +1,179 @@
+#!/usr/bin/env python3
+"""dropkv-loadgen against the real server (ctest loadgen_test, label e2e). The load generator's own
+counts are checked against the server's independent counters: requests OK == the server's
+num_requests_finished delta (GetServerStats), output tokens == OK requests x the fixed output
+length (ignore_eos) == the /metrics dropkv_generation_tokens_total delta the tool reports. Also:
+percentiles are ordered, --help works, non-loopback addresses and bad length specs are refused.
+"""
+import argparse
+import http.server
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+FAILURES = []
+
+
+def check(name, ok, detail=""):
+    print(f"{'PASS' if ok else 'FAIL'} {name} {detail}", flush=True)
+    if not ok:
+        FAILURES.append(name)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    for a in ("--server", "--convert", "--loadgen", "--proto-dir", "--scratch"):
+        ap.add_argument(a, required=True)
+    ap.add_argument("--shared", default=os.environ.get("DROPKV_SHARED", ""))
+    args = ap.parse_args()
+    shutil.rmtree(args.scratch, ignore_errors=True)
+    os.makedirs(args.scratch)
+    src = os.path.join(args.shared, "models", "stories260K")
+    model = os.path.join(args.scratch, "stories260K")
+    subprocess.run([args.convert, "llama2c", "--model", os.path.join(src, "stories260K.bin"),
+                    "--tokenizer", os.path.join(src, "tok512.bin"), "--out", model],
+                   check=True, stdout=subprocess.DEVNULL)
+    stubs = os.path.join(args.scratch, "stubs")
+    os.makedirs(stubs)
+    from grpc_tools import protoc
+    assert protoc.main(["protoc", f"-I{args.proto_dir}", f"--python_out={stubs}",
+                        f"--grpc_python_out={stubs}",
+                        os.path.join(args.proto_dir, "dropkv", "v1", "inference.proto")]) == 0
+    sys.path.insert(0, stubs)
+    import grpc
+    from dropkv.v1 import inference_pb2 as pb
+    from dropkv.v1 import inference_pb2_grpc as pbg
+
+    r = subprocess.run([args.loadgen, "--help"], capture_output=True, text=True)
+    check("help", r.returncode == 0 and "--address" in r.stdout and "--rate" in r.stdout)
+    r = subprocess.run([args.loadgen, "--address", "10.1.2.3:50051", "--duration", "1"],
+                       capture_output=True, text=True)
+    check("non_loopback_refused", r.returncode == 2 and "loopback" in r.stderr, r.stderr.strip())
+    r = subprocess.run([args.loadgen, "--address", "127.0.0.1:1", "--prompt-len", "uniform:9:3"],
+                       capture_output=True, text=True)
+    check("bad_length_spec", r.returncode == 2 and "--prompt-len" in r.stderr, r.stderr.strip())
+
+    metrics_port = free_port()
+    log = open(os.path.join(args.scratch, "server.log"), "w")
+    proc = subprocess.Popen([args.server, "--model", model, "--host", "127.0.0.1", "--port", "0",
+                             "--metrics-port", str(metrics_port), "--device", "cpu",
+                             "--kv-blocks", "1024", "--max-batch", "16"],
+                            stdout=subprocess.PIPE, stderr=log, text=True)
+    port = None
+    for line in proc.stdout:
+        m = re.match(r"LISTENING (\d+)", line)
+        if m:
+            port = int(m.group(1))
+            break
+    try:
+        assert port, "server did not start"
+        stub = pbg.InferenceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+        # dropkv-server serves /metrics once the ops area wires it into main; until then the
+        # metrics delta check is skipped (and says so).
+        with socket.socket() as s:
+            has_metrics = s.connect_ex(("127.0.0.1", metrics_port)) == 0
+        metrics_args = (["--metrics-url", f"http://127.0.0.1:{metrics_port}/metrics"]
+                        if has_metrics else [])
+        if not has_metrics:
+            print(f"SKIP metrics_delta: nothing listens on metrics port {metrics_port}")
+        for mode, extra in (("closed", ["--concurrency", "4"]),
+                            ("open", ["--rate", "6", "--concurrency", "16"])):
+            before = stub.GetServerStats(pb.GetServerStatsRequest(), timeout=10)
+            out_len = 12
+            r = subprocess.run(
+                [args.loadgen, "--address", f"127.0.0.1:{port}", "--duration", "5",
+                 "--prompt-len", "uniform:4:64", "--output-len", f"fixed:{out_len}",
+                 "--compression", "none", "--compression", "snapkv:0.5", "--json",
+                 "--no-progress"] + metrics_args + extra, capture_output=True, text=True, timeout=120)
+            if r.returncode != 0:
+                check(f"{mode}_runs", False, r.stderr)
+                continue
+            rep = json.loads(r.stdout)
+            after = stub.GetServerStats(pb.GetServerStatsRequest(), timeout=10)
+            finished = after.num_requests_finished - before.num_requests_finished
+            ok = rep["requests_ok"]
+            check(f"{mode}_some_load", ok >= 3 and not rep["errors"], f"ok={ok} errors={rep['errors']}")
+            check(f"{mode}_ok_equals_server_finished", ok == finished, f"{ok} vs {finished}")
+            check(f"{mode}_tokens_exact", rep["output_tokens"] == ok * out_len,
+                  f"{rep['output_tokens']} vs {ok} x {out_len}")
+            gen = sum(v for k, v in rep["metrics_delta"].items()
+                      if k.startswith("dropkv_generation_tokens_total"))
+            if has_metrics:
+                check(f"{mode}_metrics_delta", gen == rep["output_tokens"],
+                      f"dropkv_generation_tokens_total +{gen} vs {rep['output_tokens']}")
+            for key in ("ttft_ms", "itl_ms", "e2e_ms"):
+                p = rep[key]
+                check(f"{mode}_{key}_ordered", 0 <= p["p50"] <= p["p90"] <= p["p99"] <= p["max"], str(p))
+            check(f"{mode}_ttft_le_e2e", rep["ttft_ms"]["max"] <= rep["e2e_ms"]["max"])
+            # One gap per token after the first message of each request.
+            check(f"{mode}_itl_count", 0 < rep["itl_ms"]["count"] <= ok * (out_len - 1),
+                  f"{rep['itl_ms']['count']} gaps for {ok} requests")
+        # /metrics parsing and deltas against a stand-in endpoint with known pages.
+        pages = [
+            '# HELP x\ndropkv_requests_total{status="ok"} 10\ndropkv_requests_running 3\n'
+            'dropkv_ttft_seconds_count 4\ndropkv_ttft_seconds_sum 1.5\n'
+            'dropkv_ttft_seconds_bucket{le="0.1"} 2\nother_total 7\n',
+            '# HELP x\ndropkv_requests_total{status="ok"} 17\ndropkv_requests_running 5\n'
+            'dropkv_ttft_seconds_count 6\ndropkv_ttft_seconds_sum 2.25\n'
+            'dropkv_ttft_seconds_bucket{le="0.1"} 3\nother_total 7\n'
+            'dropkv_requests_total{status="cancelled"} 2\n']
+
+        def parse(page):
+            out = {}
+            for line in page.splitlines():
+                if line and not line.startswith("#"):
+                    k, v = line.rsplit(" ", 1)
+                    out[k] = float(v)
+            return out
+        a, b = parse(pages[0]), parse(pages[1])
+        expected = {k: v - a.get(k, 0.0) for k, v in b.items()
+                    if re.sub(r"\{.*", "", k).endswith(("_total", "_count", "_sum"))
+                    and v - a.get(k, 0.0) != 0}
+        served = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                body = pages[min(len(served), 1)].encode()
+                served.append(self.path)
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain")
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *a):
+                pass
+        httpd = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=httpd.serve_forever, daemon=True).start()
+        r = subprocess.run(
+            [args.loadgen, "--address", f"127.0.0.1:{port}", "--duration", "1", "--concurrency", "1",
+             "--prompt-len", "fixed:4", "--output-len", "fixed:2", "--json", "--no-progress",
+             "--metrics-url", f"http://127.0.0.1:{httpd.server_address[1]}/metrics"],
+            capture_output=True, text=True, timeout=60)
+        httpd.shutdown()
+        got = json.loads(r.stdout)["metrics_delta"] if r.returncode == 0 else r.stderr
+        check("metrics_deltas_match_pages", got == expected and served == ["/metrics"] * 2,
+              f"{got} vs {expected}")
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    print(f"{len(FAILURES)} failures: {FAILURES}" if FAILURES else "loadgen checks PASSED")
+    return 1 if FAILURES else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
