@@ -14,6 +14,8 @@
 #include <cstdlib>
 #include <string>
 
+#include <google/protobuf/stubs/logging.h>
+
 #include "dropkv/v1/inference.pb.h"
 #include "server/validation.h"
 #include "tests/scheduler/fake_tokenizer.h"
@@ -125,6 +127,12 @@ void Fail(const char* what, const dropkv::v1::GenerateRequest& r) {
 }
 
 }  // namespace
+
+// Invalid UTF-8 in proto3 strings makes protobuf log one line per parse: keep the output readable.
+extern "C" int LLVMFuzzerInitialize(int* /*argc*/, char*** /*argv*/) {
+  google::protobuf::SetLogHandler(nullptr);
+  return 0;
+}
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   static const dropkv::testing::FakeTokenizer tokenizer(kVocab);
