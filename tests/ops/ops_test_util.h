@@ -233,6 +233,21 @@ class ChildProcess {
     ::waitpid(pid_, nullptr, 0);
     pid_ = -1;
   }
+  // Waits for the process to exit; its exit code, or -1 (killed after `timeout`).
+  int Wait(std::chrono::seconds timeout) {
+    if (pid_ <= 0) return -1;
+    auto deadline = std::chrono::steady_clock::now() + timeout;
+    while (std::chrono::steady_clock::now() < deadline) {
+      int status = 0;
+      if (::waitpid(pid_, &status, WNOHANG) == pid_) {
+        pid_ = -1;
+        return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    Stop();
+    return -1;
+  }
   pid_t pid() const { return pid_; }
 
  private:
