@@ -1,6 +1,7 @@
 #include "engine/model/model.h"
 
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 
 #include <cmath>
 
@@ -82,8 +83,23 @@ double Model::attention_scale() const {
 absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& model_dir,
                                                    const ModelConfig& c, at::Device device,
                                                    at::ScalarType dtype) {
+  return LoadOrDraw(model_dir, c, device, dtype, std::nullopt);
+}
+
+absl::StatusOr<std::unique_ptr<Model>> Model::CreateRandom(const ModelConfig& c, at::Device device,
+                                                           at::ScalarType dtype, uint64_t seed) {
+  return LoadOrDraw("", c, device, dtype, seed);
+}
+
+absl::StatusOr<std::unique_ptr<Model>> Model::LoadOrDraw(const std::string& model_dir,
+                                                         const ModelConfig& c, at::Device device,
+                                                         at::ScalarType dtype,
+                                                         std::optional<uint64_t> random_seed) {
   std::unique_ptr<Model> m(new Model(c, dtype));
-  ASSIGN_OR_RETURN(auto folder, SafetensorsFolder::Open(model_dir));
+  std::unique_ptr<SafetensorsFolder> folder;
+  if (!random_seed) {
+    ASSIGN_OR_RETURN(folder, SafetensorsFolder::Open(model_dir));
+  }
   const int64_t h = c.hidden_size;
   const int64_t inter = c.intermediate_size;
   const bool gemma = c.family == ModelFamily::kGemma;
@@ -120,6 +136,19 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& model_dir,
     }
   }
   try {
+    if (random_seed) {
+      // Benchmarks at real geometry with nothing downloaded: every stored tensor drawn on the
+      // device from normal(0, 0.02), the same init the HF peer gets.
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(*random_seed);
+      if (device.is_cuda()) at::manual_seed(*random_seed);
+      for (const auto& spec : table) {
+        if (!spec.required) continue;
+        *spec.dst = at::empty(spec.shape, at::TensorOptions().device(device).dtype(dtype));
+        if (device.is_cuda()) spec.dst->normal_(0.0, 0.02);
+        else spec.dst->normal_(0.0, 0.02, gen);
+      }
+      table.clear();
+    }
     for (const auto& spec : table) {
       const SafetensorsFile* file = folder->Find(spec.hf_name);
       if (file == nullptr) {

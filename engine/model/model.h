@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -45,6 +46,11 @@ class Model {
   static absl::StatusOr<std::unique_ptr<Model>> Load(const std::string& model_dir,
                                                      const ModelConfig& config, at::Device device,
                                                      at::ScalarType dtype);
+  // The same model with every weight drawn on `device` from normal(0, 0.02) (seeded): real
+  // geometry for benchmarks without a checkpoint.
+  static absl::StatusOr<std::unique_ptr<Model>> CreateRandom(const ModelConfig& config,
+                                                             at::Device device,
+                                                             at::ScalarType dtype, uint64_t seed);
   ~Model();
 
   const ModelConfig& config() const { return config_; }
@@ -70,6 +76,11 @@ class Model {
     at::Tensor gate_b, up_b, down_b;   // optional (Llama mlp_bias)
   };
   Model(const ModelConfig& config, at::ScalarType dtype) : config_(config), dtype_(dtype) {}
+  // Reads the weights from `model_dir`, or draws them when `random_seed` is set.
+  static absl::StatusOr<std::unique_ptr<Model>> LoadOrDraw(const std::string& model_dir,
+                                                           const ModelConfig& config,
+                                                           at::Device device, at::ScalarType dtype,
+                                                           std::optional<uint64_t> random_seed);
   at::Tensor Norm(const at::Tensor& x, const at::Tensor& w) const;
   // cos, sin: [N, D] in the model dtype.
   std::pair<at::Tensor, at::Tensor> RopeCosSin(const at::Tensor& positions,

@@ -489,7 +489,12 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const RunnerOpt
   }
   ASSIGN_OR_RETURN(at::ScalarType dtype, ParseDtype(options.dtype, device.is_cuda()));
   if (options.block_size <= 0) return absl::InvalidArgumentError("block_size must be > 0");
-  ASSIGN_OR_RETURN(auto model, Model::Load(dir, config, device, dtype));
+  std::unique_ptr<Model> model;
+  if (options.random_weights) {
+    ASSIGN_OR_RETURN(model, Model::CreateRandom(config, device, dtype, options.random_seed));
+  } else {
+    ASSIGN_OR_RETURN(model, Model::Load(dir, config, device, dtype));
+  }
   BlockPoolOptions po;
   po.block_size = options.block_size;
   po.num_layers = config.num_layers;

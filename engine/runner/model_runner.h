@@ -33,6 +33,8 @@ struct RunnerOptions {
   int32_t block_size = 16;  // KV slots per block
   int64_t kv_cache_bytes = 0;  // 0 = a default (CPU: 1 GiB; CUDA: 90% of free memory after weights)
   int64_t num_kv_blocks = 0;   // > 0 overrides kv_cache_bytes (tests use tiny pools)
+  bool random_weights = false;  // draw weights (normal, std 0.02) instead of reading them: benchmarks
+  uint64_t random_seed = 0;     // at real geometry from a config.json alone
 };
 
 // What the scheduler needs to know about a sequence's cache after a step.

@@ -1,0 +1,331 @@
+// dropkv-bench-e2e: engine-level prefill and decode timings on real model geometry (issue 8).
+//
+// The model is a Hugging Face config folder; with --random-weights no weights are read: they are
+// drawn on the device (normal, std 0.02), so Llama-3.1-8B / Qwen2.5-7B / Gemma-7B shapes run with
+// nothing downloaded (--geometry writes the config). The same run can time HF transformers on the
+// same geometry (--hf-python): every number gets its peer beside it.
+//
+// Timings are wall clock around a call whose result is read back to the host (which waits for the
+// device), median of --repeats after one warm-up.
+#include <ATen/ATen.h>
+#include <c10/core/InferenceMode.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <numeric>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include "allocator/block_pool.h"
+#include "engine/compression/press.h"
+#include "engine/model/config.h"
+#include "engine/runner/model_runner.h"
+
+#ifdef DROPKV_BENCH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
+
+namespace dropkv {
+namespace {
+
+using Json = nlohmann::json;
+
+// Real geometries (public config.json values), with max_position_embeddings raised where the
+// benchmark goes beyond the checkpoint's context (Gemma-7B: 8K).
+Json GeometryConfig(const std::string& name) {
+  if (name == "llama-3.1-8b") {
+    return {{"architectures", {"LlamaForCausalLM"}}, {"model_type", "llama"},
+            {"hidden_size", 4096}, {"intermediate_size", 14336}, {"num_hidden_layers", 32},
+            {"num_attention_heads", 32}, {"num_key_value_heads", 8}, {"head_dim", 128},
+            {"vocab_size", 128256}, {"rms_norm_eps", 1e-5}, {"rope_theta", 500000.0},
+            {"rope_scaling", {{"rope_type", "llama3"}, {"factor", 8.0}, {"low_freq_factor", 1.0},
+                              {"high_freq_factor", 4.0}, {"original_max_position_embeddings", 8192}}},
+            {"max_position_embeddings", 131072}, {"tie_word_embeddings", false},
+            {"hidden_act", "silu"}, {"bos_token_id", 128000}, {"eos_token_id", 128001},
+            {"torch_dtype", "bfloat16"}};
+  }
+  if (name == "qwen2.5-7b") {
+    return {{"architectures", {"Qwen2ForCausalLM"}}, {"model_type", "qwen2"},
+            {"hidden_size", 3584}, {"intermediate_size", 18944}, {"num_hidden_layers", 28},
+            {"num_attention_heads", 28}, {"num_key_value_heads", 4}, {"vocab_size", 152064},
+            {"rms_norm_eps", 1e-6}, {"rope_theta", 1000000.0}, {"max_position_embeddings", 131072},
+            {"tie_word_embeddings", false}, {"hidden_act", "silu"}, {"bos_token_id", 151643},
+            {"eos_token_id", 151643}, {"torch_dtype", "bfloat16"}};
+  }
+  if (name == "gemma-7b") {
+    return {{"architectures", {"GemmaForCausalLM"}}, {"model_type", "gemma"},
+            {"hidden_size", 3072}, {"intermediate_size", 24576}, {"num_hidden_layers", 28},
+            {"num_attention_heads", 16}, {"num_key_value_heads", 16}, {"head_dim", 256},
+            {"vocab_size", 256000}, {"rms_norm_eps", 1e-6}, {"rope_theta", 10000.0},
+            {"max_position_embeddings", 65536}, {"tie_word_embeddings", true},
+            {"hidden_act", "gelu_pytorch_tanh"}, {"hidden_activation", "gelu_pytorch_tanh"},
+            {"bos_token_id", 2}, {"eos_token_id", 1}, {"torch_dtype", "bfloat16"}};
+  }
+  return nullptr;
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
+template <typename Fn>
+double TimeMs(Fn&& fn) {
+  const auto t0 = std::chrono::steady_clock::now();
+  fn();
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+int64_t PeakDeviceBytes(bool reset) {
+#ifdef DROPKV_BENCH_CUDA
+  if (!at::hasCUDA()) return 0;
+  if (reset) c10::cuda::CUDACachingAllocator::resetPeakStats(0);
+  const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(0);
+  return stats.allocated_bytes[0].peak;
+#else
+  return 0;
+#endif
+}
+
+std::vector<int32_t> RandomIds(int64_t n, int64_t vocab, uint64_t seed) {
+  std::vector<int32_t> ids(n);
+  uint64_t x = seed * 6364136223846793005ULL + 1442695040888963407ULL;
+  for (auto& id : ids) {
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdULL;
+    x ^= x >> 33;
+    id = static_cast<int32_t>(x % static_cast<uint64_t>(vocab));
+  }
+  return ids;
+}
+
+CompressionParams Compression(double keep, const std::string& allocator, const std::string& profile) {
+  CompressionParams c;
+  if (keep >= 1.0) return c;
+  c.method = ScoreMethod::kDropKV;
+  c.keep_ratio = keep;
+  c.allocator = allocator == "mga" ? BudgetAllocator::kMGA : BudgetAllocator::kUniform;
+  c.profile_path = profile;
+  return c;
+}
+
+int Run(int argc, char** argv) {
+  CLI::App app{"dropkv-bench-e2e: engine-level prefill / decode timings at real model geometry"};
+  std::string model_dir, geometry, write_config, device = "cuda", dtype = "bfloat16";
+  std::string prefill_arg = "8192,32768", decode_arg = "1x8192", keep_arg = "1.0,0.1";
+  std::string allocator = "uniform", profile, hf_python, hf_script = "bench/e2e/hf_peer.py";
+  bool random_weights = false, json_out = false;
+  int repeats = 3, decode_steps = 32;
+  double kv_gib = 0;
+  app.add_option("--model", model_dir, "Hugging Face folder (config.json; weights unless --random-weights)");
+  app.add_option("--geometry", geometry, "llama-3.1-8b | qwen2.5-7b | gemma-7b: write its config and use random weights");
+  app.add_option("--write-config", write_config, "where --geometry writes its config folder")->capture_default_str();
+  app.add_flag("--random-weights", random_weights, "draw weights on the device (normal, std 0.02)");
+  app.add_option("--device", device, "cpu or cuda")->capture_default_str();
+  app.add_option("--dtype", dtype, "bfloat16, float16 or float32")->capture_default_str();
+  app.add_option("--prefill", prefill_arg, "prompt lengths to prefill, comma-separated")->capture_default_str();
+  app.add_option("--decode", decode_arg, "BATCHxCONTEXT cases, comma-separated")->capture_default_str();
+  app.add_option("--decode-steps", decode_steps, "timed decode steps per case")->capture_default_str();
+  app.add_option("--keep", keep_arg, "keep ratios (1.0 = full cache), comma-separated")->capture_default_str();
+  app.add_option("--allocator", allocator, "uniform or mga")->capture_default_str();
+  app.add_option("--profile", profile, "InfoNCE profile for mga");
+  app.add_option("--repeats", repeats, "timed repeats (median)")->capture_default_str();
+  app.add_option("--kv-gib", kv_gib, "KV pool size in GiB (0 = runner default)");
+  app.add_option("--hf-python", hf_python, "python with transformers: time the HF peer in the same run");
+  app.add_option("--hf-script", hf_script, "the peer script")->capture_default_str();
+  app.add_flag("--json", json_out, "print one JSON object instead of the table");
+  CLI11_PARSE(app, argc, argv);
+
+  auto split = [](const std::string& s) {
+    std::vector<std::string> out;
+    size_t start = 0;
+    while (start <= s.size()) {
+      size_t end = s.find(',', start);
+      if (end == std::string::npos) end = s.size();
+      if (end > start) out.push_back(s.substr(start, end - start));
+      start = end + 1;
+    }
+    return out;
+  };
+
+  if (!geometry.empty()) {
+    Json config = GeometryConfig(geometry);
+    if (config.is_null()) {
+      std::cerr << "--geometry: unknown '" << geometry << "' (llama-3.1-8b, qwen2.5-7b, gemma-7b)\n";
+      return 2;
+    }
+    if (write_config.empty()) write_config = "bench-models/" + geometry;
+    std::filesystem::create_directories(write_config);
+    std::ofstream(std::filesystem::path(write_config) / "config.json") << config.dump(2) << "\n";
+    model_dir = write_config;
+    random_weights = true;
+  }
+  if (model_dir.empty()) {
+    std::cerr << "give --model DIR or --geometry NAME\n";
+    return 2;
+  }
+
+  c10::InferenceMode guard;
+  RunnerOptions options;
+  options.model_dir = model_dir;
+  options.device = device;
+  options.dtype = dtype;
+  options.random_weights = random_weights;
+  if (kv_gib > 0) options.kv_cache_bytes = static_cast<int64_t>(kv_gib * (1LL << 30));
+  auto runner_or = ModelRunner::Create(options);
+  if (!runner_or.ok()) {
+    std::cerr << "model: " << runner_or.status() << "\n";
+    return 1;
+  }
+  ModelRunner& runner = **runner_or;
+  runner.SetKvSelectorFactory(&compression::CreateKvSelectorForModel);
+  const ModelConfig& config = runner.config();
+  const int64_t weights_bytes = PeakDeviceBytes(/*reset=*/false);
+
+  Json result = {{"model", model_dir}, {"device", device}, {"dtype", dtype},
+                 {"layers", config.num_layers}, {"kv_blocks_total", runner.pool().num_blocks()},
+                 {"prefill", Json::array()}, {"decode", Json::array()}, {"capacity", Json::array()}};
+  SequenceId next_seq = 1;
+
+  for (const auto& keep_s : split(keep_arg)) {
+    const double keep = std::stod(keep_s);
+    const CompressionParams comp = Compression(keep, allocator, profile);
+    for (const auto& n_s : split(prefill_arg)) {
+      const int64_t n = std::stoll(n_s);
+      const auto ids = RandomIds(n, config.vocab_size, static_cast<uint64_t>(n));
+      std::vector<double> times;
+      int64_t peak = 0, kept_tokens = 0;
+      for (int r = 0; r < repeats + 1; ++r) {
+        const SequenceId seq = next_seq++;
+        PeakDeviceBytes(/*reset=*/true);
+        absl::Status status;
+        const double ms = TimeMs([&] {
+          auto logits = runner.Prefill(seq, ids, /*is_last_chunk=*/true, comp);
+          if (!logits.ok()) status = logits.status();
+          else (void)logits->to(at::kCPU);
+        });
+        if (!status.ok()) {
+          std::cerr << "prefill " << n << " keep " << keep << ": " << status << "\n";
+          return 1;
+        }
+        peak = std::max(peak, PeakDeviceBytes(false));
+        const auto info = runner.CacheInfo(seq);
+        kept_tokens = std::accumulate(info.stored_len_per_layer.begin(),
+                                      info.stored_len_per_layer.end(), int64_t{0});
+        runner.Release(seq);
+        if (r > 0) times.push_back(ms);  // the first run is the warm-up
+      }
+      result["prefill"].push_back({{"tokens", n}, {"keep", keep}, {"ms", Median(times)},
+                                   {"peak_bytes", peak}, {"weights_bytes", weights_bytes},
+                                   {"kept_tokens_all_layers", kept_tokens}});
+      std::cerr << "prefill n=" << n << " keep=" << keep << ": " << Median(times) << " ms\n";
+    }
+
+    for (const auto& spec : split(decode_arg)) {
+      const auto x = spec.find('x');
+      const int64_t batch = std::stoll(spec.substr(0, x)), ctx = std::stoll(spec.substr(x + 1));
+      std::vector<SequenceId> seqs;
+      std::vector<int32_t> tokens;
+      absl::Status status;
+      for (int64_t b = 0; b < batch && status.ok(); ++b) {
+        const SequenceId seq = next_seq++;
+        auto logits = runner.Prefill(seq, RandomIds(ctx, config.vocab_size, 1000 + b), true, comp);
+        if (!logits.ok()) status = logits.status();
+        else tokens.push_back(static_cast<int32_t>(logits->argmax().item<int64_t>()));
+        seqs.push_back(seq);
+      }
+      std::vector<double> times;
+      for (int step = 0; step < decode_steps + 2 && status.ok(); ++step) {
+        const double ms = TimeMs([&] {
+          auto logits = runner.Decode(seqs, tokens);
+          if (!logits.ok()) {
+            status = logits.status();
+            return;
+          }
+          auto next = logits->argmax(-1).to(at::kCPU);  // the host needs the ids: a real sync
+          for (int64_t b = 0; b < batch; ++b) tokens[b] = static_cast<int32_t>(next[b].item<int64_t>());
+        });
+        if (step >= 2) times.push_back(ms);
+      }
+      for (SequenceId seq : seqs) runner.Release(seq);
+      if (!status.ok()) {
+        std::cerr << "decode " << spec << " keep " << keep << ": " << status << "\n";
+        return 1;
+      }
+      result["decode"].push_back({{"batch", batch}, {"context", ctx}, {"keep", keep},
+                                  {"ms_per_step", Median(times)},
+                                  {"tokens_per_s", batch * 1000.0 / Median(times)}});
+      std::cerr << "decode " << spec << " keep=" << keep << ": " << Median(times) << " ms/step\n";
+    }
+
+    // How many 32K-token sequences fit in the pool (admission's own accounting, 256 decode tokens).
+    const int64_t per_seq = runner.BlocksForPrompt(32768, comp, 256);
+    result["capacity"].push_back({{"keep", keep}, {"prompt_tokens", 32768},
+                                  {"blocks_per_sequence", per_seq},
+                                  {"sequences", per_seq > 0 ? runner.pool().num_blocks() / per_seq : 0}});
+  }
+
+  if (!hf_python.empty()) {
+    std::string cmd = hf_python + " " + hf_script + " --model " + model_dir + " --prefill " +
+                      prefill_arg + " --decode " + decode_arg + " --repeats " + std::to_string(repeats);
+    std::string text;
+    if (FILE* pipe = popen(cmd.c_str(), "r")) {
+      char buf[4096];
+      while (size_t got = fread(buf, 1, sizeof(buf), pipe)) text.append(buf, got);
+      if (pclose(pipe) == 0) {
+        try {
+          result["hf"] = Json::parse(text);
+        } catch (const std::exception& e) {
+          std::cerr << "hf peer: unreadable output: " << e.what() << "\n";
+        }
+      } else {
+        std::cerr << "hf peer failed: " << cmd << "\n";
+      }
+    }
+  }
+
+  if (json_out) {
+    std::cout << result.dump(2) << "\n";
+    return 0;
+  }
+  std::printf("\n%-28s %10s %10s %10s\n", "case", "ours", "HF", "HF/ours");
+  auto hf_prefill = [&](int64_t n) -> double {
+    if (!result.contains("hf")) return 0;
+    for (const auto& p : result["hf"]["prefill"]) if (p["tokens"] == n) return p["ms"];
+    return 0;
+  };
+  auto hf_decode = [&](int64_t b, int64_t c) -> double {
+    if (!result.contains("hf")) return 0;
+    for (const auto& p : result["hf"]["decode"])
+      if (p["batch"] == b && p["context"] == c) return p["ms_per_step"];
+    return 0;
+  };
+  for (const auto& p : result["prefill"]) {
+    const double ours = p["ms"], hf = p["keep"] == 1.0 ? hf_prefill(p["tokens"]) : 0;
+    std::printf("prefill %6lld keep %.2f ms  %10.1f %10.1f %10.2f\n", (long long)p["tokens"],
+                (double)p["keep"], ours, hf, hf > 0 ? hf / ours : 0.0);
+  }
+  for (const auto& d : result["decode"]) {
+    const double ours = d["ms_per_step"],
+                 hf = d["keep"] == 1.0 ? hf_decode(d["batch"], d["context"]) : 0;
+    std::printf("decode bs%-3lld ctx%-6lld keep %.2f %8.2f %10.2f %10.2f\n", (long long)d["batch"],
+                (long long)d["context"], (double)d["keep"], ours, hf, hf > 0 ? hf / ours : 0.0);
+  }
+  for (const auto& c : result["capacity"]) {
+    std::printf("32K sequences that fit, keep %.2f: %lld\n", (double)c["keep"], (long long)c["sequences"]);
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace dropkv
+
+int main(int argc, char** argv) { return dropkv::Run(argc, argv); }
