@@ -22,6 +22,7 @@
 #include "engine/model/model.h"
 #include "engine/runner/demo_model.h"
 #include "engine/runner/kv_selector.h"
+#include "kernels/paged_attention.h"
 
 namespace dropkv {
 namespace {
@@ -91,6 +92,12 @@ class DecodeBackend : public AttentionBackend {
     const int64_t d = kc.size(3);
     kc.view({-1, hkv, d}).index_copy_(0, slots_[layer_idx], k);
     vc.view({-1, hkv, d}).index_copy_(0, slots_[layer_idx], v);
+    if (kc.is_cuda()) {
+      // The split-K CUDA kernel reads the block tables on the device: no host sync per layer.
+      kernels::PagedAttentionParams params;
+      params.scale = scale_;
+      return kernels::PagedDecodeAttention(q, kc, vc, tables_[layer_idx], lens_[layer_idx], params);
+    }
     return PagedDecodeAttention(q, kc, vc, tables_[layer_idx], lens_[layer_idx], scale_);
   }
 
