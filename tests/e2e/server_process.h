@@ -84,6 +84,7 @@ class ServerProcess {
     if (pid_ > 0) Stop(SIGKILL, 5);
   }
 
+  bool running() const { return pid_ > 0; }
   int port() const { return port_; }
   std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
   const std::string& error() const { return error_; }
