@@ -27,6 +27,7 @@
 #include "allocator/block_pool.h"
 #include "engine/compression/press.h"
 #include "engine/model/config.h"
+#include "engine/model/log.h"
 #include "engine/runner/model_runner.h"
 
 #ifdef DROPKV_BENCH_CUDA
@@ -173,6 +174,7 @@ int Run(int argc, char** argv) {
     return 2;
   }
 
+  LogToStderr();  // stdout carries the table or the JSON
   c10::InferenceMode guard;
   RunnerOptions options;
   options.model_dir = model_dir;
@@ -188,6 +190,7 @@ int Run(int argc, char** argv) {
   ModelRunner& runner = **runner_or;
   runner.SetKvSelectorFactory(&compression::CreateKvSelectorForModel);
   const ModelConfig& config = runner.config();
+  // Resident before any prefill: the weights plus the whole KV pool (allocated up front).
   const int64_t weights_bytes = PeakDeviceBytes(/*reset=*/false);
 
   Json result = {{"model", model_dir}, {"device", device}, {"dtype", dtype},

@@ -8,7 +8,8 @@ def main():
     print(f"{'geometry':<16} {'case':<34} {'ours':>10} {'HF':>10} {'HF/ours':>8}")
     for path in sys.argv[1:]:
         try:
-            r = json.load(open(path))
+            text = open(path).read()
+            r = json.loads(text[text.index("{"):])  # tolerate log lines before the object
         except (OSError, ValueError) as e:
             print(f"{path}: unreadable ({e})")
             continue
@@ -21,7 +22,7 @@ def main():
             case = f"prefill {p['tokens']} keep {p['keep']:.2f} (ms)"
             ratio = f"{peer / p['ms']:.2f}" if peer else "-"
             print(f"{name:<16} {case:<34} {p['ms']:>10.1f} {peer or 0:>10.1f} {ratio:>8}")
-            print(f"{name:<16} {'  peak GiB (weights ' + format(p['weights_bytes'] / 2**30, '.1f') + ')':<34} "
+            print(f"{name:<16} {'  peak GiB (resident ' + format(p['weights_bytes'] / 2**30, '.1f') + ')':<34} "
                   f"{p['peak_bytes'] / 2**30:>10.2f}")
         for d in r["decode"]:
             peer = hf_dec.get((d["batch"], d["context"])) if d["keep"] == 1.0 else None
