@@ -184,7 +184,11 @@ absl::StatusOr<std::string> EnsureDemoModel(const std::string& dir) {
     return absl::InternalError(absl::StrCat("demo model: ", e.what()));
   }
   fs::create_directories(out.parent_path(), ec);
-  fs::remove_all(out, ec);
+  // An incomplete earlier attempt: remove its files (flat folder). Not fs::remove_all: libtorch.so
+  // exports a broken copy of it that the dynamic linker may bind to.
+  for (const auto& e : fs::directory_iterator(out, ec)) fs::remove(e.path(), ec);
+  fs::remove(out, ec);
+  ec.clear();
   fs::rename(tmp, out, ec);
   if (ec)
     return absl::PermissionDeniedError(

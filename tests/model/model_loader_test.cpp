@@ -54,7 +54,8 @@ std::vector<std::pair<std::string, at::Tensor>> TinyWeights() {
 fs::path MakeFolder(const std::string& name, const json& config,
                     const std::vector<std::pair<std::string, at::Tensor>>& weights) {
   const fs::path dir = testing::ScratchDir("model_loader") / name;
-  fs::remove_all(dir);
+  std::error_code ec;  // not fs::remove_all: libtorch.so exports a broken copy of it
+  for (const auto& e : fs::directory_iterator(dir, ec)) fs::remove(e.path(), ec);
   fs::create_directories(dir);
   std::ofstream(dir / "config.json") << config.dump();
   EXPECT_TRUE(WriteSafetensors((dir / "model.safetensors").string(), weights).ok());

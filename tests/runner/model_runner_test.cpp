@@ -1,0 +1,280 @@
+// ModelRunner over the paged cache: decode equals a full-sequence recompute, batched decode of
+// sequences of different lengths equals each alone, exhaustion leaves state unchanged, the
+// KvSelector hook stores only kept entries, CaptureAttentionOutputs, and the demo model.
+#include "engine/runner/model_runner.h"
+
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+
+#include "allocator/block_pool.h"
+#include "engine/model/config.h"
+#include "engine/model/model.h"
+#include "engine/runner/demo_model.h"
+#include "engine/runner/kv_selector.h"
+#include "engine/tokenizer/tokenizer.h"
+#include "tests/common/test_env.h"
+
+namespace dropkv {
+namespace {
+
+std::string ReadAll(const std::filesystem::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+// Not std::filesystem::remove_all: libtorch.so exports a broken copy of it that the dynamic
+// linker may bind to (it segfaults).
+void RemoveTree(const std::filesystem::path& dir) {
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec))
+    std::filesystem::remove(e.path(), ec);
+  std::filesystem::remove(dir, ec);
+}
+
+std::string DemoDir() {
+  static const std::string dir = [] {
+    auto d = EnsureDemoModel((testing::ScratchDir("runner") / "demo-model").string());
+    EXPECT_TRUE(d.ok()) << d.status();
+    return *d;
+  }();
+  return dir;
+}
+
+std::unique_ptr<ModelRunner> MakeRunner(int64_t num_blocks = 512, int32_t block_size = 4) {
+  RunnerOptions o;
+  o.model_dir = DemoDir();
+  o.num_kv_blocks = num_blocks;
+  o.block_size = block_size;
+  auto r = ModelRunner::Create(o);
+  EXPECT_TRUE(r.ok()) << r.status();
+  return std::move(*r);
+}
+
+std::vector<int32_t> Tokens(int n, int offset) {
+  std::vector<int32_t> t;
+  for (int i = 0; i < n; ++i) t.push_back((i * 37 + offset) % 256);
+  return t;
+}
+
+// Logits of the last token from a cache-free forward over the whole sequence.
+at::Tensor FullForwardLast(const ModelRunner& runner, const std::vector<int32_t>& tokens) {
+  const Model& m = *runner.model();
+  const int64_t n = static_cast<int64_t>(tokens.size());
+  FullAttentionBackend backend;
+  auto ids = at::tensor(std::vector<int64_t>(tokens.begin(), tokens.end()), at::kLong);
+  auto hidden = m.Forward(ids, at::arange(n, at::kLong), n - 1, backend);
+  EXPECT_TRUE(hidden.ok());
+  return m.Logits(hidden->narrow(0, n - 1, 1))[0];
+}
+
+TEST(ModelRunnerTest, DecodeOverPagedCacheMatchesFullRecompute) {
+  auto runner = MakeRunner();
+  auto seq_tokens = Tokens(9, 1);
+  auto logits = runner->Prefill(1, seq_tokens, true, {});
+  ASSERT_TRUE(logits.ok());
+  EXPECT_LT((*logits - FullForwardLast(*runner, seq_tokens)).abs().max().item<double>(), 1e-5);
+  for (int step = 0; step < 6; ++step) {
+    const int32_t tok = (step * 11 + 3) % 256;
+    const SequenceId seq = 1;
+    auto out = runner->Decode(std::span(&seq, 1), std::span(&tok, 1));
+    ASSERT_TRUE(out.ok()) << out.status();
+    seq_tokens.push_back(tok);
+    EXPECT_LT(((*out)[0] - FullForwardLast(*runner, seq_tokens)).abs().max().item<double>(), 1e-5)
+        << step;
+  }
+  auto info = runner->CacheInfo(1);
+  EXPECT_EQ(info.logical_len, 15);
+  for (int64_t l : info.stored_len_per_layer) EXPECT_EQ(l, 15);
+  EXPECT_EQ(info.num_blocks, 4 * 4);  // 15 slots in blocks of 4, 4 layers
+  runner->Release(1);
+  EXPECT_EQ(runner->pool().num_used_blocks(), 0);
+}
+
+TEST(ModelRunnerTest, BatchedDecodeOfDifferentLengthsEqualsEachAlone) {
+  const std::vector<int> lens = {3, 10, 17};
+  std::vector<std::vector<float>> alone;
+  for (size_t i = 0; i < lens.size(); ++i) {
+    auto r = MakeRunner();
+    ASSERT_TRUE(r->Prefill(5, Tokens(lens[i], static_cast<int>(i)), true, {}).ok());
+    const SequenceId seq = 5;
+    const int32_t tok = 42;
+    auto out = r->Decode(std::span(&seq, 1), std::span(&tok, 1));
+    ASSERT_TRUE(out.ok());
+    auto row = (*out)[0].contiguous();
+    alone.emplace_back(row.data_ptr<float>(), row.data_ptr<float>() + row.numel());
+  }
+  auto r = MakeRunner();
+  std::vector<SequenceId> seqs;
+  for (size_t i = 0; i < lens.size(); ++i) {
+    seqs.push_back(100 + static_cast<SequenceId>(i));
+    ASSERT_TRUE(r->Prefill(seqs.back(), Tokens(lens[i], static_cast<int>(i)), true, {}).ok());
+  }
+  const std::vector<int32_t> toks(lens.size(), 42);
+  auto out = r->Decode(seqs, toks);
+  ASSERT_TRUE(out.ok());
+  for (size_t i = 0; i < lens.size(); ++i) {
+    auto want = at::tensor(alone[i]);
+    // Attention is computed per sequence (bit-exact); the batched GEMMs of the projections may
+    // use another kernel than B=1, hence a tolerance at fp32 rounding level.
+    EXPECT_LT(((*out)[i] - want).abs().max().item<double>(), 1e-5) << i;
+  }
+}
+
+TEST(ModelRunnerTest, ExhaustionLeavesSequencesUnchanged) {
+  auto runner = MakeRunner(/*num_blocks=*/10, /*block_size=*/4);  // 4 layers: 2 blocks each + 2
+  ASSERT_TRUE(runner->Prefill(1, Tokens(8, 0), true, {}).ok());   // 8 blocks
+  EXPECT_EQ(runner->pool().num_free_blocks(), 2);
+  auto big = runner->Prefill(2, Tokens(5, 1), true, {});
+  EXPECT_EQ(big.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_FALSE(runner->pool().HasSequence(2));
+  EXPECT_EQ(runner->pool().num_free_blocks(), 2);
+  const SequenceId seq = 1;
+  const int32_t tok = 3;
+  auto d = runner->Decode(std::span(&seq, 1), std::span(&tok, 1));  // needs 4 new blocks
+  EXPECT_EQ(d.status().code(), absl::StatusCode::kResourceExhausted);
+  auto info = runner->CacheInfo(1);
+  EXPECT_EQ(info.logical_len, 8);
+  EXPECT_EQ(info.stored_len_per_layer[0], 8);
+  EXPECT_EQ(runner->pool().num_free_blocks(), 2);
+  // A later chunk that does not fit leaves the first chunk intact.
+  EXPECT_EQ(runner->Prefill(1, Tokens(9, 2), false, {}).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(runner->CacheInfo(1).logical_len, 8);
+  EXPECT_EQ(runner->Decode(std::span(&seq, 1), std::span(&tok, 1)).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  runner->Release(1);
+  EXPECT_EQ(runner->pool().num_free_blocks(), 10);
+  // Bad input is a status, not a crash.
+  const int32_t bad = 9999;
+  EXPECT_EQ(runner->Prefill(3, std::span(&bad, 1), true, {}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(runner->Decode(std::span(&seq, 1), std::span(&tok, 1)).status().code(),
+            absl::StatusCode::kNotFound);
+}
+
+// Keeps, per KV head, the last `keep` entries shifted by the head index (heads keep different
+// positions), and records what it saw.
+class ShiftSelector : public KvSelector {
+ public:
+  explicit ShiftSelector(int64_t keep) : keep_(keep) {}
+  absl::StatusOr<std::optional<at::Tensor>> Select(const LayerKvView& view) override {
+    seen_n.push_back(view.keys.size(1));
+    const int64_t hkv = view.keys.size(0);
+    const int64_t n = view.keys.size(1);
+    if (n <= keep_ + hkv) return std::nullopt;
+    std::vector<at::Tensor> rows;
+    for (int64_t h = 0; h < hkv; ++h) rows.push_back(at::arange(n - keep_ - h, n - h, at::kLong));
+    return std::optional<at::Tensor>(at::stack(rows));
+  }
+  std::vector<int64_t> seen_n;
+
+ private:
+  int64_t keep_;
+};
+
+TEST(ModelRunnerTest, SelectorKeepsPerHeadEntriesAndDecodeUsesThem) {
+  auto runner = MakeRunner();
+  ShiftSelector selector(5);
+  auto prompt = Tokens(12, 4);
+  auto logits = runner->PrefillWithSelector(1, prompt, true, &selector);
+  ASSERT_TRUE(logits.ok()) << logits.status();
+  // Prefill attention itself used the full K/V: logits equal the uncompressed forward.
+  EXPECT_LT((*logits - FullForwardLast(*runner, prompt)).abs().max().item<double>(), 1e-5);
+  EXPECT_EQ(selector.seen_n, std::vector<int64_t>(4, 12));
+  auto info = runner->CacheInfo(1);
+  EXPECT_EQ(info.logical_len, 12);
+  for (int64_t l : info.stored_len_per_layer) EXPECT_EQ(l, 5);
+  auto pos = runner->StoredPositions(1, 2);
+  ASSERT_TRUE(pos.ok());
+  EXPECT_TRUE(
+      at::equal(*pos, at::stack({at::arange(7, 12, at::kLong), at::arange(6, 11, at::kLong),
+                                 at::arange(5, 10, at::kLong), at::arange(4, 9, at::kLong)})));
+  EXPECT_EQ(runner->pool().num_used_blocks(), 4 * 2);  // old full-length blocks were freed
+
+  // Decode reads exactly the kept entries: compare with attention over a cache compacted by
+  // CompactLayer on an uncompressed twin.
+  auto twin = MakeRunner();
+  ASSERT_TRUE(twin->Prefill(1, prompt, true, {}).ok());
+  for (int32_t l = 0; l < 4; ++l) {
+    std::vector<at::Tensor> rows;
+    for (int64_t h = 0; h < 4; ++h) rows.push_back(at::arange(7 - h, 12 - h, at::kLong));
+    ASSERT_TRUE(twin->CompactLayer(1, l, at::stack(rows)).ok());
+  }
+  const SequenceId seq = 1;
+  const int32_t tok = 9;
+  auto a = runner->Decode(std::span(&seq, 1), std::span(&tok, 1));
+  auto b = twin->Decode(std::span(&seq, 1), std::span(&tok, 1));
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_TRUE(at::equal(*a, *b));
+  EXPECT_EQ(runner->CacheInfo(1).logical_len, 13);  // RoPE continues from the original length
+  EXPECT_EQ(runner->CacheInfo(1).stored_len_per_layer[0], 6);
+  // And differs from the uncompressed decode (the selector did change what is read).
+  auto full = MakeRunner();
+  ASSERT_TRUE(full->Prefill(1, prompt, true, {}).ok());
+  auto c = full->Decode(std::span(&seq, 1), std::span(&tok, 1));
+  EXPECT_GT((*a - *c).abs().max().item<double>(), 1e-4);
+}
+
+TEST(ModelRunnerTest, ChunkedPrefillWithSelectorSeesStoredPlusChunk) {
+  auto runner = MakeRunner();
+  ShiftSelector selector(3);
+  auto prompt = Tokens(14, 6);
+  ASSERT_TRUE(
+      runner->PrefillWithSelector(1, std::span(prompt).subspan(0, 8), false, &selector).ok());
+  EXPECT_EQ(runner->CacheInfo(1).stored_len_per_layer[0], 3);
+  ASSERT_TRUE(runner->PrefillWithSelector(1, std::span(prompt).subspan(8), true, &selector).ok());
+  EXPECT_EQ(selector.seen_n[4], 3 + 6);  // stored + chunk
+  EXPECT_EQ(runner->CacheInfo(1).logical_len, 14);
+  EXPECT_EQ(runner->CacheInfo(1).stored_len_per_layer[0], 3);
+  // Positions of kept entries come through both compactions: head 0 keeps the last 3 positions.
+  EXPECT_TRUE(
+      at::equal(runner->StoredPositions(1, 0)->select(0, 0), at::arange(11, 14, at::kLong)));
+  // Compression requested without a factory is a clear error.
+  CompressionParams cp;
+  cp.method = ScoreMethod::kSnapKV;
+  EXPECT_EQ(runner->Prefill(2, prompt, true, cp).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
+TEST(ModelRunnerTest, CaptureAttentionOutputsDoesNotTouchThePool) {
+  auto runner = MakeRunner();
+  auto outs = runner->CaptureAttentionOutputs(Tokens(7, 0));
+  ASSERT_TRUE(outs.ok());
+  ASSERT_EQ(outs->size(), 4u);
+  for (const auto& o : *outs) EXPECT_EQ(o.sizes(), (std::vector<int64_t>{7, 64}));
+  EXPECT_EQ(runner->pool().num_used_blocks(), 0);
+}
+
+TEST(ModelRunnerTest, DemoModelIsCreatedAndItsTokenizerLoads) {
+  const auto cache = testing::ScratchDir("runner_demo_cache");
+  RemoveTree(cache / "demo-model");
+  setenv("DROPKV_CACHE", cache.c_str(), 1);
+  RunnerOptions o;
+  o.num_kv_blocks = 16;
+  auto r = ModelRunner::Create(o);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(std::filesystem::exists(cache / "demo-model" / "model.safetensors"));
+  EXPECT_EQ((*r)->config().vocab_size, 258);
+  auto tok = Tokenizer::FromDirectory((cache / "demo-model").string());
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  auto ids = (*tok)->Encode("hi é", false);
+  ASSERT_TRUE(ids.ok());
+  EXPECT_EQ(*ids, (std::vector<int32_t>{'h', 'i', ' ', 0xC3, 0xA9}));
+  auto text = (*tok)->Decode(*ids);
+  ASSERT_TRUE(text.ok());
+  EXPECT_EQ(*text, "hi é");
+  // Same bytes on a second creation (deterministic weights).
+  auto a = ReadAll(cache / "demo-model" / "model.safetensors");
+  RemoveTree(cache / "demo-model");
+  ASSERT_TRUE(EnsureDemoModel((cache / "demo-model").string()).ok());
+  EXPECT_EQ(a, ReadAll(cache / "demo-model" / "model.safetensors"));
+  unsetenv("DROPKV_CACHE");
+}
+
+}  // namespace
+}  // namespace dropkv
