@@ -16,6 +16,8 @@
 #include "engine/scheduler/scheduler.h"
 #include "server/engine_setup.h"
 #include "server/grpc_server.h"
+#include "server/metrics/request_metrics.h"
+#include "server/metrics/server_metrics.h"
 #include "server/service.h"
 
 namespace {
@@ -83,7 +85,23 @@ int main(int argc, char** argv) {
   }
   Engine& engine = **engine_or;
 
+  // Prometheus /metrics on its own port (0 = none).
+  ServerMetrics metrics(engine.model_info.model_name());
+  std::unique_ptr<MetricsHttpServer> metrics_http;
+  if (config.metrics_port > 0) {
+    auto http = MetricsHttpServer::Start(config.host, config.metrics_port,
+                                         [&metrics] { return metrics.RenderText(); });
+    if (!http.ok()) {
+      spdlog::critical("metrics_port: {}", http.status().ToString());
+      return 1;
+    }
+    metrics_http = std::move(*http);
+  }
+  SchedulerStatsPoller poller(&metrics, [&engine] { return engine.scheduler->Stats(); });
+
   ServiceOptions service_options;
+  service_options.metrics = &metrics;
+  service_options.log_prompts = config.log_prompts;
   service_options.limits = engine.limits;
   service_options.model_info = engine.model_info;
   service_options.auth_token = auth_token;
@@ -121,6 +139,8 @@ int main(int argc, char** argv) {
                config.shutdown_grace_seconds);
   server.Shutdown(*engine.scheduler, config.shutdown_grace_seconds);
   engine.scheduler->Stop();
+  poller.Stop();
+  if (metrics_http) metrics_http->Stop();
   spdlog::info("dropkv-server stopped");
   return 0;
 }

@@ -5,6 +5,7 @@
 
 #include "engine/scheduler/scheduler.h"
 #include "engine/tokenizer/tokenizer.h"
+#include "server/metrics/request_metrics.h"
 
 namespace dropkv {
 namespace {
@@ -65,6 +66,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
   }
 
   std::shared_ptr<RequestChannel> channel() const { return channel_; }
+  std::unique_ptr<RequestMetricsTracker>* tracker() { return &tracker_; }
   void set_request_id(std::string id) { request_id_ = std::move(id); }
 
   // Called once the request is queued: from now on events drive the writes.
@@ -114,6 +116,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
     bool any = false;
     while (auto event = channel_->Pop()) {
       any = true;
+      if (tracker_) tracker_->OnEvent(*event);
       AppendDelta(*event, &response_);
       if (event->finished) {
         final_status_ = FinalStatus(*event, context_);
@@ -136,6 +139,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
   grpc::CallbackServerContext* context_;
   std::shared_ptr<RequestChannel> channel_;
   std::shared_ptr<std::atomic<int64_t>> num_active_;
+  std::unique_ptr<RequestMetricsTracker> tracker_;  // counts as abandoned if destroyed unfinished
   std::string request_id_;
   std::mutex mu_;
   v1::GenerateResponse response_;
@@ -157,6 +161,7 @@ class UnaryGenerateReactor final : public grpc::ServerUnaryReactor {
     ++*num_active_;
   }
   std::shared_ptr<RequestChannel> channel() const { return channel_; }
+  std::unique_ptr<RequestMetricsTracker>* tracker() { return &tracker_; }
   void set_request_id(std::string id) { response_->set_request_id(std::move(id)); }
   void Attach() {
     channel_->SetNotify([this] { OnEvent(); });
@@ -180,6 +185,7 @@ class UnaryGenerateReactor final : public grpc::ServerUnaryReactor {
     std::lock_guard<std::mutex> lock(mu_);
     if (finished_) return;
     while (auto event = channel_->Pop()) {
+      if (tracker_) tracker_->OnEvent(*event);
       AppendDelta(*event, response_);
       if (event->finished) {
         finished_ = true;
@@ -195,6 +201,7 @@ class UnaryGenerateReactor final : public grpc::ServerUnaryReactor {
   v1::GenerateResponse* response_;
   std::shared_ptr<RequestChannel> channel_;
   std::shared_ptr<std::atomic<int64_t>> num_active_;
+  std::unique_ptr<RequestMetricsTracker> tracker_;
   std::mutex mu_;
   bool finished_ = false;
 };
@@ -240,7 +247,8 @@ grpc::Status InferenceService::CheckAuth(const grpc::CallbackServerContext* cont
 absl::Status InferenceService::Start(grpc::CallbackServerContext* context,
                                      const v1::GenerateRequest& request,
                                      std::shared_ptr<RequestChannel> channel,
-                                     std::string* request_id) {
+                                     std::string* request_id,
+                                     std::unique_ptr<RequestMetricsTracker>* tracker) {
   auto validated = ValidateGenerateRequest(request, options_.limits, tokenizer_);
   if (!validated.ok()) return validated.status();
   // gRPC deadline (system clock) -> the engine's steady clock.
@@ -251,7 +259,12 @@ absl::Status InferenceService::Start(grpc::CallbackServerContext* context,
                           std::chrono::duration_cast<std::chrono::steady_clock::duration>(left);
   }
   *request_id = validated->request_id;
-  return scheduler_.Submit(std::move(*validated), std::move(channel));
+  *tracker = std::make_unique<RequestMetricsTracker>(
+      options_.metrics, *validated, options_.log_prompts,
+      options_.log_prompts && request.has_prompt() ? request.prompt() : "");
+  absl::Status st = scheduler_.Submit(std::move(*validated), std::move(channel));
+  if (!st.ok()) (*tracker)->OnRejected(st);
+  return st;
 }
 
 grpc::ServerWriteReactor<v1::GenerateResponse>* InferenceService::Generate(
@@ -262,7 +275,7 @@ grpc::ServerWriteReactor<v1::GenerateResponse>* InferenceService::Generate(
     return reactor;
   }
   std::string request_id;
-  absl::Status st = Start(context, *request, reactor->channel(), &request_id);
+  absl::Status st = Start(context, *request, reactor->channel(), &request_id, reactor->tracker());
   if (!st.ok()) {
     reactor->FinishNow(ToGrpcStatus(st));
     return reactor;
@@ -281,7 +294,7 @@ grpc::ServerUnaryReactor* InferenceService::GenerateUnary(grpc::CallbackServerCo
     return reactor;
   }
   std::string request_id;
-  absl::Status st = Start(context, *request, reactor->channel(), &request_id);
+  absl::Status st = Start(context, *request, reactor->channel(), &request_id, reactor->tracker());
   if (!st.ok()) {
     reactor->FinishNow(ToGrpcStatus(st));
     return reactor;

@@ -13,11 +13,15 @@ namespace dropkv {
 
 class Scheduler;
 class Tokenizer;
+class ServerMetrics;
+class RequestMetricsTracker;
 
 struct ServiceOptions {
   ValidationLimits limits;
-  v1::ModelInfo model_info;  // answered by GetModelInfo
-  std::string auth_token;    // non-empty: every RPC needs "authorization: Bearer <token>"
+  v1::ModelInfo model_info;          // answered by GetModelInfo
+  std::string auth_token;            // non-empty: every RPC needs "authorization: Bearer <token>"
+  ServerMetrics* metrics = nullptr;  // Prometheus (server/metrics); null = request log line only
+  bool log_prompts = false;          // the request log line includes the prompt text
 };
 
 class InferenceService final : public v1::Inference::CallbackService {
@@ -50,8 +54,10 @@ class InferenceService final : public v1::Inference::CallbackService {
   // OK, or UNAUTHENTICATED when a token is configured and the call does not carry it.
   grpc::Status CheckAuth(const grpc::CallbackServerContext* context) const;
   // Validation + Submit; on success the request is queued on `channel`.
+  // `tracker` gets the request's metrics/log tracker once validation passed.
   absl::Status Start(grpc::CallbackServerContext* context, const v1::GenerateRequest& request,
-                     std::shared_ptr<RequestChannel> channel, std::string* request_id);
+                     std::shared_ptr<RequestChannel> channel, std::string* request_id,
+                     std::unique_ptr<RequestMetricsTracker>* tracker);
 
   Scheduler& scheduler_;
   const Tokenizer* tokenizer_;
