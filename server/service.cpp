@@ -6,6 +6,7 @@
 #include "engine/scheduler/scheduler.h"
 #include "engine/tokenizer/tokenizer.h"
 #include "server/metrics/request_metrics.h"
+#include "server/metrics/server_metrics.h"
 
 namespace dropkv {
 namespace {
@@ -250,7 +251,12 @@ absl::Status InferenceService::Start(grpc::CallbackServerContext* context,
                                      std::string* request_id,
                                      std::unique_ptr<RequestMetricsTracker>* tracker) {
   auto validated = ValidateGenerateRequest(request, options_.limits, tokenizer_);
-  if (!validated.ok()) return validated.status();
+  if (!validated.ok()) {
+    // Refused before it became a request: counted under its code, nothing else to track.
+    if (options_.metrics != nullptr)
+      options_.metrics->OnRequestFinished(validated.status().code(), 0.0);
+    return validated.status();
+  }
   // gRPC deadline (system clock) -> the engine's steady clock.
   const auto deadline = context->deadline();
   if (deadline != std::chrono::system_clock::time_point::max()) {
