@@ -1,6 +1,7 @@
 #include "engine/model/config.h"
 
 #include <filesystem>
+#include <limits>
 
 #include <nlohmann/json.hpp>
 
@@ -25,6 +26,16 @@ constexpr FamilyName kFamilies[] = {
     {"GemmaForCausalLM", "gemma", ModelFamily::kGemma},
 };
 
+template <typename T>
+bool FitsIn(const json& v) {
+  if (!v.is_number_integer()) return false;
+  if (v.is_number_unsigned())
+    return v.get<uint64_t>() <= static_cast<uint64_t>(std::numeric_limits<T>::max());
+  const int64_t x = v.get<int64_t>();
+  return x >= static_cast<int64_t>(std::numeric_limits<T>::min()) &&
+         x <= static_cast<int64_t>(std::numeric_limits<T>::max());
+}
+
 // Reads an optional number field; errors name the file and the field.
 template <typename T>
 absl::Status Get(const json& j, const char* key, const std::string& path, T* out, bool required) {
@@ -41,6 +52,12 @@ absl::Status Get(const json& j, const char* key, const std::string& path, T* out
   } else if constexpr (std::is_same_v<T, std::string>) {
     if (!it->is_string())
       return absl::InvalidArgumentError(absl::StrCat(path, ": field '", key, "' must be a string"));
+  } else if constexpr (std::is_integral_v<T>) {
+    // Integer fields: no floats (their conversion is UB when out of range) and no wrapping.
+    if (!it->is_number_integer() || !FitsIn<T>(*it)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ": field '", key, "' must be an integer in range"));
+    }
   } else {
     if (!it->is_number())
       return absl::InvalidArgumentError(absl::StrCat(path, ": field '", key, "' must be a number"));
@@ -91,10 +108,10 @@ absl::Status ParseIds(const json& j, const char* key, std::vector<int32_t>* out)
   auto it = j.find(key);
   if (it == j.end() || it->is_null()) return absl::OkStatus();
   if (it->is_number_integer()) {
-    out->push_back(it->get<int32_t>());
+    if (FitsIn<int32_t>(*it)) out->push_back(it->get<int32_t>());
   } else if (it->is_array()) {
     for (const auto& v : *it) {
-      if (v.is_number_integer()) out->push_back(v.get<int32_t>());
+      if (FitsIn<int32_t>(v)) out->push_back(v.get<int32_t>());
     }
   }
   return absl::OkStatus();
@@ -171,7 +188,7 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
   RETURN_IF_ERROR(ParseRope(j, path, &c));
   if (c.rope.original_max_position_embeddings <= 0)
     c.rope.original_max_position_embeddings = c.max_position_embeddings;
-  if (auto it = j.find("bos_token_id"); it != j.end() && it->is_number_integer())
+  if (auto it = j.find("bos_token_id"); it != j.end() && FitsIn<int32_t>(*it))
     c.bos_token_id = it->get<int32_t>();
   RETURN_IF_ERROR(ParseIds(j, "eos_token_id", &c.eos_token_ids));
   RETURN_IF_ERROR(Get(j, "torch_dtype", path, &c.torch_dtype, false));
@@ -226,7 +243,7 @@ void MergeGenerationConfig(const std::string& model_dir, ModelConfig* config) {
       }
     }
     if (config->bos_token_id < 0 && j.contains("bos_token_id") &&
-        j["bos_token_id"].is_number_integer()) {
+        FitsIn<int32_t>(j["bos_token_id"])) {
       config->bos_token_id = j["bos_token_id"].get<int32_t>();
     }
   } catch (const std::exception&) {

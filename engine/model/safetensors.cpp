@@ -97,10 +97,18 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
                                               ", ", entry.end, ") lies outside the file's ",
                                               data_len, " data bytes (truncated file?)"));
     }
+    // Checked arithmetic: a corrupt header must not overflow its way past the size check.
     int64_t numel = 1;
-    for (int64_t d : entry.shape) numel *= d;
+    bool bad_shape = false;
+    for (int64_t d : entry.shape) bad_shape |= d < 0 || __builtin_mul_overflow(numel, d, &numel);
     const int64_t elem = DtypeBytes(entry.dtype);
-    if (elem > 0 && static_cast<uint64_t>(numel * elem) != entry.end - entry.begin) {
+    int64_t num_bytes = 0;
+    bad_shape |= __builtin_mul_overflow(numel, elem, &num_bytes);
+    if (bad_shape) {
+      return absl::DataLossError(
+          absl::StrCat(path, ": tensor '", name, "': invalid shape (negative or overflowing)"));
+    }
+    if (elem > 0 && static_cast<uint64_t>(num_bytes) != entry.end - entry.begin) {
       return absl::DataLossError(
           absl::StrCat(path, ": tensor '", name, "': ", entry.end - entry.begin,
                        " bytes do not match its shape and dtype ", entry.dtype));
@@ -123,9 +131,14 @@ absl::StatusOr<at::Tensor> SafetensorsFile::Read(const std::string& name) const 
                                                    e.dtype, "; supported: F32, F16, BF16"));
   }
   // A copy, not a view of the mapping: the mapping may be unaligned and must not outlive us.
-  at::Tensor t = at::empty(e.shape, at::TensorOptions().dtype(*st));
-  std::memcpy(t.data_ptr(), data_ + e.begin, e.end - e.begin);
-  return t;
+  try {
+    at::Tensor t = at::empty(e.shape, at::TensorOptions().dtype(*st));
+    if (e.end > e.begin)
+      std::memcpy(t.data_ptr(), data_ + e.begin, e.end - e.begin);  // empty: no data pointer
+    return t;
+  } catch (const std::exception& ex) {
+    return absl::DataLossError(absl::StrCat(path(), ": tensor '", name, "': ", ex.what()));
+  }
 }
 
 absl::StatusOr<std::unique_ptr<SafetensorsFolder>> SafetensorsFolder::Open(

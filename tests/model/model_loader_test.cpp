@@ -190,3 +190,20 @@ TEST(ModelLoaderTest, BadConfigFieldIsNamed) {
 
 }  // namespace
 }  // namespace dropkv
+
+namespace dropkv {
+namespace {
+
+TEST(ModelConfigTest, OutOfRangeIntegerFieldsAreErrorsNotWraps) {
+  for (const char* value : {"4294967301", "51111111111111111111111111", "2.5"}) {
+    const std::string text =
+        std::string(R"({"model_type":"llama","vocab_size":32,"hidden_size":16,)") +
+        R"("intermediate_size":24,"num_attention_heads":2,"num_hidden_layers":)" + value + "}";
+    auto c = ParseModelConfig(text, "config.json");
+    ASSERT_FALSE(c.ok()) << value;
+    EXPECT_NE(c.status().message().find("num_hidden_layers"), std::string::npos) << c.status();
+  }
+}
+
+}  // namespace
+}  // namespace dropkv
