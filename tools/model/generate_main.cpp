@@ -3,7 +3,9 @@
 // end.
 #include <cstdio>
 #include <iostream>
+#include <algorithm>
 #include <optional>
+#include <span>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -14,6 +16,9 @@
 
 #include "engine/model/config.h"
 #include "engine/model/log.h"
+#include "engine/compression/cli_flags.h"
+#include "engine/compression/compression.h"
+#include "engine/compression/press.h"
 #include "engine/runner/demo_model.h"
 #include "engine/runner/model_runner.h"
 #include "engine/sampling/sampler.h"
@@ -55,7 +60,8 @@ int main(int argc, char** argv) {
   app.add_option("--dtype", ro.dtype, "auto, float32, bfloat16, float16")->capture_default_str();
   app.add_option("--block-size", ro.block_size, "KV slots per block")->capture_default_str();
   app.add_flag("--json", json_out, "print one JSON object {token_ids, text} at the end");
-  dropkv::CompressionParams cp;  // no compression here (see docs/model-runtime.md)
+  dropkv::CompressionParams cp;  // --method none (the default) = full cache
+  dropkv::compression::AddCompressionFlags(app, &cp);
   int64_t kv_cache_mib = 256;
   app.add_option("--kv-cache-mib", kv_cache_mib, "KV pool size")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
@@ -68,6 +74,9 @@ int main(int argc, char** argv) {
   auto runner_or = dropkv::ModelRunner::Create(ro);
   if (!runner_or.ok()) return Fail(std::string(runner_or.status().message()));
   auto& runner = *runner_or;
+  if (auto st = dropkv::compression::ValidateCompression(cp, runner->config().num_layers); !st.ok())
+    return Fail(std::string(st.message()));
+  runner->SetKvSelectorFactory(&dropkv::compression::CreateKvSelectorForModel);
   const std::string model_dir = ro.model_dir.empty() ? dropkv::DefaultDemoModelDir() : ro.model_dir;
   auto tok_or = dropkv::Tokenizer::FromDirectory(model_dir);
   std::unique_ptr<dropkv::Tokenizer> tokenizer;
@@ -110,8 +119,15 @@ int main(int argc, char** argv) {
   if (tokenizer) decoder.emplace(*tokenizer);
   std::string text;
   const dropkv::SequenceId seq = 1;
-  auto logits = runner->Prefill(seq, prompt_ids, true, cp);
-  if (!logits.ok()) return Fail(std::string(logits.status().message()));
+  // Chunked prefill when --chunk-size is given (the chunk policy decides when to compress).
+  const size_t chunk_len = cp.chunk_size > 0 ? static_cast<size_t>(cp.chunk_size) : prompt_ids.size();
+  absl::StatusOr<at::Tensor> logits = absl::InternalError("no prefill ran");
+  for (size_t start = 0; start < prompt_ids.size(); start += chunk_len) {
+    const size_t len = std::min(chunk_len, prompt_ids.size() - start);
+    const bool is_last = start + len == prompt_ids.size();
+    logits = runner->Prefill(seq, std::span<const int32_t>(prompt_ids).subspan(start, len), is_last, cp);
+    if (!logits.ok()) return Fail(std::string(logits.status().message()));
+  }
   at::Tensor step_logits = logits->unsqueeze(0);
   std::vector<int32_t> out_ids;
   while (true) {
