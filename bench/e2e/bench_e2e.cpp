@@ -53,6 +53,17 @@ Json GeometryConfig(const std::string& name) {
             {"hidden_act", "silu"}, {"bos_token_id", 128000}, {"eos_token_id", 128001},
             {"torch_dtype", "bfloat16"}};
   }
+  if (name == "llama-3.2-1b") {
+    return {{"architectures", {"LlamaForCausalLM"}}, {"model_type", "llama"},
+            {"hidden_size", 2048}, {"intermediate_size", 8192}, {"num_hidden_layers", 16},
+            {"num_attention_heads", 32}, {"num_key_value_heads", 8}, {"head_dim", 64},
+            {"vocab_size", 128256}, {"rms_norm_eps", 1e-5}, {"rope_theta", 500000.0},
+            {"rope_scaling", {{"rope_type", "llama3"}, {"factor", 32.0}, {"low_freq_factor", 1.0},
+                              {"high_freq_factor", 4.0}, {"original_max_position_embeddings", 8192}}},
+            {"max_position_embeddings", 131072}, {"tie_word_embeddings", true},
+            {"hidden_act", "silu"}, {"bos_token_id", 128000}, {"eos_token_id", 128001},
+            {"torch_dtype", "bfloat16"}};
+  }
   if (name == "qwen2.5-7b") {
     return {{"architectures", {"Qwen2ForCausalLM"}}, {"model_type", "qwen2"},
             {"hidden_size", 3584}, {"intermediate_size", 18944}, {"num_hidden_layers", 28},
@@ -127,7 +138,7 @@ int Run(int argc, char** argv) {
   int repeats = 3, decode_steps = 32;
   double kv_gib = 0;
   app.add_option("--model", model_dir, "Hugging Face folder (config.json; weights unless --random-weights)");
-  app.add_option("--geometry", geometry, "llama-3.1-8b | qwen2.5-7b | gemma-7b: write its config and use random weights");
+  app.add_option("--geometry", geometry, "llama-3.1-8b | llama-3.2-1b | qwen2.5-7b | gemma-7b: write its config, random weights");
   app.add_option("--write-config", write_config, "where --geometry writes its config folder")->capture_default_str();
   app.add_flag("--random-weights", random_weights, "draw weights on the device (normal, std 0.02)");
   app.add_option("--device", device, "cpu or cuda")->capture_default_str();
@@ -160,7 +171,7 @@ int Run(int argc, char** argv) {
   if (!geometry.empty()) {
     Json config = GeometryConfig(geometry);
     if (config.is_null()) {
-      std::cerr << "--geometry: unknown '" << geometry << "' (llama-3.1-8b, qwen2.5-7b, gemma-7b)\n";
+      std::cerr << "--geometry: unknown '" << geometry << "' (llama-3.1-8b, llama-3.2-1b, qwen2.5-7b, gemma-7b)\n";
       return 2;
     }
     if (write_config.empty()) write_config = "bench-models/" + geometry;
@@ -278,7 +289,10 @@ int Run(int argc, char** argv) {
 
   if (!hf_python.empty()) {
     std::string cmd = hf_python + " " + hf_script + " --model " + model_dir + " --prefill " +
-                      prefill_arg + " --decode " + decode_arg + " --repeats " + std::to_string(repeats);
+                      prefill_arg + " --decode " + decode_arg + " --repeats " + std::to_string(repeats) +
+                      " --decode-steps " + std::to_string(decode_steps) + " --device " +
+                      (device.rfind("cuda", 0) == 0 ? std::string("cuda") : device) + " --dtype " +
+                      dtype + (random_weights ? "" : " --weights");
     std::string text;
     if (FILE* pipe = popen(cmd.c_str(), "r")) {
       char buf[4096];

@@ -11,17 +11,23 @@ import argparse
 import json
 import statistics
 import sys
+import time
 
 import torch
 
 
-def build(config_dir, dtype):
+DEVICE = "cuda"
+
+
+def build(config_dir, dtype, weights):
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    if weights:  # a real checkpoint (e.g. converted stories260K)
+        model = AutoModelForCausalLM.from_pretrained(config_dir, dtype=dtype, attn_implementation="sdpa")
+        return model.to(DEVICE).eval(), model.config
     config = AutoConfig.from_pretrained(config_dir)
-    config._attn_implementation = "sdpa"
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype, attn_implementation="sdpa")
+    with torch.device(DEVICE):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.02)
@@ -34,13 +40,18 @@ def timed(fn, repeats, warmup=1):
         fn()
     times = []
     for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+        if DEVICE == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1000.0)
     return statistics.median(times)
 
 
@@ -52,25 +63,33 @@ def main():
     ap.add_argument("--decode", default="1x8192,16x2048", help="BATCHxCONTEXT list")
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    ap.add_argument("--weights", action="store_true", help="load the folder's weights instead of drawing them")
     args = ap.parse_args()
+    global DEVICE
+    DEVICE = args.device
+    if DEVICE == "cpu":
+        torch.set_num_threads(int(__import__("os").environ.get("OMP_NUM_THREADS", "2")))
 
-    model, config = build(args.model, torch.bfloat16)
+    model, config = build(args.model, getattr(torch, args.dtype), args.weights)
     vocab = config.vocab_size
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
     out = {"peer": "transformers", "attn": "sdpa", "prefill": [], "decode": []}
 
     for n in [int(x) for x in args.prefill.split(",") if x]:
-        ids = torch.randint(0, vocab, (1, n), device="cuda", generator=gen)
-        torch.cuda.reset_peak_memory_stats()
+        ids = torch.randint(0, vocab, (1, n), device=DEVICE, generator=gen)
+        if DEVICE == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         # logits_to_keep=1: the server only needs the last position's logits.
         ms = timed(lambda: model(input_ids=ids, use_cache=True, logits_to_keep=1), args.repeats)
         out["prefill"].append({"tokens": n, "ms": ms,
-                               "peak_bytes": torch.cuda.max_memory_allocated()})
+                               "peak_bytes": torch.cuda.max_memory_allocated() if DEVICE == "cuda" else 0})
         print(f"hf prefill {n}: {ms:.1f} ms", file=sys.stderr)
 
     for spec in [s for s in args.decode.split(",") if s]:
         batch, ctx = (int(x) for x in spec.split("x"))
-        ids = torch.randint(0, vocab, (batch, ctx), device="cuda", generator=gen)
+        ids = torch.randint(0, vocab, (batch, ctx), device=DEVICE, generator=gen)
         res = model(input_ids=ids, use_cache=True, logits_to_keep=1)
         cache = res.past_key_values
         next_ids = res.logits[:, -1].argmax(-1, keepdim=True)
@@ -87,7 +106,8 @@ def main():
                               "tokens_per_s": batch * 1000.0 / ms})
         print(f"hf decode bs{batch} ctx{ctx}: {ms:.2f} ms/step", file=sys.stderr)
         del cache, res
-        torch.cuda.empty_cache()
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
 
     print(json.dumps(out))
 

@@ -147,15 +147,27 @@ class TorchModelRunner : public ModelRunner {
   absl::StatusOr<at::Tensor> Prefill(SequenceId seq, std::span<const int32_t> chunk,
                                      bool is_last_chunk,
                                      const CompressionParams& compression) override {
-    std::unique_ptr<KvSelector> owned;
-    if (compression.method != ScoreMethod::kNone) {
-      if (!factory_) {
-        return absl::FailedPreconditionError(
-            "compression requested but no KvSelector factory is registered");
-      }
-      ASSIGN_OR_RETURN(owned, factory_(compression, config()));
+    if (compression.method == ScoreMethod::kNone) {
+      return PrefillWithSelector(seq, chunk, is_last_chunk, nullptr);
     }
-    return PrefillWithSelector(seq, chunk, is_last_chunk, owned.get());
+    if (!factory_) {
+      return absl::FailedPreconditionError(
+          "compression requested but no KvSelector factory is registered");
+    }
+    // One selector per sequence from its first chunk to its last: scorers that accumulate over
+    // the prompt (H2O's column sums) keep their state across chunks.
+    auto& selector = selectors_[seq];
+    if (!selector) {
+      auto created = factory_(compression, config());
+      if (!created.ok()) {
+        selectors_.erase(seq);
+        return created.status();
+      }
+      selector = std::move(*created);
+    }
+    auto logits = PrefillWithSelector(seq, chunk, is_last_chunk, selector.get());
+    if (logits.ok() && is_last_chunk) selectors_.erase(seq);
+    return logits;
   }
 
   absl::StatusOr<at::Tensor> PrefillWithSelector(SequenceId seq, std::span<const int32_t> chunk,
@@ -273,6 +285,7 @@ class TorchModelRunner : public ModelRunner {
   void Release(SequenceId seq) override {
     pool_->FreeSequence(seq);
     positions_.erase(seq);
+    selectors_.erase(seq);
   }
 
   absl::Status CompactLayer(SequenceId seq, int32_t layer_idx, const at::Tensor& kept) override {
@@ -413,6 +426,7 @@ class TorchModelRunner : public ModelRunner {
   std::unique_ptr<Model> model_;
   std::unique_ptr<BlockPool> pool_;
   KvSelectorFactory factory_;
+  std::unordered_map<SequenceId, std::unique_ptr<KvSelector>> selectors_;  // until the last chunk
   // Per sequence, per layer: positions [Hkv, stored] once a layer was compacted (undefined =
   // arange(stored_len), the uncompressed case). Tracked through prefill; decode does not extend
   // them.

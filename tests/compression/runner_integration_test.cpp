@@ -163,3 +163,43 @@ TEST(RunnerIntegration, EveryChunkBoundsPrefillPoolUsage) {
 
 }  // namespace
 }  // namespace dropkv::compression
+
+namespace dropkv::compression {
+namespace {
+
+// ModelRunner::Prefill keeps one selector per sequence across its chunks: H2O's column sums
+// (which add up attention over every prompt query) then give the same kept positions whether the
+// prompt arrives in one pass or in chunks under last_chunk. A fresh selector per chunk would see
+// only the last chunk's queries and keep different tokens.
+TEST(RunnerIntegration, H2oAccumulatesAcrossChunksThroughPrefill) {
+  auto runner = DemoRunner(2048);
+  ASSERT_NE(runner, nullptr);
+  const int64_t n = 240;
+  const auto prompt = Prompt(n, 7);
+  CompressionParams p;
+  p.method = ScoreMethod::kH2O;
+  p.keep_ratio = 0.2;
+  p.chunk_policy = ChunkPolicy::kLastChunk;
+
+  auto single = runner->Prefill(1, prompt, true, p);
+  ASSERT_TRUE(single.ok()) << single.status();
+  p.chunk_size = 64;
+  for (int64_t start = 0; start < n; start += 64) {
+    const int64_t len = std::min<int64_t>(64, n - start);
+    auto r = runner->Prefill(2, std::span<const int32_t>(prompt).subspan(start, len),
+                             start + len == n, p);
+    ASSERT_TRUE(r.ok()) << r.status();
+  }
+  for (int32_t layer = 0; layer < runner->config().num_layers; ++layer) {
+    auto a = runner->StoredPositions(1, layer);
+    auto b = runner->StoredPositions(2, layer);
+    ASSERT_TRUE(a.ok() && b.ok());
+    EXPECT_TRUE(at::equal(*a, *b)) << "layer " << layer;
+  }
+  runner->Release(1);
+  runner->Release(2);
+  EXPECT_EQ(runner->pool().num_used_blocks(), 0);
+}
+
+}  // namespace
+}  // namespace dropkv::compression
