@@ -18,49 +18,12 @@ absl::Status Invalid(absl::string_view field, absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat(field, ": ", what));
 }
 
-constexpr std::array<std::pair<ScoreMethod, const char*>, 9> kMethods = {{
-    {ScoreMethod::kNone, "none"},
-    {ScoreMethod::kDropKV, "dropkv"},
-    {ScoreMethod::kSnapKV, "snapkv"},
-    {ScoreMethod::kH2O, "h2o"},
-    {ScoreMethod::kH2OVl1, "h2o_vl1"},
-    {ScoreMethod::kH2OVl2, "h2o_vl2"},
-    {ScoreMethod::kStreamingLLM, "streaming_llm"},
-    {ScoreMethod::kKNorm, "knorm"},
-    {ScoreMethod::kRandom, "random"},
-}};
-constexpr std::array<std::pair<BudgetAllocator, const char*>, 8> kAllocators = {{
-    {BudgetAllocator::kUniform, "uniform"},
-    {BudgetAllocator::kPyramid, "pyramid"},
-    {BudgetAllocator::kMLP, "mlp"},
-    {BudgetAllocator::kMGA, "mga"},
-    {BudgetAllocator::kMLMA2, "mlma2"},
-    {BudgetAllocator::kMLMA4, "mlma4"},
-    {BudgetAllocator::kMLMA6, "mlma6"},
-    {BudgetAllocator::kExplicit, "explicit"},
-}};
-constexpr std::array<std::pair<PoolingType, const char*>, 3> kPoolings = {
-    {{PoolingType::kMax, "max"}, {PoolingType::kAvg, "avg"}, {PoolingType::kNone, "none"}}};
-constexpr std::array<std::pair<ChunkPolicy, const char*>, 3> kChunkPolicies = {
-    {{ChunkPolicy::kLastChunk, "last_chunk"},
-     {ChunkPolicy::kEveryChunk, "every_chunk"},
-     {ChunkPolicy::kBudget, "budget"}}};
-
-template <typename E, size_t N>
-absl::StatusOr<E> FromName(const std::array<std::pair<E, const char*>, N>& table,
-                           const std::string& name, absl::string_view field) {
-  std::string accepted;
-  for (const auto& [value, n] : table) {
-    if (name == n) return value;
-    absl::StrAppend(&accepted, accepted.empty() ? "" : "|", n);
-  }
-  return Invalid(field, absl::StrCat("unknown value '", name, "' (accepted: ", accepted, ")"));
-}
-template <typename E, size_t N>
-std::string ToName(const std::array<std::pair<E, const char*>, N>& table, E value) {
-  for (const auto& [v, n] : table)
-    if (v == value) return n;
-  return "unknown";
+// The compression module owns the setting names; a request reports the field as
+// compression.<name>.
+template <typename T>
+absl::StatusOr<T> CompressionField(absl::StatusOr<T> parsed) {
+  if (parsed.ok()) return parsed;
+  return absl::InvalidArgumentError(absl::StrCat("compression.", parsed.status().message()));
 }
 
 std::string NewRequestId() {
@@ -131,31 +94,12 @@ absl::StatusOr<SamplingParams> MapSampling(const v1::SamplingParams& s,
 
 }  // namespace
 
-absl::StatusOr<ScoreMethod> ScoreMethodFromName(const std::string& name) {
-  return FromName(kMethods, name, "compression.method");
-}
-absl::StatusOr<BudgetAllocator> BudgetAllocatorFromName(const std::string& name) {
-  return FromName(kAllocators, name, "compression.allocator");
-}
-std::string ScoreMethodToName(ScoreMethod method) {
-  return ToName(kMethods, method);
-}
-std::string BudgetAllocatorToName(BudgetAllocator allocator) {
-  return ToName(kAllocators, allocator);
-}
-std::string PoolingToName(PoolingType pooling) {
-  return ToName(kPoolings, pooling);
-}
-std::string ChunkPolicyToName(ChunkPolicy policy) {
-  return ToName(kChunkPolicies, policy);
-}
-
 absl::StatusOr<CompressionParams> MapCompression(const v1::CompressionSettings& c,
                                                  const CompressionParams& defaults,
                                                  int64_t max_context_len) {
   CompressionParams p = defaults;
   if (!c.method().empty()) {
-    auto m = ScoreMethodFromName(c.method());
+    auto m = CompressionField(compression::ParseScoreMethod(c.method()));
     if (!m.ok()) return m.status();
     p.method = *m;
   }
@@ -184,7 +128,7 @@ absl::StatusOr<CompressionParams> MapCompression(const v1::CompressionSettings& 
       break;
   }
   if (!c.allocator().empty()) {
-    auto a = BudgetAllocatorFromName(c.allocator());
+    auto a = CompressionField(compression::ParseBudgetAllocator(c.allocator()));
     if (!a.ok()) return a.status();
     p.allocator = *a;
   }
@@ -194,7 +138,7 @@ absl::StatusOr<CompressionParams> MapCompression(const v1::CompressionSettings& 
     p.window = c.window();
   }
   if (!c.pooling().empty()) {
-    auto k = FromName(kPoolings, c.pooling(), "compression.pooling");
+    auto k = CompressionField(compression::ParsePoolingType(c.pooling()));
     if (!k.ok()) return k.status();
     p.pooling = *k;
   }
@@ -205,7 +149,7 @@ absl::StatusOr<CompressionParams> MapCompression(const v1::CompressionSettings& 
     p.pooling_kernel = c.pooling_kernel();
   }
   if (!c.chunk_policy().empty()) {
-    auto k = FromName(kChunkPolicies, c.chunk_policy(), "compression.chunk_policy");
+    auto k = CompressionField(compression::ParseChunkPolicy(c.chunk_policy()));
     if (!k.ok()) return k.status();
     p.chunk_policy = *k;
   }

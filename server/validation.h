@@ -47,14 +47,6 @@ absl::StatusOr<CompressionParams> MapCompression(const v1::CompressionSettings& 
                                                  const CompressionParams& defaults,
                                                  int64_t max_context_len);
 
-// Name tables of the API's enum strings (docs/api.md lists them).
-absl::StatusOr<ScoreMethod> ScoreMethodFromName(const std::string& name);
-absl::StatusOr<BudgetAllocator> BudgetAllocatorFromName(const std::string& name);
-std::string ScoreMethodToName(ScoreMethod method);
-std::string BudgetAllocatorToName(BudgetAllocator allocator);
-std::string PoolingToName(PoolingType pooling);
-std::string ChunkPolicyToName(ChunkPolicy policy);
-
 // absl::Status -> grpc::Status, code for code, message unchanged.
 grpc::Status ToGrpcStatus(const absl::Status& status);
 
