@@ -35,7 +35,10 @@ struct Sequence {
   SequenceId seq_id = -1;  // the runner's id of the current admission (new after a preemption)
   GenerationRequest request;
   std::shared_ptr<RequestChannel> channel;
-  int64_t admission_idx = -1;  // larger = newer; preemption picks the largest
+  // Order of first admission (kept across preemptions): larger = newer; preemption picks the
+  // largest, so a recomputed sequence never becomes the next victim again and the oldest ones
+  // always make progress.
+  int64_t admission_idx = -1;
   int64_t num_prefilled = 0;   // prompt tokens in the cache
   bool prefill_done = false;
   std::vector<int32_t> generated;
@@ -305,9 +308,13 @@ struct Scheduler::Impl {
         std::lock_guard<std::mutex> lock(mu);
         if (waiting.empty()) break;
         Sequence& head = *waiting.front();
+        // Recompute covers the prompt; the replayed tokens are decode room it needs at once, on
+        // top of the usual reserve for what is still to come.
+        const int64_t num_replay = static_cast<int64_t>(head.generated.size());
         const int64_t reserve =
-            std::min<int64_t>(options.decode_reserve_tokens, head.request.sampling.max_new_tokens);
-        // Recompute covers the prompt; the replayed tokens take decode room like before.
+            num_replay + std::min<int64_t>(options.decode_reserve_tokens,
+                                           std::max<int64_t>(0, head.request.sampling.max_new_tokens -
+                                                                    num_replay));
         head.blocks_needed =
             runner.BlocksForPrompt(static_cast<int64_t>(head.request.prompt_ids.size()),
                                    head.request.compression, reserve);
@@ -333,10 +340,10 @@ struct Scheduler::Impl {
         continue;
       }
       seq->seq_id = next_seq_id++;
-      seq->admission_idx = next_admission_idx++;
       seq->admit_time = Clock::now();
       if (!seq->admitted_once) {
         seq->admitted_once = true;
+        seq->admission_idx = next_admission_idx++;
         seq->summary.queue_ms = MsBetween(seq->request.arrival_time, seq->admit_time);
       }
       running.push_back(std::move(seq));
