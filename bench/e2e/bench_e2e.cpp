@@ -22,6 +22,7 @@
 #include <vector>
 
 #include <CLI/CLI.hpp>
+#include "absl/strings/str_split.h"
 #include <nlohmann/json.hpp>
 
 #include "allocator/block_pool.h"
@@ -156,16 +157,8 @@ int Run(int argc, char** argv) {
   app.add_flag("--json", json_out, "print one JSON object instead of the table");
   CLI11_PARSE(app, argc, argv);
 
-  auto split = [](const std::string& s) {
-    std::vector<std::string> out;
-    size_t start = 0;
-    while (start <= s.size()) {
-      size_t end = s.find(',', start);
-      if (end == std::string::npos) end = s.size();
-      if (end > start) out.push_back(s.substr(start, end - start));
-      start = end + 1;
-    }
-    return out;
+  auto split = [](const std::string& s) -> std::vector<std::string> {
+    return absl::StrSplit(s, ',', absl::SkipEmpty());
   };
 
   if (!geometry.empty()) {
