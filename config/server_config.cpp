@@ -76,71 +76,10 @@ std::string FormatDouble(double v) {
   return s;
 }
 
-template <typename E, size_t N>
-absl::StatusOr<E> ParseEnum(absl::string_view text,
-                            const std::array<std::pair<E, const char*>, N>& names) {
-  std::string t = absl::AsciiStrToLower(absl::StripAsciiWhitespace(text));
-  std::vector<std::string> accepted;
-  for (const auto& [value, name] : names) {
-    if (t == name) return value;
-    accepted.push_back(name);
-  }
-  return absl::InvalidArgumentError(
-      absl::StrCat("expected one of ", absl::StrJoin(accepted, "|"), ", got ", Quote(text)));
-}
-template <typename E, size_t N>
-absl::string_view EnumName(E value, const std::array<std::pair<E, const char*>, N>& names) {
-  for (const auto& [v, name] : names) {
-    if (v == value) return name;
-  }
-  return "unknown";
-}
-
-constexpr std::array<std::pair<ScoreMethod, const char*>, 9> kScoreMethods{{
-    {ScoreMethod::kNone, "none"},
-    {ScoreMethod::kDropKV, "dropkv"},
-    {ScoreMethod::kSnapKV, "snapkv"},
-    {ScoreMethod::kH2O, "h2o"},
-    {ScoreMethod::kH2OVl1, "h2o_vl1"},
-    {ScoreMethod::kH2OVl2, "h2o_vl2"},
-    {ScoreMethod::kStreamingLLM, "streaming_llm"},
-    {ScoreMethod::kKNorm, "knorm"},
-    {ScoreMethod::kRandom, "random"},
-}};
-constexpr std::array<std::pair<BudgetAllocator, const char*>, 8> kAllocators{{
-    {BudgetAllocator::kUniform, "uniform"},
-    {BudgetAllocator::kPyramid, "pyramid"},
-    {BudgetAllocator::kMLP, "mlp"},
-    {BudgetAllocator::kMGA, "mga"},
-    {BudgetAllocator::kMLMA2, "mlma2"},
-    {BudgetAllocator::kMLMA4, "mlma4"},
-    {BudgetAllocator::kMLMA6, "mlma6"},
-    {BudgetAllocator::kExplicit, "explicit"},
-}};
-constexpr std::array<std::pair<ChunkPolicy, const char*>, 3> kChunkPolicies{{
-    {ChunkPolicy::kLastChunk, "last_chunk"},
-    {ChunkPolicy::kEveryChunk, "every_chunk"},
-    {ChunkPolicy::kBudget, "budget"},
-}};
-constexpr std::array<std::pair<PoolingType, const char*>, 3> kPoolings{{
-    {PoolingType::kMax, "max"},
-    {PoolingType::kAvg, "avg"},
-    {PoolingType::kNone, "none"},
-}};
-constexpr std::array<std::pair<LogFormat, const char*>, 2> kLogFormats{{
+constexpr std::array<NamedValue<LogFormat>, 2> kLogFormats{{
     {LogFormat::kText, "text"},
     {LogFormat::kJson, "json"},
 }};
-constexpr std::array<std::pair<int, const char*>, 7> kLogLevels{{
-    {0, "trace"},
-    {1, "debug"},
-    {2, "info"},
-    {3, "warn"},
-    {4, "error"},
-    {5, "critical"},
-    {6, "off"},
-}};
-
 // ---- the settings table --------------------------------------------------------------------
 
 enum class Kind { kString, kInt, kDouble, kBool, kBytes, kEnum, kDoubleList };
@@ -240,18 +179,21 @@ Setting StringSetting(std::string key, std::string help, Ref ref,
   return s;
 }
 
+// The names come from a NamedValue table (engine/compression_names.h); the help text lists them.
 template <typename E, size_t N, typename Ref>
 Setting EnumSetting(std::string key, std::string help, Ref ref,
-                    const std::array<std::pair<E, const char*>, N>& names) {
-  Setting s{std::move(key), "", Kind::kEnum, std::move(help), nullptr, nullptr};
+                    const std::array<NamedValue<E>, N>& names) {
+  Setting s{std::move(key), "",     Kind::kEnum, absl::StrCat(help, ": ", JoinNames(names)),
+            nullptr,        nullptr};
   s.set = [ref, &names](ServerConfig& c, absl::string_view text) -> absl::Status {
-    absl::StatusOr<E> v = ParseEnum(text, names);
+    // No field prefix: the loader puts the key in front of every setting's error.
+    absl::StatusOr<E> v = ParseName(names, std::string_view(text.data(), text.size()), "");
     if (!v.ok()) return v.status();
     ref(c) = *v;
     return absl::OkStatus();
   };
   s.get = [ref, &names](const ServerConfig& c) {
-    return std::string(EnumName(ref(const_cast<ServerConfig&>(c)), names));
+    return std::string(NameOf(names, ref(const_cast<ServerConfig&>(c))));
   };
   return s;
 }
@@ -363,9 +305,14 @@ std::vector<Setting> MakeSettings() {
   v.push_back(IntSetting<int32_t>(
       "prefill_tokens_per_step", "prefill tokens per scheduler step",
       [](C& c) -> int32_t& { return c.prefill_tokens_per_step; }, 1, 1 << 24));
+  v.push_back(
+      BoolSetting("random_weights",
+                  "benchmark only: draw the weights (normal, std 0.02) instead of reading them",
+                  [](C& c) -> bool& { return c.random_weights; }));
   // logging
   v.push_back(EnumSetting(
-      "log_format", "text|json", [](C& c) -> LogFormat& { return c.log_format; }, kLogFormats));
+      "log_format", "log line format", [](C& c) -> LogFormat& { return c.log_format; },
+      kLogFormats));
   v.push_back(StringSetting(
       "log_level", "trace|debug|info|warn|error|critical|off",
       [](C& c) -> std::string& { return c.log_level; },
@@ -376,9 +323,8 @@ std::vector<Setting> MakeSettings() {
                           [](C& c) -> bool& { return c.log_prompts; }));
   // compression defaults
   v.push_back(EnumSetting(
-      "compression.method",
-      "scorer: none|dropkv|snapkv|h2o|h2o_vl1|h2o_vl2|streaming_llm|knorm|random",
-      [](C& c) -> ScoreMethod& { return c.compression.method; }, kScoreMethods));
+      "compression.method", "scorer", [](C& c) -> ScoreMethod& { return c.compression.method; },
+      kScoreMethodNames));
   v.push_back(DoubleSetting(
       "compression.keep_ratio", "fraction of KV tokens kept, (0, 1]",
       [](C& c) -> double& { return c.compression.keep_ratio; }, 0.0, 1.0,
@@ -401,8 +347,8 @@ std::vector<Setting> MakeSettings() {
     v.push_back(std::move(s));
   }
   v.push_back(EnumSetting(
-      "compression.allocator", "layer budgets: uniform|pyramid|mlp|mga|mlma2|mlma4|mlma6|explicit",
-      [](C& c) -> BudgetAllocator& { return c.compression.allocator; }, kAllocators));
+      "compression.allocator", "layer budgets",
+      [](C& c) -> BudgetAllocator& { return c.compression.allocator; }, kBudgetAllocatorNames));
   {
     Setting s{"compression.explicit_layer_prune",
               "",
@@ -444,8 +390,8 @@ std::vector<Setting> MakeSettings() {
       "compression.window", "observation window W",
       [](C& c) -> int32_t& { return c.compression.window; }, 1, 1 << 16));
   v.push_back(EnumSetting(
-      "compression.pooling", "score smoothing: max|avg|none",
-      [](C& c) -> PoolingType& { return c.compression.pooling; }, kPoolings));
+      "compression.pooling", "score smoothing",
+      [](C& c) -> PoolingType& { return c.compression.pooling; }, kPoolingTypeNames));
   v.push_back(IntSetting<int32_t>(
       "compression.pooling_kernel", "pooling kernel size (odd)",
       [](C& c) -> int32_t& { return c.compression.pooling_kernel; }, 1, 1023));
@@ -455,8 +401,8 @@ std::vector<Setting> MakeSettings() {
       "compression.num_sinks", "attention-sink tokens kept",
       [](C& c) -> int32_t& { return c.compression.num_sinks; }, 0, 1 << 16));
   v.push_back(EnumSetting(
-      "compression.chunk_policy", "chunked prefill: last_chunk|every_chunk|budget",
-      [](C& c) -> ChunkPolicy& { return c.compression.chunk_policy; }, kChunkPolicies));
+      "compression.chunk_policy", "chunked prefill",
+      [](C& c) -> ChunkPolicy& { return c.compression.chunk_policy; }, kChunkPolicyNames));
   v.push_back(IntSetting<int32_t>(
       "compression.chunk_size", "prefill chunk tokens; 0 = one pass",
       [](C& c) -> int32_t& { return c.compression.chunk_size; }, 0, 1 << 24));
@@ -584,35 +530,6 @@ std::string HelpText(const Setting& s, const ServerConfig& defaults) {
 
 // ---- public helpers -------------------------------------------------------------------------
 
-absl::StatusOr<ScoreMethod> ParseScoreMethod(std::string_view name) {
-  return ParseEnum(A(name), kScoreMethods);
-}
-absl::StatusOr<BudgetAllocator> ParseBudgetAllocator(std::string_view name) {
-  return ParseEnum(A(name), kAllocators);
-}
-absl::StatusOr<ChunkPolicy> ParseChunkPolicy(std::string_view name) {
-  return ParseEnum(A(name), kChunkPolicies);
-}
-absl::StatusOr<PoolingType> ParsePoolingType(std::string_view name) {
-  return ParseEnum(A(name), kPoolings);
-}
-std::string_view ScoreMethodName(ScoreMethod method) {
-  absl::string_view n = EnumName(method, kScoreMethods);
-  return {n.data(), n.size()};
-}
-std::string_view BudgetAllocatorName(BudgetAllocator allocator) {
-  absl::string_view n = EnumName(allocator, kAllocators);
-  return {n.data(), n.size()};
-}
-std::string_view ChunkPolicyName(ChunkPolicy policy) {
-  absl::string_view n = EnumName(policy, kChunkPolicies);
-  return {n.data(), n.size()};
-}
-std::string_view PoolingTypeName(PoolingType pooling) {
-  absl::string_view n = EnumName(pooling, kPoolings);
-  return {n.data(), n.size()};
-}
-
 absl::StatusOr<int64_t> ParseByteSize(std::string_view text_std) {
   absl::string_view text = A(text_std);
   std::string t = absl::AsciiStrToLower(absl::StripAsciiWhitespace(text));
@@ -689,10 +606,7 @@ absl::Status ValidateServerConfig(const ServerConfig& c) {
   if (p.allocator == BudgetAllocator::kExplicit && p.explicit_layer_prune.empty()) {
     return err("compression.explicit_layer_prune", "allocator explicit needs one value per layer");
   }
-  bool needs_profile =
-      p.allocator == BudgetAllocator::kMGA || p.allocator == BudgetAllocator::kMLMA2 ||
-      p.allocator == BudgetAllocator::kMLMA4 || p.allocator == BudgetAllocator::kMLMA6;
-  if (needs_profile && p.profile_path.empty()) {
+  if (AllocatorNeedsProfile(p.allocator) && p.profile_path.empty()) {
     return err("compression.profile_path",
                absl::StrCat("allocator ", A(BudgetAllocatorName(p.allocator)), " needs a profile"));
   }

@@ -16,6 +16,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "engine/compression_names.h"  // ParseScoreMethod & co. (one table of names)
 #include "engine/request.h"
 
 namespace dropkv {
@@ -49,6 +50,9 @@ struct ServerConfig {
   int32_t max_new_tokens_limit = 4096;        // largest max_new_tokens a request may ask for
   int32_t max_prompt_tokens = 0;              // longest prompt accepted; 0 = the model's context
   int32_t prefill_tokens_per_step = 2048;     // prefill token budget of one scheduler step
+  // Benchmarks at real geometry with nothing downloaded: weights drawn from normal(0, 0.02)
+  // (seeded) instead of read; the model folder then needs config.json and a tokenizer only.
+  bool random_weights = false;
 
   // --- logging ---
   LogFormat log_format = LogFormat::kText;  // text (human-readable) | json (one JSON object a line)
@@ -90,16 +94,6 @@ std::vector<std::string> ServerConfigKeys();
 // "compression.keep_ratio" -> "DROPKV_COMPRESSION_KEEP_RATIO" / "--compression-keep-ratio".
 std::string ServerConfigEnvName(std::string_view key);
 std::string ServerConfigFlagName(std::string_view key);
-
-// Parsers of the enum names used in config and requests (errors name the accepted values).
-absl::StatusOr<ScoreMethod> ParseScoreMethod(std::string_view name);
-absl::StatusOr<BudgetAllocator> ParseBudgetAllocator(std::string_view name);
-absl::StatusOr<ChunkPolicy> ParseChunkPolicy(std::string_view name);
-absl::StatusOr<PoolingType> ParsePoolingType(std::string_view name);
-std::string_view ScoreMethodName(ScoreMethod method);
-std::string_view BudgetAllocatorName(BudgetAllocator allocator);
-std::string_view ChunkPolicyName(ChunkPolicy policy);
-std::string_view PoolingTypeName(PoolingType pooling);
 
 // "4GiB" / "512 MiB" / "1.5GB" / "4096" -> bytes (binary suffixes are 1024-based, SI 1000-based).
 absl::StatusOr<int64_t> ParseByteSize(std::string_view text);

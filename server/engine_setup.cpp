@@ -36,6 +36,7 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateEngine(const ServerConfig& config)
   ro.block_size = config.block_size;
   ro.kv_cache_bytes = config.kv_memory_bytes;
   ro.num_kv_blocks = config.kv_blocks;
+  ro.random_weights = config.random_weights;
   auto runner = ModelRunner::Create(ro);
   if (!runner.ok()) return runner.status();
   engine->runner = std::move(*runner);
