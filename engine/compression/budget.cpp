@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "engine/common/file_util.h"
+#include "engine/compression_names.h"
 #include "nlohmann/json.hpp"
 
 namespace dropkv::compression {
@@ -19,33 +20,6 @@ using Real = long double;
 
 absl::Status Invalid(const std::string& msg) {
   return absl::InvalidArgumentError(msg);
-}
-
-const char* AllocatorName(BudgetAllocator a) {
-  switch (a) {
-    case BudgetAllocator::kUniform:
-      return "uniform";
-    case BudgetAllocator::kPyramid:
-      return "pyramid";
-    case BudgetAllocator::kMLP:
-      return "mlp";
-    case BudgetAllocator::kMGA:
-      return "mga";
-    case BudgetAllocator::kMLMA2:
-      return "mlma2";
-    case BudgetAllocator::kMLMA4:
-      return "mlma4";
-    case BudgetAllocator::kMLMA6:
-      return "mlma6";
-    case BudgetAllocator::kExplicit:
-      return "explicit";
-  }
-  return "?";
-}
-
-bool UsesProfile(BudgetAllocator a) {
-  return a == BudgetAllocator::kMGA || a == BudgetAllocator::kMLMA2 ||
-         a == BudgetAllocator::kMLMA4 || a == BudgetAllocator::kMLMA6;
 }
 
 // Integers in [lo, hi] summing to `total`, closest to `x` by largest remainder: floor everything,
@@ -200,11 +174,11 @@ absl::Status ValidateBudgetOptions(const BudgetOptions& o, int32_t num_layers) {
   if (o.num_protected_sinks < 0) {
     return Invalid(absl::StrCat("num_sinks must be >= 0, got ", o.num_protected_sinks));
   }
-  if (UsesProfile(o.allocator)) {
+  if (AllocatorNeedsProfile(o.allocator)) {
     if (static_cast<int32_t>(o.profile_values.size()) != num_layers) {
-      return Invalid(absl::StrCat("allocator ", AllocatorName(o.allocator), ": profile has ",
-                                  o.profile_values.size(), " values but the model has ", num_layers,
-                                  " layers"));
+      return Invalid(absl::StrCat("allocator ", std::string(BudgetAllocatorName(o.allocator)),
+                                  ": profile has ", o.profile_values.size(),
+                                  " values but the model has ", num_layers, " layers"));
     }
     for (size_t l = 0; l < o.profile_values.size(); ++l) {
       if (!(o.profile_values[l] > 0.0) || !std::isfinite(o.profile_values[l])) {
@@ -307,7 +281,7 @@ absl::StatusOr<std::vector<int64_t>> AllocateLayerBudgets(const BudgetOptions& o
       const int64_t rest_min = static_cast<int64_t>(rest.size()) * min_keep;
       if (rest_tokens < rest_min) {
         return Invalid(absl::StrCat(
-            "allocator ", AllocatorName(o.allocator), ": keeping layers [",
+            "allocator ", std::string(BudgetAllocatorName(o.allocator)), ": keeping layers [",
             absl::StrJoin(protected_layers, ", "), "] whole needs ", protected_tokens,
             " tokens, leaving ", rest_tokens, " of the budget ", total, " (keep_ratio ",
             o.keep_ratio, ", n ", n, ", ", num_layers, " layers) for ", rest.size(),

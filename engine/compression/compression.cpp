@@ -1,104 +1,17 @@
 #include "engine/compression/compression.h"
 
-#include <array>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
 
 namespace dropkv::compression {
 namespace {
-
-template <typename E, size_t N>
-using NameTable = std::array<std::pair<E, std::string_view>, N>;
-
-constexpr NameTable<ScoreMethod, 9> kMethods = {{
-    {ScoreMethod::kDropKV, "dropkv"},
-    {ScoreMethod::kSnapKV, "snapkv"},
-    {ScoreMethod::kH2O, "h2o"},
-    {ScoreMethod::kH2OVl1, "h2o_vl1"},
-    {ScoreMethod::kH2OVl2, "h2o_vl2"},
-    {ScoreMethod::kStreamingLLM, "streaming_llm"},
-    {ScoreMethod::kKNorm, "knorm"},
-    {ScoreMethod::kRandom, "random"},
-    {ScoreMethod::kNone, "none"},
-}};
-constexpr NameTable<BudgetAllocator, 8> kAllocators = {{
-    {BudgetAllocator::kUniform, "uniform"},
-    {BudgetAllocator::kPyramid, "pyramid"},
-    {BudgetAllocator::kMLP, "mlp"},
-    {BudgetAllocator::kMGA, "mga"},
-    {BudgetAllocator::kMLMA2, "mlma2"},
-    {BudgetAllocator::kMLMA4, "mlma4"},
-    {BudgetAllocator::kMLMA6, "mlma6"},
-    {BudgetAllocator::kExplicit, "explicit"},
-}};
-constexpr NameTable<ChunkPolicy, 3> kPolicies = {{
-    {ChunkPolicy::kLastChunk, "last_chunk"},
-    {ChunkPolicy::kEveryChunk, "every_chunk"},
-    {ChunkPolicy::kBudget, "budget"},
-}};
-constexpr NameTable<PoolingType, 3> kPoolings = {{
-    {PoolingType::kMax, "max"},
-    {PoolingType::kAvg, "avg"},
-    {PoolingType::kNone, "none"},
-}};
-
-template <typename E, size_t N>
-std::string_view NameOf(const NameTable<E, N>& table, E value) {
-  for (const auto& [v, name] : table) {
-    if (v == value) return name;
-  }
-  return "?";
-}
-
-template <typename E, size_t N>
-absl::StatusOr<E> Parse(const NameTable<E, N>& table, std::string_view name, const char* field) {
-  std::vector<std::string> names;
-  for (const auto& [v, n] : table) {
-    if (n == name) return v;
-    names.emplace_back(n);
-  }
-  return absl::InvalidArgumentError(absl::StrCat(field, ": unknown value '", std::string(name),
-                                                 "', expected one of ",
-                                                 absl::StrJoin(names, ", ")));
-}
 
 absl::Status Invalid(std::string msg) {
   return absl::InvalidArgumentError(std::move(msg));
 }
 
-bool UsesProfile(BudgetAllocator a) {
-  return a == BudgetAllocator::kMGA || a == BudgetAllocator::kMLMA2 ||
-         a == BudgetAllocator::kMLMA4 || a == BudgetAllocator::kMLMA6;
-}
-
 }  // namespace
-
-std::string_view ScoreMethodName(ScoreMethod m) {
-  return NameOf(kMethods, m);
-}
-std::string_view BudgetAllocatorName(BudgetAllocator a) {
-  return NameOf(kAllocators, a);
-}
-std::string_view ChunkPolicyName(ChunkPolicy p) {
-  return NameOf(kPolicies, p);
-}
-std::string_view PoolingTypeName(PoolingType p) {
-  return NameOf(kPoolings, p);
-}
-absl::StatusOr<ScoreMethod> ParseScoreMethod(std::string_view name) {
-  return Parse(kMethods, name, "method");
-}
-absl::StatusOr<BudgetAllocator> ParseBudgetAllocator(std::string_view name) {
-  return Parse(kAllocators, name, "allocator");
-}
-absl::StatusOr<ChunkPolicy> ParseChunkPolicy(std::string_view name) {
-  return Parse(kPolicies, name, "chunk_policy");
-}
-absl::StatusOr<PoolingType> ParsePoolingType(std::string_view name) {
-  return Parse(kPoolings, name, "pooling");
-}
 
 int32_t ProtectedSinks(const CompressionParams& p) {
   if (p.method == ScoreMethod::kStreamingLLM || p.protect_sinks) return p.num_sinks;
@@ -132,7 +45,7 @@ absl::Status ValidateCompression(const CompressionParams& p, int32_t num_layers)
   } else if (p.budget_cap_tokens < 0) {
     return Invalid(absl::StrCat("budget_cap_tokens must be >= 0, got ", p.budget_cap_tokens));
   }
-  if (UsesProfile(p.allocator) && p.profile_path.empty()) {
+  if (AllocatorNeedsProfile(p.allocator) && p.profile_path.empty()) {
     return Invalid(absl::StrCat("profile_path is required for allocator ",
                                 std::string(BudgetAllocatorName(p.allocator))));
   }
@@ -155,7 +68,7 @@ absl::StatusOr<BudgetOptions> ResolveBudgetOptions(const CompressionParams& p, i
   o.window = p.window;
   o.num_protected_sinks = ProtectedSinks(p);
   o.explicit_layer_prune = p.explicit_layer_prune;
-  if (UsesProfile(p.allocator)) {
+  if (AllocatorNeedsProfile(p.allocator)) {
     if (profile != nullptr) {
       o.profile_values = profile->values;
     } else {

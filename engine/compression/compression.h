@@ -11,22 +11,21 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "engine/compression/budget.h"
+#include "engine/compression_names.h"
 #include "engine/request.h"
 
 namespace dropkv::compression {
 
-// Lower-case names used by flags, config and the API: "dropkv", "snapkv", "h2o", "h2o_vl1",
-// "h2o_vl2", "streaming_llm", "knorm", "random", "none"; allocators "uniform", "pyramid", "mlp",
-// "mga", "mlma2", "mlma4", "mlma6", "explicit"; chunk policies "last_chunk", "every_chunk",
-// "budget"; pooling "max", "avg", "none". Parse errors list the accepted names.
-std::string_view ScoreMethodName(ScoreMethod method);
-std::string_view BudgetAllocatorName(BudgetAllocator allocator);
-std::string_view ChunkPolicyName(ChunkPolicy policy);
-std::string_view PoolingTypeName(PoolingType pooling);
-absl::StatusOr<ScoreMethod> ParseScoreMethod(std::string_view name);
-absl::StatusOr<BudgetAllocator> ParseBudgetAllocator(std::string_view name);
-absl::StatusOr<ChunkPolicy> ParseChunkPolicy(std::string_view name);
-absl::StatusOr<PoolingType> ParsePoolingType(std::string_view name);
+// The setting names live in engine/compression_names.h (one table); re-exported here for the
+// callers that spell them compression::ParseScoreMethod etc.
+using ::dropkv::BudgetAllocatorName;
+using ::dropkv::ChunkPolicyName;
+using ::dropkv::ParseBudgetAllocator;
+using ::dropkv::ParseChunkPolicy;
+using ::dropkv::ParsePoolingType;
+using ::dropkv::ParseScoreMethod;
+using ::dropkv::PoolingTypeName;
+using ::dropkv::ScoreMethodName;
 
 // INVALID_ARGUMENT naming the field when a setting is out of range or inconsistent with the model
 // depth (profile / explicit list length, chunk_size < window, ...). Reads the profile file for
