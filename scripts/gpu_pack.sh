@@ -4,17 +4,18 @@
 #
 #   scripts/gpu_pack.sh [-B BUILD_DIR] ARTIFACT...   (here; ARTIFACT relative to BUILD_DIR,
 #                                                     e.g. bin/dropkv-server tests/kernels_gpu_test)
-#   source scripts/gpu_pack.sh --unpack              (there, from the repo root, with carry: [".gpu"])
+#   source scripts/gpu_pack.sh --unpack              (there, from the repo root, with carry: [".gpu-pack"])
 #
 # Pack: strips the artifacts and copies every shared library they need except glibc, libstdc++ /
 # libgcc_s (the GPU machine's are newer) and LibTorch's own (the same torch 2.11.0+cu130 wheel is
-# installed there) into .gpu/pack.tar.gz (git-ignored). BUILD_DIR must be configured for sm_90
-# (e.g. -DCMAKE_CUDA_ARCHITECTURES=90; default build-gpu-local).
+# installed there) into .gpu-pack/pack.tar.gz (git-ignored; carry .gpu-pack, not .gpu too: both
+# together pass the device call's 64 MiB limit). BUILD_DIR must be configured for sm_90
+# (-DCMAKE_CUDA_ARCHITECTURES=90; default build-gpu-local).
 # Unpack: extracts into /opt/dropkv-pack and exports PATH (its bin/ and tests/) and LD_LIBRARY_PATH
 # (its lib/, then the torch wheel's lib/), plus DROPKV_PYTHON for tests that call python3.
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-pack="$root/.gpu/pack.tar.gz"
+pack="$root/.gpu-pack/pack.tar.gz"
 
 if [[ "${1:-}" == "--unpack" ]]; then
   dest=/opt/dropkv-pack
