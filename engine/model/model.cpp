@@ -91,6 +91,18 @@ absl::StatusOr<std::unique_ptr<Model>> Model::CreateRandom(const ModelConfig& c,
   return LoadOrDraw("", c, device, dtype, seed);
 }
 
+void Model::FuseProjections(Layer& l) {
+  // Biases: all of q/k/v have one or none (Qwen2 and Llama attention_bias set all three).
+  l.qkv_w = at::cat({l.q_w, l.k_w, l.v_w}, 0);
+  if (l.q_b.defined()) l.qkv_b = at::cat({l.q_b, l.k_b, l.v_b}, 0);
+  l.gate_up_w = at::cat({l.gate_w, l.up_w}, 0);
+  if (l.gate_b.defined()) l.gate_up_b = at::cat({l.gate_b, l.up_b}, 0);
+  for (at::Tensor* t :
+       {&l.q_w, &l.k_w, &l.v_w, &l.q_b, &l.k_b, &l.v_b, &l.gate_w, &l.up_w, &l.gate_b, &l.up_b}) {
+    *t = at::Tensor();
+  }
+}
+
 absl::StatusOr<std::unique_ptr<Model>> Model::LoadOrDraw(const std::string& model_dir,
                                                          const ModelConfig& c, at::Device device,
                                                          at::ScalarType dtype,
@@ -144,8 +156,10 @@ absl::StatusOr<std::unique_ptr<Model>> Model::LoadOrDraw(const std::string& mode
       for (const auto& spec : table) {
         if (!spec.required) continue;
         *spec.dst = at::empty(spec.shape, at::TensorOptions().device(device).dtype(dtype));
-        if (device.is_cuda()) spec.dst->normal_(0.0, 0.02);
-        else spec.dst->normal_(0.0, 0.02, gen);
+        if (device.is_cuda())
+          spec.dst->normal_(0.0, 0.02);
+        else
+          spec.dst->normal_(0.0, 0.02, gen);
       }
       table.clear();
     }
@@ -177,6 +191,7 @@ absl::StatusOr<std::unique_ptr<Model>> Model::LoadOrDraw(const std::string& mode
         fold(&l.post_norm);
       }
     }
+    for (auto& l : m->layers_) FuseProjections(l);
     m->inv_freq_ = RopeInvFreq(c, c.rope.original_max_position_embeddings).to(device);
   } catch (const std::exception& e) {
     return absl::InternalError(absl::StrCat(model_dir, ": loading weights failed: ", e.what()));
@@ -224,9 +239,12 @@ absl::StatusOr<at::Tensor> Model::Forward(const at::Tensor& tokens, const at::Te
     for (int32_t i = 0; i < c.num_layers; ++i) {
       const Layer& l = layers_[i];
       auto hs = Norm(x, l.input_norm);
-      auto q = at::linear(hs, l.q_w, l.q_b).view({n, c.num_heads, c.head_dim});     // [N, Hq, D]
-      auto k = at::linear(hs, l.k_w, l.k_b).view({n, c.num_kv_heads, c.head_dim});  // [N, Hkv, D]
-      auto v = at::linear(hs, l.v_w, l.v_b).view({n, c.num_kv_heads, c.head_dim});
+      auto qkv = at::linear(hs, l.qkv_w, l.qkv_b);  // [N, q_size + 2 kv_size]
+      auto q = qkv.narrow(1, 0, c.q_size()).view({n, c.num_heads, c.head_dim});  // [N, Hq, D]
+      auto k = qkv.narrow(1, c.q_size(), c.kv_size()).view({n, c.num_kv_heads, c.head_dim});
+      auto v = qkv.narrow(1, c.q_size() + c.kv_size(), c.kv_size())
+                   .view({n, c.num_kv_heads, c.head_dim})
+                   .contiguous();  // [N, Hkv, D] (the selectors and cache writes expect dense)
       q = q * cos_h + RotateHalf(q) * sin_h;
       k = k * cos_h + RotateHalf(k) * sin_h;
       ASSIGN_OR_RETURN(at::Tensor attn, backend.Attend(i, q, k, v));     // [N, Hq, D]
@@ -234,9 +252,11 @@ absl::StatusOr<at::Tensor> Model::Forward(const at::Tensor& tokens, const at::Te
       if (observer != nullptr && *observer) (*observer)(i, o);
       x = x + o;
       hs = Norm(x, l.post_norm);
-      auto gate = at::linear(hs, l.gate_w, l.gate_b);
+      const int64_t inter = c.intermediate_size;
+      auto gate_up = at::linear(hs, l.gate_up_w, l.gate_up_b);  // [N, 2 inter]
+      auto gate = gate_up.narrow(1, 0, inter);
       gate = c.hidden_act == "silu" ? at::silu(gate) : at::gelu(gate, "tanh");
-      x = x + at::linear(gate * at::linear(hs, l.up_w, l.up_b), l.down_w, l.down_b);
+      x = x + at::linear(gate * gate_up.narrow(1, inter, inter), l.down_w, l.down_b);
     }
     return Norm(x, final_norm_);
   } catch (const std::exception& e) {

@@ -70,10 +70,14 @@ class Model {
  private:
   struct Layer {
     at::Tensor input_norm, post_norm;  // [hidden] (Gemma: 1 + w, fp32)
-    at::Tensor q_w, k_w, v_w, o_w;     // [q_size, hidden], [kv_size, hidden] x2, [hidden, q_size]
-    at::Tensor q_b, k_b, v_b, o_b;     // optional biases
-    at::Tensor gate_w, up_w, down_w;   // [inter, hidden] x2, [hidden, inter]
-    at::Tensor gate_b, up_b, down_b;   // optional (Llama mlp_bias)
+    // As stored (freed once fused): [q_size, hidden], [kv_size, hidden] x2; [inter, hidden] x2.
+    at::Tensor q_w, k_w, v_w, q_b, k_b, v_b, gate_w, up_w, gate_b, up_b;
+    // Fused at load so that one GEMM does q, k and v (and one gate and up): fewer launches, and
+    // a decode GEMV streams one weight matrix instead of three.
+    at::Tensor qkv_w, qkv_b;          // [q_size + 2 kv_size, hidden], optional bias
+    at::Tensor gate_up_w, gate_up_b;  // [2 inter, hidden], optional bias
+    at::Tensor o_w, o_b;              // [hidden, q_size], optional bias
+    at::Tensor down_w, down_b;        // [hidden, inter], optional bias
   };
   Model(const ModelConfig& config, at::ScalarType dtype) : config_(config), dtype_(dtype) {}
   // Reads the weights from `model_dir`, or draws them when `random_seed` is set.
@@ -81,6 +85,8 @@ class Model {
                                                            const ModelConfig& config,
                                                            at::Device device, at::ScalarType dtype,
                                                            std::optional<uint64_t> random_seed);
+  // Concatenates q/k/v and gate/up into qkv_w / gate_up_w and drops the separate tensors.
+  static void FuseProjections(Layer& l);
   at::Tensor Norm(const at::Tensor& x, const at::Tensor& w) const;
   // cos, sin: [N, D] in the model dtype.
   std::pair<at::Tensor, at::Tensor> RopeCosSin(const at::Tensor& positions,

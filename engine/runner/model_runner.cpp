@@ -10,6 +10,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
+#include <map>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -20,6 +22,7 @@
 #include "engine/model/config.h"
 #include "engine/model/log.h"
 #include "engine/model/model.h"
+#include "engine/runner/cuda_graph.h"
 #include "engine/runner/demo_model.h"
 #include "engine/runner/kv_selector.h"
 #include "kernels/paged_attention.h"
@@ -75,45 +78,117 @@ class PrefillBackend : public AttentionBackend {
   std::vector<int32_t> deferred_free_;  // old blocks of compacted layers, freed on commit
 };
 
+// The inputs of one decode step, packed in one byte buffer so that one host-to-device copy moves
+// them all. `batch` rows (a CUDA graph's bucket: rows past the real batch are padding) and
+// `max_blocks` block-table columns (its context bucket).
+struct DecodeLayout {
+  int64_t batch = 0;
+  int64_t num_layers = 0;
+  int64_t max_blocks = 0;
+
+  // int64: tokens [B] | positions [B] | slots [L, B]; then int32: lens [L, B] | tables [L, B, M].
+  int64_t num_int64() const { return 2 * batch + num_layers * batch; }
+  int64_t num_int32() const { return num_layers * batch * (1 + max_blocks); }
+  int64_t num_bytes() const { return 8 * num_int64() + 4 * num_int32(); }
+  bool operator==(const DecodeLayout&) const = default;
+};
+
+// Typed views into a packed buffer (host or device).
+struct DecodeInputs {
+  at::Tensor tokens;     // int64 [B]
+  at::Tensor positions;  // int64 [B]
+  at::Tensor slots;      // int64 [L, B]: where each row's new K/V goes
+  at::Tensor lens;       // int32 [L, B]: stored entries after this step (0 = padding row)
+  at::Tensor tables;     // int32 [L, B, M]
+
+  static DecodeInputs View(const at::Tensor& bytes, const DecodeLayout& lay) {
+    const int64_t b = lay.batch, l = lay.num_layers;
+    auto i64 = bytes.narrow(0, 0, 8 * lay.num_int64()).view(at::kLong);
+    auto i32 = bytes.narrow(0, 8 * lay.num_int64(), 4 * lay.num_int32()).view(at::kInt);
+    DecodeInputs in;
+    in.tokens = i64.narrow(0, 0, b);
+    in.positions = i64.narrow(0, b, b);
+    in.slots = i64.narrow(0, 2 * b, l * b).view({l, b});
+    in.lens = i32.narrow(0, 0, l * b).view({l, b});
+    in.tables = i32.narrow(0, l * b, l * b * lay.max_blocks).view({l, b, lay.max_blocks});
+    return in;
+  }
+};
+
 // Attention over the paged cache for one decode step; the per-layer metadata is built once.
 class DecodeBackend : public AttentionBackend {
  public:
-  DecodeBackend(BlockPool& pool, at::Tensor slots, at::Tensor tables, at::Tensor lens, double scale)
+  // use_kernel: the CUDA split-K kernel (else the ATen reference, which syncs with the host).
+  DecodeBackend(BlockPool& pool, DecodeInputs in, int32_t max_seq_len, double scale,
+                bool use_kernel)
       : pool_(pool),
-        slots_(std::move(slots)),
-        tables_(std::move(tables)),
-        lens_(std::move(lens)),
-        scale_(scale) {}
+        in_(std::move(in)),
+        max_seq_len_(max_seq_len),
+        scale_(scale),
+        use_kernel_(use_kernel) {}
   absl::StatusOr<at::Tensor> Attend(int32_t layer_idx, const at::Tensor& q, const at::Tensor& k,
                                     const at::Tensor& v) override {
     const auto& kc = pool_.key_cache();
     const auto& vc = pool_.value_cache();
     const int64_t hkv = kc.size(2);
     const int64_t d = kc.size(3);
-    kc.view({-1, hkv, d}).index_copy_(0, slots_[layer_idx], k);
-    vc.view({-1, hkv, d}).index_copy_(0, slots_[layer_idx], v);
-    if (kc.is_cuda()) {
-      // The split-K CUDA kernel reads the block tables on the device: no host sync per layer.
+    const auto slots = in_.slots[layer_idx];
+    kc.view({-1, hkv, d}).index_copy_(0, slots, k);
+    vc.view({-1, hkv, d}).index_copy_(0, slots, v);
+    if (use_kernel_) {
+      // The split-K CUDA kernel reads the block tables on the device: no host sync per layer;
+      // the grid comes from max_seq_len, known on the host (fixed per captured graph).
       kernels::PagedAttentionParams params;
       params.scale = scale_;
-      return kernels::PagedDecodeAttention(q, kc, vc, tables_[layer_idx], lens_[layer_idx], params);
+      params.max_seq_len = max_seq_len_;
+      return kernels::PagedDecodeAttention(q, kc, vc, in_.tables[layer_idx], in_.lens[layer_idx],
+                                           params);
     }
-    return PagedDecodeAttention(q, kc, vc, tables_[layer_idx], lens_[layer_idx], scale_);
+    return PagedDecodeAttention(q, kc, vc, in_.tables[layer_idx], in_.lens[layer_idx], scale_);
   }
 
  private:
   BlockPool& pool_;
-  at::Tensor slots_;   // int64 [L, B]: where each sequence's new K/V goes
-  at::Tensor tables_;  // int32 [L, B, max_blocks]
-  at::Tensor lens_;    // int32 [L, B]
+  DecodeInputs in_;
+  int32_t max_seq_len_;
   double scale_;
+  bool use_kernel_;
+};
+
+// Graph buckets. Batch: powers of two to 8, then multiples of 16 to 64, then of 64 (a decode
+// GEMV reads the weights once whatever the rows, so padding rows cost little). Context (block
+// table columns): at least 16, then four steps per doubling (<= 25% padding of the table).
+int64_t BatchBucket(int64_t batch) {
+  if (batch <= 8) return int64_t{1} << static_cast<int>(std::ceil(std::log2(batch)));
+  if (batch <= 64) return (batch + 15) / 16 * 16;
+  return (batch + 63) / 64 * 64;
+}
+int64_t BlocksBucket(int64_t blocks) {
+  if (blocks <= 16) return 16;
+  int64_t p = 16;
+  while (p * 2 < blocks) p *= 2;
+  const int64_t step = p / 4;
+  return (blocks + step - 1) / step * step;
+}
+constexpr int64_t kMaxGraphBatch = 512;
+constexpr int64_t kMaxGraphInputBytes = int64_t{64} << 20;  // per graph's packed inputs
+constexpr size_t kMaxGraphs = 64;  // more: drop them all and capture again as needed
+
+// One captured decode step and its input buffers.
+struct DecodeGraph {
+  DecodeLayout layout;
+  std::unique_ptr<StagedUpload> inputs;
+  std::unique_ptr<CapturedGraph> graph;
 };
 
 class TorchModelRunner : public ModelRunner {
  public:
   TorchModelRunner(RunnerOptions options, std::unique_ptr<Model> model,
-                   std::unique_ptr<BlockPool> pool)
-      : options_(std::move(options)), model_(std::move(model)), pool_(std::move(pool)) {}
+                   std::unique_ptr<BlockPool> pool, int32_t scratch_block)
+      : options_(std::move(options)),
+        model_(std::move(model)),
+        pool_(std::move(pool)),
+        scratch_block_(scratch_block) {}
 
   const ModelConfig& config() const override { return model_->config(); }
   BlockPool& pool() override { return *pool_; }
@@ -230,43 +305,37 @@ class TorchModelRunner : public ModelRunner {
     };
     try {
       const int64_t batch = static_cast<int64_t>(ids.size());
-      const int32_t num_layers = config().num_layers;
-      const int64_t bs = pool_->block_size();
-      int64_t max_blocks = 1;
+      int64_t max_blocks = 1, max_pos = 0, max_len = 1;
       for (int64_t s : ids) {
-        for (int32_t l = 0; l < num_layers; ++l) {
-          max_blocks = std::max<int64_t>(max_blocks, pool_->table(s, l).block_ids.size());
+        max_pos = std::max(max_pos, pool_->logical_len(s));
+        for (int32_t l = 0; l < config().num_layers; ++l) {
+          const auto& t = pool_->table(s, l);
+          max_blocks = std::max<int64_t>(max_blocks, t.block_ids.size());
+          max_len = std::max(max_len, t.stored_len);
         }
       }
-      // Host metadata for every layer, then one copy each to the device.
-      auto slots = at::empty({num_layers, batch}, at::kLong);
-      auto tables = at::zeros({num_layers, batch, max_blocks}, at::kInt);
-      auto lens = at::empty({num_layers, batch}, at::kInt);
-      auto positions = at::empty({batch}, at::kLong);
-      auto* slots_p = slots.data_ptr<int64_t>();
-      auto* tables_p = tables.data_ptr<int32_t>();
-      auto* lens_p = lens.data_ptr<int32_t>();
-      int64_t max_pos = 0;
-      for (int64_t b = 0; b < batch; ++b) {
-        const int64_t pos = pool_->logical_len(ids[b]);
-        positions.data_ptr<int64_t>()[b] = pos;
-        max_pos = std::max(max_pos, pos);
-        for (int32_t l = 0; l < num_layers; ++l) {
-          const auto& t = pool_->table(ids[b], l);
-          const int64_t last = t.stored_len - 1;
-          slots_p[l * batch + b] = int64_t{t.block_ids[last / bs]} * bs + last % bs;
-          lens_p[l * batch + b] = static_cast<int32_t>(t.stored_len);
-          std::copy(t.block_ids.begin(), t.block_ids.end(),
-                    tables_p + (l * batch + b) * max_blocks);
-        }
+      at::Tensor logits;
+      if (UseGraphs(batch, max_blocks)) {
+        auto graphed = DecodeWithGraph(ids, tokens, max_blocks);
+        if (!graphed.ok()) return undo(graphed.status());
+        logits = *graphed;
       }
-      const auto dev = model_->device();
-      DecodeBackend backend(*pool_, slots.to(dev), tables.to(dev), lens.to(dev),
-                            model_->attention_scale());
-      auto hidden = model_->Forward(TokensTensor(tokens), positions.to(dev), max_pos, backend);
-      if (!hidden.ok()) return undo(hidden.status());
+      if (!logits.defined()) {
+        // Eager: the inputs packed on the host, one copy to the device.
+        const DecodeLayout lay{batch, config().num_layers, max_blocks};
+        auto host = at::empty({lay.num_bytes()}, at::kByte);
+        FillDecodeInputs(host.data_ptr<uint8_t>(), lay, ids, tokens);
+        const auto dev = model_->device();
+        auto bytes = dev.is_cpu() ? host : host.to(dev);
+        DecodeInputs in = DecodeInputs::View(bytes, lay);
+        DecodeBackend backend(*pool_, in, static_cast<int32_t>(max_len), model_->attention_scale(),
+                              UseDecodeKernel());
+        auto hidden = model_->Forward(in.tokens, in.positions, max_pos, backend);
+        if (!hidden.ok()) return undo(hidden.status());
+        logits = model_->Logits(*hidden);  // fp32 [B, vocab]
+      }
       for (int64_t s : ids) pool_->set_logical_len(s, pool_->logical_len(s) + 1);
-      return model_->Logits(*hidden);  // fp32 [B, vocab]
+      return logits;
     } catch (const std::exception& e) {
       return undo(absl::InternalError(absl::StrCat("decode failed: ", e.what())));
     }
@@ -408,6 +477,117 @@ class TorchModelRunner : public ModelRunner {
   double scale() const { return model_->attention_scale(); }
 
  private:
+  // Writes the packed decode inputs of `ids` (after AppendSlots: the new token's slot is the
+  // last stored one of each layer) into `base` (lay.num_bytes()). Rows past ids.size() are
+  // padding: token 0 at position 0, length 0 (attention reads nothing), K/V written into the
+  // reserved scratch block, so a padded row never touches a live sequence's blocks.
+  void FillDecodeInputs(uint8_t* base, const DecodeLayout& lay, std::span<const int64_t> ids,
+                        std::span<const int32_t> tokens) const {
+    const int64_t batch = lay.batch, num_layers = lay.num_layers, m = lay.max_blocks;
+    const int64_t bs = pool_->block_size();
+    auto* i64 = reinterpret_cast<int64_t*>(base);
+    auto* tok_p = i64;
+    auto* pos_p = i64 + batch;
+    auto* slots_p = i64 + 2 * batch;
+    auto* i32 = reinterpret_cast<int32_t*>(base + 8 * lay.num_int64());
+    auto* lens_p = i32;
+    auto* tables_p = i32 + num_layers * batch;
+    std::memset(tables_p, 0, sizeof(int32_t) * num_layers * batch * m);
+    const int64_t real = static_cast<int64_t>(ids.size());
+    for (int64_t b = 0; b < batch; ++b) {
+      if (b >= real) {
+        tok_p[b] = 0;
+        pos_p[b] = 0;
+        for (int64_t l = 0; l < num_layers; ++l) {
+          slots_p[l * batch + b] = int64_t{scratch_block_} * bs + b % bs;
+          lens_p[l * batch + b] = 0;
+        }
+        continue;
+      }
+      tok_p[b] = tokens[b];
+      pos_p[b] = pool_->logical_len(ids[b]);
+      for (int64_t l = 0; l < num_layers; ++l) {
+        const auto& t = pool_->table(ids[b], static_cast<int32_t>(l));
+        const int64_t last = t.stored_len - 1;
+        slots_p[l * batch + b] = int64_t{t.block_ids[last / bs]} * bs + last % bs;
+        lens_p[l * batch + b] = static_cast<int32_t>(t.stored_len);
+        std::memcpy(tables_p + (l * batch + b) * m, t.block_ids.data(),
+                    sizeof(int32_t) * t.block_ids.size());
+      }
+    }
+  }
+
+  // The CUDA paged-attention kernel's geometry (kernels/paged_attention.h); tiny test models
+  // outside it run the ATen reference on the device instead (eager only).
+  bool UseDecodeKernel() const {
+    const auto& c = config();
+    return model_->device().is_cuda() &&
+           (c.head_dim == 64 || c.head_dim == 128 || c.head_dim == 256) &&
+           c.num_heads % c.num_kv_heads == 0 && c.num_heads / c.num_kv_heads <= 16;
+  }
+
+  bool UseGraphs(int64_t batch, int64_t max_blocks) const {
+    if (!options_.cuda_graphs || graphs_disabled_ || scratch_block_ < 0) return false;
+    if (!UseDecodeKernel()) return false;
+    // Dynamic RoPE recomputes its frequencies from the host-side length: not capturable.
+    if (config().rope.type == RopeType::kDynamic) return false;
+    if (batch > kMaxGraphBatch) return false;
+    const DecodeLayout lay{BatchBucket(batch), config().num_layers, BlocksBucket(max_blocks)};
+    return lay.num_bytes() <= kMaxGraphInputBytes;
+  }
+
+  // One decode step through the graph of its bucket (captured on first use). An undefined
+  // tensor means "run eagerly": capture failed (graphs are then off for this runner).
+  absl::StatusOr<at::Tensor> DecodeWithGraph(std::span<const int64_t> ids,
+                                             std::span<const int32_t> tokens, int64_t max_blocks) {
+    const int64_t batch = static_cast<int64_t>(ids.size());
+    const DecodeLayout lay{BatchBucket(batch), config().num_layers, BlocksBucket(max_blocks)};
+    const auto key = std::make_pair(lay.batch, lay.max_blocks);
+    auto it = graphs_.find(key);
+    if (it == graphs_.end()) {
+      if (graphs_.size() >= kMaxGraphs) {
+        graphs_.clear();
+        graph_pool_ = CudaGraphPool{};
+      }
+      auto entry = std::make_unique<DecodeGraph>();
+      entry->layout = lay;
+      ASSIGN_OR_RETURN(entry->inputs,
+                       CreateStagedUpload(lay.num_bytes(), model_->device().index()));
+      it = graphs_.emplace(key, std::move(entry)).first;
+    }
+    DecodeGraph& g = *it->second;
+    g.inputs->WaitStagingFree();
+    FillDecodeInputs(g.inputs->staging().data_ptr<uint8_t>(), lay, ids, tokens);
+    g.inputs->Upload();
+    if (!g.graph) {
+      DecodeInputs in = DecodeInputs::View(g.inputs->device_buffer(), lay);
+      const int32_t max_seq_len = static_cast<int32_t>(lay.max_blocks * pool_->block_size());
+      const int64_t max_position = config().max_position_embeddings;  // unused: not dynamic
+      auto forward = [this, in, max_seq_len, max_position]() -> absl::StatusOr<at::Tensor> {
+        DecodeBackend backend(*pool_, in, max_seq_len, model_->attention_scale(), true);
+        ASSIGN_OR_RETURN(at::Tensor hidden,
+                         model_->Forward(in.tokens, in.positions, max_position, backend));
+        return model_->Logits(hidden);  // fp32 [B_bucket, vocab]
+      };
+      auto captured = CaptureCudaGraph(forward, graph_pool_);
+      if (!captured.ok()) {
+        // The warm-up inside the capture ran this step once; the eager rerun writes the same
+        // K/V into the same slots.
+        LogWarn(absl::StrCat("decode: CUDA graphs off for this runner: ",
+                             captured.status().ToString()));
+        graphs_disabled_ = true;
+        graphs_.clear();
+        return at::Tensor();
+      }
+      g.graph = std::move(*captured);
+      LogInfo(absl::StrCat("decode: captured a CUDA graph for batch ", lay.batch, " x ",
+                           lay.max_blocks, " blocks (", graphs_.size(), " graphs)"));
+    }
+    g.graph->Replay();
+    // The graph's output is overwritten by the next replay: the caller gets its own copy.
+    return g.graph->output().narrow(0, 0, batch).clone();
+  }
+
   absl::Status CheckTokens(std::span<const int32_t> tokens) const {
     for (size_t i = 0; i < tokens.size(); ++i) {
       if (tokens[i] < 0 || tokens[i] >= config().vocab_size) {
@@ -431,6 +611,11 @@ class TorchModelRunner : public ModelRunner {
   // arange(stored_len), the uncompressed case). Tracked through prefill; decode does not extend
   // them.
   std::unordered_map<SequenceId, std::vector<at::Tensor>> positions_;
+  // CUDA graphs of the decode step, by (batch bucket, block-table columns bucket).
+  int32_t scratch_block_ = -1;  // reserved block padded rows write into (-1: no graphs)
+  bool graphs_disabled_ = false;
+  CudaGraphPool graph_pool_;
+  std::map<std::pair<int64_t, int64_t>, std::unique_ptr<DecodeGraph>> graphs_;
 };
 
 absl::StatusOr<at::Tensor> PrefillBackend::Attend(int32_t layer_idx, const at::Tensor& q,
@@ -528,17 +713,43 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const RunnerOpt
   if (options.num_kv_blocks > 0) {
     po.num_blocks = options.num_kv_blocks;
   } else {
-    // TODO(issue 3): on CUDA, size from free memory after weights (needs the CUDA runtime API).
-    const int64_t bytes = options.kv_cache_bytes > 0
-                              ? options.kv_cache_bytes
-                              : (device.is_cuda() ? (int64_t{8} << 30) : (int64_t{1} << 30));
+    int64_t bytes = options.kv_cache_bytes;
+    if (bytes <= 0 && device.is_cuda()) {
+      // The free device memory once the weights are resident, less a reserve for activations
+      // (prefill's MLP intermediates at long prompts, graph pools, cuBLAS workspaces).
+      ASSIGN_OR_RETURN(auto mem, CudaMemoryInfo(device.has_index() ? device.index() : 0));
+      const auto [free_bytes, total_bytes] = mem;
+      const int64_t reserve = options.kv_reserve_bytes > 0
+                                  ? options.kv_reserve_bytes
+                                  : std::max<int64_t>(int64_t{4} << 30, total_bytes / 10);
+      bytes = free_bytes - reserve;
+      LogInfo(absl::StrCat("runner: device has ", free_bytes >> 20, " MiB free of ",
+                           total_bytes >> 20, " MiB after the weights; KV pool gets ",
+                           std::max<int64_t>(bytes, 0) >> 20, " MiB (reserve ", reserve >> 20,
+                           " MiB)"));
+      if (bytes < block_bytes) {
+        return absl::ResourceExhaustedError(
+            absl::StrCat("device: only ", free_bytes >> 20,
+                         " MiB free after the weights, less than the ", reserve >> 20,
+                         " MiB activation reserve: no room for a KV pool "
+                         "(set kv_cache_bytes or kv_reserve_bytes)"));
+      }
+    } else if (bytes <= 0) {
+      bytes = int64_t{1} << 30;
+    }
     po.num_blocks = std::max<int64_t>(1, bytes / block_bytes);
   }
   ASSIGN_OR_RETURN(auto pool, BlockPool::Create(po));
   LogInfo(absl::StrCat("runner: KV pool of ", po.num_blocks, " blocks x ", po.block_size,
                        " slots (", po.num_blocks * block_bytes / (1 << 20), " MiB)"));
+  // CUDA graphs pad the batch to a bucket; the padded rows write their K/V into this block.
+  int32_t scratch_block = -1;
+  if (device.is_cuda() && options.cuda_graphs && po.num_blocks > 1) {
+    ASSIGN_OR_RETURN(auto reserved, pool->AllocateBlocks(1));
+    scratch_block = reserved[0];
+  }
   return std::unique_ptr<ModelRunner>(
-      new TorchModelRunner(options, std::move(model), std::move(pool)));
+      new TorchModelRunner(options, std::move(model), std::move(pool), scratch_block));
 }
 
 }  // namespace dropkv

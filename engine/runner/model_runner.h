@@ -31,10 +31,16 @@ struct RunnerOptions {
   std::string dtype =
       "auto";               // "auto" (bf16 on CUDA, fp32 on CPU), "float32", "bfloat16", "float16"
   int32_t block_size = 16;  // KV slots per block
-  int64_t kv_cache_bytes = 0;  // 0 = a default (CPU: 1 GiB; CUDA: 90% of free memory after weights)
-  int64_t num_kv_blocks = 0;   // > 0 overrides kv_cache_bytes (tests use tiny pools)
-  bool random_weights = false;  // draw weights (normal, std 0.02) instead of reading them: benchmarks
-  uint64_t random_seed = 0;     // at real geometry from a config.json alone
+  int64_t kv_cache_bytes = 0;    // 0 = a default (CPU: 1 GiB; CUDA: free memory after weights
+                                 // minus an activation reserve, see kv_reserve_bytes)
+  int64_t kv_reserve_bytes = 0;  // CUDA default pool: bytes left free (0 = max(4 GiB, 10%))
+  int64_t num_kv_blocks = 0;     // > 0 overrides kv_cache_bytes (tests use tiny pools)
+  bool random_weights =
+      false;                 // draw weights (normal, std 0.02) instead of reading them: benchmarks
+  uint64_t random_seed = 0;  // at real geometry from a config.json alone
+  // CUDA decode replays a captured graph per (batch bucket, context bucket) instead of launching
+  // each kernel from the host. Off: every step runs eagerly (for comparison and debugging).
+  bool cuda_graphs = true;
 };
 
 // What the scheduler needs to know about a sequence's cache after a step.

@@ -17,18 +17,22 @@ VOCAB = 128
 
 
 def families():
+    # head_dim 64 / 256: the CUDA paged-attention kernel's sizes, so the GPU parity test
+    # (gpu_parity_test.cpp) runs these same models through it.
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
                   max_position_embeddings=256, initializer_range=0.02, bos_token_id=1, eos_token_id=2)
     yield "llama", tf.LlamaForCausalLM, tf.LlamaConfig(
-        **common, num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False,
+        **common, num_attention_heads=8, num_key_value_heads=2, head_dim=64, tie_word_embeddings=False,
         rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 16}), None
     yield "qwen2", tf.Qwen2ForCausalLM, tf.Qwen2Config(
-        **common, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False), "150KB"
+        **common, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        tie_word_embeddings=False), "150KB"
     yield "gemma", tf.GemmaForCausalLM, tf.GemmaConfig(
         **common, num_attention_heads=2, num_key_value_heads=2, head_dim=256), None
     yield "mistral", tf.MistralForCausalLM, tf.MistralConfig(
-        **common, num_attention_heads=4, num_key_value_heads=1, sliding_window=None, tie_word_embeddings=True), None
+        **common, num_attention_heads=4, num_key_value_heads=1, head_dim=64, sliding_window=None,
+        tie_word_embeddings=True), None
 
 
 @torch.inference_mode()

@@ -1,0 +1,119 @@
+// CUDA implementation of cuda_graph.h (compiled only when DROPKV_CUDA_ENABLED).
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAEvent.h>
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "absl/strings/str_cat.h"
+#include "engine/runner/cuda_graph.h"
+
+namespace dropkv {
+namespace {
+
+class CudaCapturedGraph : public CapturedGraph {
+ public:
+  void Replay() override { graph_.replay(); }
+  const at::Tensor& output() const override { return output_; }
+
+  at::cuda::CUDAGraph graph_;
+  at::Tensor output_;
+};
+
+class CudaStagedUpload : public StagedUpload {
+ public:
+  CudaStagedUpload(at::Tensor staging, at::Tensor device_buffer)
+      : staging_(std::move(staging)), device_buffer_(std::move(device_buffer)) {}
+  void WaitStagingFree() override {
+    if (pending_) done_.synchronize();
+    pending_ = false;
+  }
+  at::Tensor& staging() override { return staging_; }
+  void Upload() override {
+    // Pinned source + non_blocking: an async copy ordered on the current stream; the event tells
+    // the next WaitStagingFree when the host may overwrite the staging buffer.
+    device_buffer_.copy_(staging_, /*non_blocking=*/true);
+    done_.record(at::cuda::getCurrentCUDAStream());
+    pending_ = true;
+  }
+  const at::Tensor& device_buffer() const override { return device_buffer_; }
+
+ private:
+  at::Tensor staging_;        // uint8 [num_bytes], pinned host memory
+  at::Tensor device_buffer_;  // uint8 [num_bytes] on the device
+  at::cuda::CUDAEvent done_;
+  bool pending_ = false;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<CapturedGraph>> CaptureCudaGraph(
+    const std::function<absl::StatusOr<at::Tensor>()>& forward, CudaGraphPool& pool) {
+  auto graph = std::make_unique<CudaCapturedGraph>();
+  try {
+    // Capture needs a non-default stream; the side stream first waits for the work queued on
+    // the current one (the caller's input upload).
+    auto current = at::cuda::getCurrentCUDAStream();
+    auto side = at::cuda::getStreamFromPool();
+    at::cuda::CUDAEvent ready;
+    ready.record(current);
+    ready.block(side);
+    {
+      at::cuda::CUDAStreamGuard guard(side);
+      auto warm = forward();  // eager: lazy initialisation must not happen inside the capture
+      if (!warm.ok()) return warm.status();
+      side.synchronize();
+      const at::cuda::MempoolId_t pool_id{pool.id.first, pool.id.second};
+      graph->graph_.capture_begin(pool_id);
+      absl::StatusOr<at::Tensor> out;
+      try {
+        out = forward();
+      } catch (...) {
+        try {
+          graph->graph_.capture_end();
+        } catch (...) {
+        }
+        throw;
+      }
+      graph->graph_.capture_end();
+      if (!out.ok()) return out.status();
+      graph->output_ = *out;
+      const auto used = graph->graph_.pool();
+      pool.id = {used.first, used.second};
+    }
+    side.synchronize();
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat("CUDA graph capture failed: ", e.what()));
+  }
+  return std::unique_ptr<CapturedGraph>(std::move(graph));
+}
+
+absl::StatusOr<std::pair<int64_t, int64_t>> CudaMemoryInfo(int device_index) {
+  try {
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index));
+    c10::cuda::CUDACachingAllocator::emptyCache();
+    size_t free_bytes = 0, total_bytes = 0;
+    C10_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+    return std::pair<int64_t, int64_t>(static_cast<int64_t>(free_bytes),
+                                       static_cast<int64_t>(total_bytes));
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat("cudaMemGetInfo failed: ", e.what()));
+  }
+}
+
+absl::StatusOr<std::unique_ptr<StagedUpload>> CreateStagedUpload(int64_t num_bytes,
+                                                                 int device_index) {
+  try {
+    auto staging = at::empty({num_bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+    auto device_buffer = at::empty(
+        {num_bytes}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA, device_index));
+    return std::unique_ptr<StagedUpload>(
+        new CudaStagedUpload(std::move(staging), std::move(device_buffer)));
+  } catch (const std::exception& e) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("decode input buffers of ", num_bytes, " bytes: ", e.what()));
+  }
+}
+
+}  // namespace dropkv
