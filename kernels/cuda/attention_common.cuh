@@ -56,6 +56,27 @@ __device__ __forceinline__ float WarpSum(float x) {
   return x;
 }
 
+// cp.async (sm_80+) helpers: 16-byte global -> shared copies that complete asynchronously.
+__device__ __forceinline__ void CpAsync16(void* smem_dst, const void* gmem_src, bool valid) {
+  // src-size 0 zero-fills the 16 bytes without reading (keys past the end: p = 0 and v = 0).
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem_src),
+               "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void CpAsyncCommit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ float FastExp2(float x) {  // ex2.approx: exp2(-inf) = 0
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // Loads a [kKeyTile, D] tile of rows `row_ptr(j)` into fp32 shared memory with row stride
 // `stride` (D + 1 pads away bank conflicts when lanes read different rows). Keys outside
 // [0, num_valid) are zero-filled: p is 0 there, and 0 * garbage could be NaN.

@@ -37,8 +37,10 @@ bool VectorAligned(const at::Tensor& t) {
 
 // Pass 1 CTAs: about 8 per SM (4 resident x 2 waves: more loads in flight; v1 used 2 per SM
 // and was latency-bound), at least 4 key tiles per split, at most 48 splits.
+// ctas_per_sm: resident pass-1 CTAs per SM (tensor-core kernel: its occupancy, one wave, since
+// each CTA keeps its next tile in flight; CUDA-core kernel: 8, two waves of 4).
 int ChooseSplits(int64_t num_heads_total, int64_t num_row_chunks, int64_t max_n, int requested,
-                 int key_tile) {
+                 int key_tile, int ctas_per_sm) {
   // At most 48 splits: the partials (S x rows x (D + 2) floats per KV head) stay under 8 MB at
   // Llama-3.1-8B geometry (64 splits measured 8.25 MiB).
   const int64_t max_splits = std::max<int64_t>(1, std::min<int64_t>(48, max_n / (4 * key_tile)));
@@ -48,7 +50,7 @@ int ChooseSplits(int64_t num_heads_total, int64_t num_row_chunks, int64_t max_n,
                            std::max<int64_t>(1, (max_n + key_tile - 1) / key_tile)}));
   const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int64_t want =
-      (8 * num_sms + num_heads_total * num_row_chunks - 1) / (num_heads_total * num_row_chunks);
+      std::max<int64_t>(1, int64_t{ctas_per_sm} * num_sms / (num_heads_total * num_row_chunks));
   return static_cast<int>(std::clamp<int64_t>(want, 1, max_splits));
 }
 
@@ -69,7 +71,22 @@ absl::Status Launch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   constexpr bool kHalfType = !std::is_same_v<T, float>;
   const bool tc = kHalfType && params.use_tensor_cores;
   const int key_tile = tc ? kTcKeys : kKeyTile;
-  const int splits = ChooseSplits(bh, num_chunks, max_n, params.num_splits, key_tile);
+  int ctas_per_sm = 8;
+  if constexpr (kHalfType) {
+    if (tc) {
+      static const int occupancy = [] {
+        int blocks = 0;
+        // The attribute first: occupancy of more than 48 KB of dynamic shared memory needs it.
+        cudaFuncSetAttribute(PartialAttnTcKernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             PartialAttnTcSmemBytes<T, D>());
+        const cudaError_t st = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+            &blocks, PartialAttnTcKernel<T, D>, kThreads, PartialAttnTcSmemBytes<T, D>());
+        return st == cudaSuccess ? std::max(1, blocks) : 1;
+      }();
+      ctas_per_sm = occupancy;
+    }
+  }
+  const int splits = ChooseSplits(bh, num_chunks, max_n, params.num_splits, key_tile, ctas_per_sm);
   const int64_t split_len = ((max_n + splits - 1) / splits + key_tile - 1) / key_tile * key_tile;
   auto f32 = q.options().dtype(at::kFloat);
   // Scratch: partials (S x rows x (D + 2)) + merged a and lse: O(n) through S only.
@@ -108,7 +125,7 @@ absl::Status Launch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
       static const cudaError_t attr =
           cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
       C10_CUDA_CHECK(attr);
-      kernel<<<dim3(bh, splits, num_chunks), kThreads, smem, stream>>>(pa);
+      kernel<<<dim3(num_chunks, splits, bh), kThreads, smem, stream>>>(pa);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   }
@@ -158,7 +175,18 @@ absl::Status Launch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
       static const cudaError_t attr =
           cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
       C10_CUDA_CHECK(attr);
-      kernel<<<dim3(bh, (max_n + kTcKeys - 1) / kTcKeys), kThreads, smem, stream>>>(sp);
+      // Persistent: as many CTAs as fit at once, spread over the heads.
+      static const int occupancy = [&] {
+        int blocks = 0;
+        const cudaError_t st =
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, smem);
+        return st == cudaSuccess ? std::max(1, blocks) : 1;
+      }();
+      const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+      const int64_t num_tiles = (max_n + kTcKeys - 1) / kTcKeys;
+      const int64_t ctas_per_head =
+          std::clamp<int64_t>((int64_t{occupancy} * num_sms + bh - 1) / bh, 1, num_tiles);
+      kernel<<<dim3(bh, ctas_per_head), kThreads, smem, stream>>>(sp);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   }
@@ -255,6 +283,10 @@ absl::StatusOr<at::Tensor> DropKvScores(const at::Tensor& q_window, const at::Te
           absl::StrCat("DropKvScores on CUDA: n = ", max_n, " too large"));
     }
     if (max_n == 0 || batch == 0) return out.zero_();
+    if (batch * k.size(1) > 65535) {  // pass 1's grid z
+      return absl::InvalidArgumentError(absl::StrCat(
+          "DropKvScores on CUDA: batch x kv_heads must be <= 65535, got ", batch * k.size(1)));
+    }
     auto dev = at::TensorOptions().device(k.device());
     // One pinned host buffer and one async copy for the per-sequence descriptors.
     auto host = at::empty({3 * batch}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));

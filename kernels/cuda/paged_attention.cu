@@ -1,6 +1,6 @@
-// Paged decode attention on CUDA: pass 1 of attention_common.cuh over the block table (split-K,
-// the g query heads of a KV head as the rows of one CTA, W = 1), then the LSE merge straight into
-// the output. One launch each for the whole batch.
+// Paged decode attention on CUDA: PagedDecodeKernel (paged_decode_kernels.cuh: split-K, the g
+// query heads of a KV head as the rows of one CTA, cp.async-pipelined K/V), then the LSE merge
+// (attention_common.cuh) straight into the output. One launch each for the whole batch.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -11,6 +11,7 @@
 #include "kernels/check.h"
 #include "kernels/cuda/attention_common.cuh"
 #include "kernels/cuda/launchers.h"
+#include "kernels/cuda/paged_decode_kernels.cuh"
 
 namespace dropkv::kernels::cuda {
 namespace {
@@ -22,58 +23,61 @@ void Launch(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const int64_t batch = q.size(0), hq = q.size(1);
   const int64_t block_size = k_cache.size(1), hkv = k_cache.size(2);
   const int64_t g = hq / hkv, bh = batch * hkv;
+  const int64_t num_chunks = (g + RC - 1) / RC, rows_pad = num_chunks * RC;
   const int64_t max_blocks = block_tables.size(1);
   // Upper bound of the lengths without a device sync; CTAs past a sequence's end exit early.
+  // The grid depends only on the shapes and the hint: the same on every CUDA-graph replay.
   const int64_t capacity = max_blocks * block_size;
-  const int64_t max_len = max_len_hint > 0 ? std::min(max_len_hint, capacity) : capacity;
-  int splits = requested_splits;
+  const int64_t max_len =
+      std::max<int64_t>(1, max_len_hint > 0 ? std::min(max_len_hint, capacity) : capacity);
+  constexpr int64_t kMinSplitKeys = 64;  // below this the per-CTA prologue and merge dominate
+  int64_t splits = requested_splits;
   if (splits <= 0) {
+    // About 2 resident CTAs per SM (each keeps 5 stages of loads in flight per thread).
     const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-    splits = static_cast<int>((8 * num_sms + bh - 1) / bh);
+    splits = (2 * num_sms + bh * num_chunks - 1) / (bh * num_chunks);
+    splits = std::min<int64_t>(splits, (max_len + kMinSplitKeys - 1) / kMinSplitKeys);
   }
-  // Decode is latency-bound per CTA (few rows per tile): many short splits, at least one key
-  // tile each, at most 128 (the merge loops over them).
-  splits = static_cast<int>(std::clamp<int64_t>(
-      splits, 1,
-      std::max<int64_t>(1, std::min<int64_t>(kMaxSplits, (max_len + kKeyTile - 1) / kKeyTile))));
-  const int64_t split_len = ((max_len + splits - 1) / splits + kKeyTile - 1) / kKeyTile * kKeyTile;
+  splits = std::clamp<int64_t>(splits, 1, std::min<int64_t>(kMaxSplits, max_len));
+  const int64_t split_len = ((max_len + splits - 1) / splits + 15) / 16 * 16;
+  const int64_t table_len = (split_len + block_size - 1) / block_size + 1;
   auto f32 = q.options().dtype(at::kFloat);
-  auto part_acc = at::empty({bh, splits, RC, D}, f32);
-  auto part_ml = at::empty({2, bh, splits, RC}, f32);
+  auto part_acc = at::empty({bh, splits, rows_pad, D}, f32);
+  auto part_ml = at::empty({2, bh, splits, rows_pad}, f32);
   auto stream = at::cuda::getCurrentCUDAStream();
 
-  PartialAttnParams<T> pa{};
+  PagedDecodeParams<T> pa{};
   pa.q = reinterpret_cast<const T*>(q.data_ptr());
   pa.k = reinterpret_cast<const T*>(k_cache.data_ptr());
   pa.v = reinterpret_cast<const T*>(v_cache.data_ptr());
   pa.block_tables = block_tables.data_ptr<int32_t>();
   pa.seq_lens = seq_lens.data_ptr<int32_t>();
-  pa.stride_tok = hkv * D;  // one slot
-  pa.stride_head = D;
+  pa.stride_slot = hkv * D;
   pa.max_blocks = static_cast<int32_t>(max_blocks);
   pa.block_size = static_cast<int32_t>(block_size);
   pa.num_kv_heads = static_cast<int32_t>(hkv);
-  pa.window = 1;
-  pa.num_rows = static_cast<int32_t>(g);
-  pa.rows_pad = RC;
-  pa.min_pos = 0;
-  pa.num_splits = splits;
+  pa.group = static_cast<int32_t>(g);
+  pa.rows_pad = static_cast<int32_t>(rows_pad);
+  pa.num_splits = static_cast<int32_t>(splits);
   pa.split_len = static_cast<int32_t>(split_len);
-  pa.scale = scale;
+  pa.table_len = table_len <= kDecMaxTableEntries ? static_cast<int32_t>(table_len) : 0;
+  pa.scale_log2 = scale * 1.4426950408889634f;
   pa.part_m = part_ml[0].data_ptr<float>();
   pa.part_l = part_ml[1].data_ptr<float>();
   pa.part_acc = part_acc.data_ptr<float>();
-  auto kernel = PartialAttnKernel<T, D, RC, true>;
-  constexpr int smem = PartialAttnSmemFloats<D, RC>() * sizeof(float);
+  auto kernel = PagedDecodeKernel<T, D, RC>;
+  constexpr int base_smem = PagedDecodeSmemBytes<T, D, RC>();
+  constexpr int max_smem = base_smem + kDecMaxTableEntries * 4;
   // Once per instantiation: the attribute call costs host time on every decode step otherwise.
   static const cudaError_t attr =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem);
   C10_CUDA_CHECK(attr);
-  kernel<<<dim3(bh, splits, 1), kThreads, smem, stream>>>(pa);
+  const int smem = base_smem + pa.table_len * 4;
+  kernel<<<dim3(bh, splits, num_chunks), kDecThreads, smem, stream>>>(pa);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  MergeKernel<T, D><<<dim3(bh, RC), D, 0, stream>>>(pa.part_m, pa.part_l, pa.part_acc, splits, RC,
-                                                    static_cast<int>(g),
-                                                    reinterpret_cast<T*>(out.data_ptr()), nullptr);
+  MergeKernel<T, D><<<dim3(bh, rows_pad), D, 0, stream>>>(
+      pa.part_m, pa.part_l, pa.part_acc, static_cast<int>(splits), static_cast<int>(rows_pad),
+      static_cast<int>(g), reinterpret_cast<T*>(out.data_ptr()), nullptr);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -81,10 +85,11 @@ template <typename T, int D>
 void DispatchRows(int64_t g, const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
                   const at::Tensor& bt, const at::Tensor& sl, float scale, int splits,
                   int64_t max_len, at::Tensor& out) {
-  // Row chunk = the group rounded up to a multiple of 4 warps (D = 64 needs 8: two row groups).
-  if (g <= 4 && D >= 128) return Launch<T, D, 4>(q, kc, vc, bt, sl, scale, splits, max_len, out);
-  if (g <= 8) return Launch<T, D, 8>(q, kc, vc, bt, sl, scale, splits, max_len, out);
-  return Launch<T, D, 16>(q, kc, vc, bt, sl, scale, splits, max_len, out);
+  // Rows per CTA: the group rounded up to a power of two, at most 8 (more: row chunks in z).
+  if (g == 1) return Launch<T, D, 1>(q, kc, vc, bt, sl, scale, splits, max_len, out);
+  if (g == 2) return Launch<T, D, 2>(q, kc, vc, bt, sl, scale, splits, max_len, out);
+  if (g <= 4) return Launch<T, D, 4>(q, kc, vc, bt, sl, scale, splits, max_len, out);
+  return Launch<T, D, kDecMaxRows>(q, kc, vc, bt, sl, scale, splits, max_len, out);
 }
 
 template <typename T>

@@ -186,8 +186,10 @@ TEST_F(KernelsGpuTest, RejectsUnsupportedHeadDim) {
 
 TEST_F(KernelsGpuTest, PagedDecodeMatchesCpuReference) {
   for (auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
-    for (int64_t g : {1, 4, 7}) {
+    for (int64_t g : {1, 4, 7, 16}) {
       for (int64_t d : {64, 128, 256}) {
+        // g = 16 (two row chunks per KV head on CUDA) once, to keep the run short.
+        if (g == 16 && (dtype != at::kBFloat16 || d != 128)) continue;
         const int64_t b = 4, hkv = 2, hq = hkv * g, bs = 16, max_blocks = 400,
                       nb = b * max_blocks + 7;
         auto kc = at::randn({nb, bs, hkv, d}).to(dtype), vc = at::randn({nb, bs, hkv, d}).to(dtype);
@@ -213,6 +215,70 @@ TEST_F(KernelsGpuTest, PagedDecodeMatchesCpuReference) {
                         " D=" + std::to_string(d));
       }
     }
+  }
+}
+
+// Block size 1 with one split: the split's block ids exceed the kernel's shared-memory cache and
+// are read from the table in global memory; the default split count caches them. Both against
+// the CPU reference.
+TEST_F(KernelsGpuTest, PagedDecodeBlockSizeOneAndSplitCounts) {
+  const int64_t b = 3, hkv = 2, g = 4, d = 128, bs = 1, max_blocks = 5000, nb = b * max_blocks;
+  for (int32_t splits : {1, 0, 7}) {
+    auto kc = at::randn({nb, bs, hkv, d}).to(at::kBFloat16);
+    auto vc = at::randn({nb, bs, hkv, d}).to(at::kBFloat16);
+    auto q = at::randn({b, hkv * g, d}).to(at::kBFloat16);
+    auto tables = at::randperm(nb, at::kInt).view({b, max_blocks}).contiguous();
+    auto lens = at::tensor({5000, 17, 0}, at::kInt);
+    auto want =
+        PagedDecodeAttention(q.to(at::kFloat), kc.to(at::kFloat), vc.to(at::kFloat), tables, lens);
+    ASSERT_TRUE(want.ok()) << want.status();
+    Poison();
+    PagedAttentionParams params;
+    params.num_splits = splits;
+    auto got = PagedDecodeAttention(q.to(at::kCUDA), kc.to(at::kCUDA), vc.to(at::kCUDA),
+                                    tables.to(at::kCUDA), lens.to(at::kCUDA), params);
+    ASSERT_TRUE(got.ok()) << got.status();
+    ExpectClose(*got, *want, 1e-2, 1e-2, "block size 1, splits " + std::to_string(splits));
+  }
+}
+
+// Tensor-core scoring with more packed rows than the score pass keeps resident (g * W = 64 > 32:
+// Q / a reloaded per tile) and with ragged varlen sequences (persistent CTAs over tiles).
+TEST_F(KernelsGpuTest, DropKvBf16ManyRowsAndVarlen) {
+  const std::vector<int64_t> cu = {0, 3000, 3065, 3066, 7166};
+  const int64_t hq = 32, hkv = 4, w = 8, d = 128, total = cu.back();
+  auto q = at::randn({4, hq, w, d}).to(at::kBFloat16);
+  auto k = at::randn({total, hkv, d}).to(at::kBFloat16);
+  auto v = at::randn({total, hkv, d}).to(at::kBFloat16);
+  auto cu_t = at::tensor(cu, at::kLong);
+  DropKvParams params;
+  params.p_round_dtype = at::kBFloat16;
+  auto want =
+      DropKvScoresVarlen(q.to(at::kFloat), k.to(at::kFloat), v.to(at::kFloat), cu_t, params);
+  ASSERT_TRUE(want.ok()) << want.status();
+  Poison();
+  auto got = DropKvScoresVarlen(q.to(at::kCUDA), k.to(at::kCUDA), v.to(at::kCUDA), cu_t, params);
+  ASSERT_TRUE(got.ok()) << got.status();
+  auto g_cpu = got->cpu();
+  ASSERT_FALSE(g_cpu.isnan().any().item<bool>());
+  for (size_t s = 0; s + 1 < cu.size(); ++s) {
+    const int64_t len = cu[s + 1] - cu[s];
+    if (len < 1000) continue;  // top-10% of a few keys is too coarse a measure
+    const double overlap =
+        TopOverlap(g_cpu.slice(1, cu[s], cu[s + 1]), want->slice(1, cu[s], cu[s + 1]));
+    std::printf("varlen bf16 g=8 W=8 sequence %zu (n=%lld): top-10%% overlap %.4f\n", s,
+                static_cast<long long>(len), overlap);
+    EXPECT_GE(overlap, 0.99) << "sequence " << s;
+  }
+  // The short sequences: same scores as the dense call on that sequence alone.
+  for (size_t s : {size_t{1}, size_t{2}}) {
+    auto qs = q.slice(0, s, s + 1).to(at::kCUDA);
+    auto ks = k.slice(0, cu[s], cu[s + 1]).transpose(0, 1).unsqueeze(0).contiguous().to(at::kCUDA);
+    auto vs = v.slice(0, cu[s], cu[s + 1]).transpose(0, 1).unsqueeze(0).contiguous().to(at::kCUDA);
+    auto alone = DropKvScores(qs, ks, vs, params);
+    ASSERT_TRUE(alone.ok()) << alone.status();
+    ExpectClose(g_cpu.slice(1, cu[s], cu[s + 1]), (*alone)[0], 1e-5, 1e-6,
+                "short sequence " + std::to_string(s) + " varlen vs alone");
   }
 }
 
