@@ -273,15 +273,15 @@ absl::Status InferenceService::Start(grpc::CallbackServerContext* context,
   return st;
 }
 
-grpc::ServerWriteReactor<v1::GenerateResponse>* InferenceService::Generate(
-    grpc::CallbackServerContext* context, const v1::GenerateRequest* request) {
-  auto* reactor = new GenerateReactor(context, num_active_calls_);
+template <typename Reactor>
+Reactor* InferenceService::StartReactor(grpc::CallbackServerContext* context,
+                                        const v1::GenerateRequest& request, Reactor* reactor) {
   if (grpc::Status auth = CheckAuth(context); !auth.ok()) {
     reactor->FinishNow(auth);
     return reactor;
   }
   std::string request_id;
-  absl::Status st = Start(context, *request, reactor->channel(), &request_id, reactor->tracker());
+  absl::Status st = Start(context, request, reactor->channel(), &request_id, reactor->tracker());
   if (!st.ok()) {
     reactor->FinishNow(ToGrpcStatus(st));
     return reactor;
@@ -289,129 +289,104 @@ grpc::ServerWriteReactor<v1::GenerateResponse>* InferenceService::Generate(
   reactor->set_request_id(request_id);
   reactor->Attach();
   return reactor;
+}
+
+template <typename Body>
+grpc::ServerUnaryReactor* InferenceService::FinishUnary(grpc::CallbackServerContext* context,
+                                                        Body&& body) {
+  auto* reactor = context->DefaultReactor();
+  grpc::Status st = CheckAuth(context);
+  reactor->Finish(st.ok() ? body() : st);
+  return reactor;
+}
+
+grpc::ServerWriteReactor<v1::GenerateResponse>* InferenceService::Generate(
+    grpc::CallbackServerContext* context, const v1::GenerateRequest* request) {
+  return StartReactor(context, *request, new GenerateReactor(context, num_active_calls_));
 }
 
 grpc::ServerUnaryReactor* InferenceService::GenerateUnary(grpc::CallbackServerContext* context,
                                                           const v1::GenerateRequest* request,
                                                           v1::GenerateResponse* response) {
-  auto* reactor = new UnaryGenerateReactor(context, response, num_active_calls_);
-  if (grpc::Status auth = CheckAuth(context); !auth.ok()) {
-    reactor->FinishNow(auth);
-    return reactor;
-  }
-  std::string request_id;
-  absl::Status st = Start(context, *request, reactor->channel(), &request_id, reactor->tracker());
-  if (!st.ok()) {
-    reactor->FinishNow(ToGrpcStatus(st));
-    return reactor;
-  }
-  reactor->set_request_id(request_id);
-  reactor->Attach();
-  return reactor;
+  return StartReactor(context, *request,
+                      new UnaryGenerateReactor(context, response, num_active_calls_));
 }
 
 grpc::ServerUnaryReactor* InferenceService::Tokenize(grpc::CallbackServerContext* context,
                                                      const v1::TokenizeRequest* request,
                                                      v1::TokenizeResponse* response) {
-  auto* reactor = context->DefaultReactor();
-  if (grpc::Status auth = CheckAuth(context); !auth.ok()) {
-    reactor->Finish(auth);
-    return reactor;
-  }
-  if (tokenizer_ == nullptr) {
-    reactor->Finish(grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "no tokenizer loaded"));
-    return reactor;
-  }
-  if (request->ByteSizeLong() > static_cast<size_t>(options_.limits.max_request_bytes)) {
-    reactor->Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "request: oversized"));
-    return reactor;
-  }
-  absl::StatusOr<std::vector<int32_t>> ids;
-  if (request->has_chat()) {
-    std::vector<ChatMessage> messages;
-    for (const auto& m : request->chat().messages()) messages.push_back({m.role(), m.content()});
-    auto text = tokenizer_->ApplyChatTemplate(messages, true);
-    ids = text.ok() ? tokenizer_->Encode(*text, false) : text.status();
-  } else {
-    const bool add_special = !request->has_add_special_tokens() || request->add_special_tokens();
-    ids = tokenizer_->Encode(request->text(), add_special);
-  }
-  if (!ids.ok()) {
-    reactor->Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                                 "text: " + std::string(ids.status().message())));
-    return reactor;
-  }
-  for (int32_t id : *ids) response->add_token_ids(id);
-  reactor->Finish(grpc::Status::OK);
-  return reactor;
+  return FinishUnary(context, [&]() -> grpc::Status {
+    if (tokenizer_ == nullptr)
+      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "no tokenizer loaded");
+    if (request->ByteSizeLong() > static_cast<size_t>(options_.limits.max_request_bytes))
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "request: oversized");
+    absl::StatusOr<std::vector<int32_t>> ids;
+    if (request->has_chat()) {
+      std::vector<ChatMessage> messages;
+      for (const auto& m : request->chat().messages()) messages.push_back({m.role(), m.content()});
+      auto text = tokenizer_->ApplyChatTemplate(messages, true);
+      ids = text.ok() ? tokenizer_->Encode(*text, false) : text.status();
+    } else {
+      const bool add_special = !request->has_add_special_tokens() || request->add_special_tokens();
+      ids = tokenizer_->Encode(request->text(), add_special);
+    }
+    if (!ids.ok()) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          "text: " + std::string(ids.status().message()));
+    }
+    for (int32_t id : *ids) response->add_token_ids(id);
+    return grpc::Status::OK;
+  });
 }
 
 grpc::ServerUnaryReactor* InferenceService::Detokenize(grpc::CallbackServerContext* context,
                                                        const v1::DetokenizeRequest* request,
                                                        v1::DetokenizeResponse* response) {
-  auto* reactor = context->DefaultReactor();
-  if (grpc::Status auth = CheckAuth(context); !auth.ok()) {
-    reactor->Finish(auth);
-    return reactor;
-  }
-  if (tokenizer_ == nullptr) {
-    reactor->Finish(grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "no tokenizer loaded"));
-    return reactor;
-  }
-  for (int i = 0; i < request->token_ids_size(); ++i) {
-    const int32_t id = request->token_ids(i);
-    if (id < 0 || id >= options_.limits.vocab_size) {
-      reactor->Finish(grpc::Status(
-          grpc::StatusCode::INVALID_ARGUMENT,
-          "token_ids[" + std::to_string(i) + "]: unknown token id " + std::to_string(id)));
-      return reactor;
+  return FinishUnary(context, [&]() -> grpc::Status {
+    if (tokenizer_ == nullptr)
+      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "no tokenizer loaded");
+    for (int i = 0; i < request->token_ids_size(); ++i) {
+      const int32_t id = request->token_ids(i);
+      if (id < 0 || id >= options_.limits.vocab_size) {
+        return grpc::Status(
+            grpc::StatusCode::INVALID_ARGUMENT,
+            "token_ids[" + std::to_string(i) + "]: unknown token id " + std::to_string(id));
+      }
     }
-  }
-  std::vector<int32_t> ids(request->token_ids().begin(), request->token_ids().end());
-  auto text = tokenizer_->Decode(ids, request->skip_special_tokens());
-  if (!text.ok()) {
-    reactor->Finish(ToGrpcStatus(text.status()));
-    return reactor;
-  }
-  response->set_text(*text);
-  reactor->Finish(grpc::Status::OK);
-  return reactor;
+    std::vector<int32_t> ids(request->token_ids().begin(), request->token_ids().end());
+    auto text = tokenizer_->Decode(ids, request->skip_special_tokens());
+    if (!text.ok()) return ToGrpcStatus(text.status());
+    response->set_text(*text);
+    return grpc::Status::OK;
+  });
 }
 
 grpc::ServerUnaryReactor* InferenceService::GetModelInfo(grpc::CallbackServerContext* context,
                                                          const v1::GetModelInfoRequest*,
                                                          v1::ModelInfo* response) {
-  auto* reactor = context->DefaultReactor();
-  if (grpc::Status auth = CheckAuth(context); !auth.ok()) {
-    reactor->Finish(auth);
-    return reactor;
-  }
-  *response = options_.model_info;
-  reactor->Finish(grpc::Status::OK);
-  return reactor;
+  return FinishUnary(context, [&] {
+    *response = options_.model_info;
+    return grpc::Status::OK;
+  });
 }
 
 grpc::ServerUnaryReactor* InferenceService::GetServerStats(grpc::CallbackServerContext* context,
                                                            const v1::GetServerStatsRequest*,
                                                            v1::ServerStats* response) {
-  auto* reactor = context->DefaultReactor();
-  if (grpc::Status auth = CheckAuth(context); !auth.ok()) {
-    reactor->Finish(auth);
-    return reactor;
-  }
-  const SchedulerStats s = scheduler_.Stats();
-  response->set_num_waiting(s.num_waiting);
-  response->set_num_running(s.num_running);
-  response->set_kv_blocks_total(s.kv_blocks_total);
-  response->set_kv_blocks_free(s.kv_blocks_free);
-  response->set_kv_blocks_used(s.kv_blocks_total - s.kv_blocks_free);
-  response->set_num_preemptions(s.num_preemptions);
-  response->set_num_requests_finished(s.num_finished);
-  response->set_num_requests_rejected(s.num_rejected);
-  response->set_num_waiting_prompt_tokens(s.num_waiting_prompt_tokens);
-  response->set_draining(s.draining);
-  reactor->Finish(grpc::Status::OK);
-  return reactor;
+  return FinishUnary(context, [&] {
+    const SchedulerStats s = scheduler_.Stats();
+    response->set_num_waiting(s.num_waiting);
+    response->set_num_running(s.num_running);
+    response->set_kv_blocks_total(s.kv_blocks_total);
+    response->set_kv_blocks_free(s.kv_blocks_free);
+    response->set_kv_blocks_used(s.kv_blocks_total - s.kv_blocks_free);
+    response->set_num_preemptions(s.num_preemptions);
+    response->set_num_requests_finished(s.num_finished);
+    response->set_num_requests_rejected(s.num_rejected);
+    response->set_num_waiting_prompt_tokens(s.num_waiting_prompt_tokens);
+    response->set_draining(s.draining);
+    return grpc::Status::OK;
+  });
 }
 
 }  // namespace dropkv

@@ -53,6 +53,14 @@ class InferenceService final : public v1::Inference::CallbackService {
  private:
   // OK, or UNAUTHENTICATED when a token is configured and the call does not carry it.
   grpc::Status CheckAuth(const grpc::CallbackServerContext* context) const;
+  // Generate / GenerateUnary: auth, validation and Submit, then attach `reactor` to the request
+  // (or finish it at once with the error).
+  template <typename Reactor>
+  Reactor* StartReactor(grpc::CallbackServerContext* context, const v1::GenerateRequest& request,
+                        Reactor* reactor);
+  // The unary RPCs: auth, then finish with what `body` returns.
+  template <typename Body>
+  grpc::ServerUnaryReactor* FinishUnary(grpc::CallbackServerContext* context, Body&& body);
   // Validation + Submit; on success the request is queued on `channel`.
   // `tracker` gets the request's metrics/log tracker once validation passed.
   absl::Status Start(grpc::CallbackServerContext* context, const v1::GenerateRequest& request,
