@@ -48,3 +48,16 @@ function(dropkv_add_fixture)
     TIMEOUT ${F_TIMEOUT}
     ENVIRONMENT "DROPKV_SHARED=${DROPKV_SHARED_DIR};DROPKV_SOURCE_DIR=${CMAKE_SOURCE_DIR};DROPKV_BUILD_DIR=${CMAKE_BINARY_DIR};OMP_NUM_THREADS=2")
 endfunction()
+
+# tests/, tools/ and bench/: every subfolder with a CMakeLists.txt is one area (one owner), so
+# adding a folder needs no edit in its parent.
+macro(dropkv_add_area_subdirectories)
+  file(GLOB _dropkv_subdirs LIST_DIRECTORIES true RELATIVE "${CMAKE_CURRENT_SOURCE_DIR}"
+       "${CMAKE_CURRENT_SOURCE_DIR}/*")
+  list(SORT _dropkv_subdirs)
+  foreach(_dropkv_sub IN LISTS _dropkv_subdirs)
+    if(EXISTS "${CMAKE_CURRENT_SOURCE_DIR}/${_dropkv_sub}/CMakeLists.txt")
+      add_subdirectory(${_dropkv_sub})
+    endif()
+  endforeach()
+endmacro()
