@@ -59,10 +59,35 @@ class Press final : public KvSelector {
   }
 
  private:
-  struct LayerState {
-    // H2O: attention mass each stored entry received so far, before any normalisation.
-    at::Tensor h2o_sum;  // fp32 [Hkv, n_stored]
+  // H2O's attention mass per stored entry, kept transactionally: a chunk whose prefill fails
+  // (RESOURCE_EXHAUSTED: the runner restores the cache and the scheduler replays the chunk later)
+  // must not leave its column sums behind. The runner gives no commit call, so a chunk's sums are
+  // staged under its logical range [start, end) and committed when the next chunk starts at
+  // `end`; a chunk that starts at the staged `start` again is a replay and replaces them.
+  struct H2oSums {
+    at::Tensor sum;     // fp32 [Hkv, n_stored]: raw sums over every query of [0, end)
+    int64_t start = 0;  // logical range of the chunk that produced `sum`
+    int64_t end = 0;
   };
+  struct LayerState {
+    H2oSums committed;  // the cache as stored after the last chunk known to have succeeded
+    H2oSums staged;     // the latest chunk, not yet known to have been stored
+  };
+
+  // The sums over the stored entries as of logical position `chunk_start` (commits or drops the
+  // staged chunk first). Undefined when there is nothing to add to (first chunk, or a history that
+  // does not match the runner's cache: the sums then restart from this chunk).
+  static at::Tensor H2oBase(LayerState& state, int64_t chunk_start, int64_t n_prev) {
+    if (state.staged.sum.defined()) {
+      if (state.staged.end == chunk_start) {
+        state.committed = std::move(state.staged);  // the next chunk began: the staged one stuck
+      }
+      state.staged = {};  // committed, or a replay / stale chunk: dropped either way
+    }
+    const H2oSums& c = state.committed;
+    if (c.sum.defined() && c.end == chunk_start && c.sum.size(1) == n_prev) return c.sum;
+    return {};
+  }
 
   absl::Status CheckView(const LayerKvView& v) const {
     if (v.layer_idx < 0 || v.layer_idx >= model_.num_layers) {
@@ -112,10 +137,10 @@ class Press final : public KvSelector {
       if (!s.ok()) return s.status();
       at::Tensor chunk_sum = (*s)[0];  // [Hkv, n]
       const int64_t n_prev = n - chunk_len;
-      if (state.h2o_sum.defined() && state.h2o_sum.size(1) == n_prev) {
-        chunk_sum.slice(1, 0, n_prev).add_(state.h2o_sum);
-      }  // else: first chunk, or the runner dropped a step (state restarts from this chunk)
-      state.h2o_sum = chunk_sum;
+      const int64_t chunk_start = v.logical_len - chunk_len;
+      const at::Tensor base = H2oBase(state, chunk_start, n_prev);  // [Hkv, n_prev] or undefined
+      if (base.defined()) chunk_sum.slice(1, 0, n_prev).add_(base);
+      state.staged = {chunk_sum, chunk_start, v.logical_len};
     }
     if (!ShouldCompress(v, n)) return std::optional<at::Tensor>();
 
@@ -150,7 +175,7 @@ class Press final : public KvSelector {
     absl::StatusOr<at::Tensor> idx = kernels::SelectTopK(*scores, keep, sp);
     if (!idx.ok()) return idx.status();
     at::Tensor kept = (*idx)[0];  // int64 [Hkv, keep], ascending
-    if (state.h2o_sum.defined()) state.h2o_sum = state.h2o_sum.gather(1, kept);
+    if (state.staged.sum.defined()) state.staged.sum = state.staged.sum.gather(1, kept);
     return std::optional<at::Tensor>(kept);
   }
 
@@ -178,7 +203,7 @@ class Press final : public KvSelector {
       case ScoreMethod::kH2O:
       case ScoreMethod::kH2OVl1:
       case ScoreMethod::kH2OVl2: {
-        at::Tensor s = state.h2o_sum.unsqueeze(0).clone();  // [1, Hkv, n]
+        at::Tensor s = state.staged.sum.unsqueeze(0).clone();  // [1, Hkv, n]
         if (overrides_.h2o_divide_by_num_queries) {
           // Queries that saw entry j: every prompt position >= its position.
           at::Tensor count = (v.logical_len - v.positions).clamp_min(1).to(at::kFloat);

@@ -1,6 +1,7 @@
 // A press = scorer + budget allocator + selection policy, behind the runner's KvSelector hook
 // (engine/runner/kv_selector.h). One press per sequence: it keeps per-layer state across prefill
-// chunks (H2O's accumulated attention, the chunk count). Scoring and selection are the kernels'
+// chunks (H2O's accumulated attention, staged per chunk so that a failed chunk's replay replaces
+// rather than adds). Scoring and selection are the kernels'
 // functions (kernels/dropkv_score.h, kernels/scorers.h, kernels/selection.h); this file decides
 // which tokens, how many (budget.h) and when (chunk policy, algorithms.md section 5).
 #pragma once

@@ -7,9 +7,11 @@
 #include <ATen/ATen.h>
 
 #include <numeric>
+#include <optional>
 
 #include <gtest/gtest.h>
 
+#include "absl/strings/str_cat.h"
 #include "engine/compression/budget.h"
 #include "engine/compression/compression.h"
 
@@ -44,11 +46,20 @@ struct SimResult {
   std::vector<std::vector<int64_t>> stored_after_chunk;  // [chunk][layer]
 };
 
+// A chunk whose prefill fails part-way: the runner calls Select on the first
+// `num_layers_selected` layers, then the step fails (RESOURCE_EXHAUSTED), the cache is left as
+// before and the same chunk is replayed, `num_failures` times in a row.
+struct ChunkFailure {
+  int64_t chunk_idx = -1;  // -1 = no failure
+  int32_t num_layers_selected = 0;
+  int32_t num_failures = 1;
+};
+
 // Chunked prefill of `in` through `selector` (chunk_len 0 = one pass). Memory in tokens per KV
 // head: while layer l runs, the other layers hold their stored entries and layer l holds
 // stored + chunk (only one layer's uncompressed K/V is alive at a time).
 SimResult Simulate(KvSelector& selector, const Geometry& g, const LayerInputs& in, int64_t n,
-                   int64_t chunk_len) {
+                   int64_t chunk_len, const ChunkFailure& failure = {}) {
   if (chunk_len <= 0) chunk_len = n;
   std::vector<at::Tensor> k(g.num_layers), v(g.num_layers), pos(g.num_layers);
   for (int32_t l = 0; l < g.num_layers; ++l) {
@@ -56,21 +67,33 @@ SimResult Simulate(KvSelector& selector, const Geometry& g, const LayerInputs& i
     v[l] = at::empty({g.num_kv_heads, 0, g.head_dim});
     pos[l] = at::empty({g.num_kv_heads, 0}, at::kLong);
   }
+  auto make_view = [&](int32_t l, int64_t start, int64_t end) {
+    LayerKvView view;
+    view.layer_idx = l;
+    view.num_layers = g.num_layers;
+    view.logical_len = end;
+    view.queries = in.q[l].slice(1, start, end);
+    view.keys = at::cat({k[l], in.k[l].slice(1, start, end)}, 1);
+    view.values = at::cat({v[l], in.v[l].slice(1, start, end)}, 1);
+    view.positions = at::cat(
+        {pos[l], at::arange(start, end, at::kLong).expand({g.num_kv_heads, end - start})}, 1);
+    view.is_last_chunk = end == n;
+    return view;
+  };
   SimResult r;
-  for (int64_t start = 0; start < n; start += chunk_len) {
+  int64_t chunk_idx = 0;
+  for (int64_t start = 0; start < n; start += chunk_len, ++chunk_idx) {
     const int64_t end = std::min(n, start + chunk_len);
+    if (chunk_idx == failure.chunk_idx) {
+      for (int32_t f = 0; f < failure.num_failures; ++f) {
+        for (int32_t l = 0; l < failure.num_layers_selected; ++l) {
+          EXPECT_TRUE(selector.Select(make_view(l, start, end)).ok());  // result thrown away
+        }
+      }
+    }
     std::vector<int64_t> stored;
     for (int32_t l = 0; l < g.num_layers; ++l) {
-      LayerKvView view;
-      view.layer_idx = l;
-      view.num_layers = g.num_layers;
-      view.logical_len = end;
-      view.queries = in.q[l].slice(1, start, end);
-      view.keys = at::cat({k[l], in.k[l].slice(1, start, end)}, 1);
-      view.values = at::cat({v[l], in.v[l].slice(1, start, end)}, 1);
-      view.positions = at::cat(
-          {pos[l], at::arange(start, end, at::kLong).expand({g.num_kv_heads, end - start})}, 1);
-      view.is_last_chunk = end == n;
+      LayerKvView view = make_view(l, start, end);
       int64_t others = 0;
       for (int32_t o = 0; o < g.num_layers; ++o) {
         if (o != l) others += k[o].size(1);
@@ -217,6 +240,59 @@ TEST(Press, H2oWithValueNormMatchesFp64BruteForce) {
       auto ref = std::get<0>(std::get<1>(s.topk(keep)).sort());
       EXPECT_TRUE(at::equal(ref, r.positions[l][h])) << "layer " << l << " head " << h;
     }
+  }
+}
+
+// A chunk that fails part-way and is replayed must leave no trace: H2O's column sums are staged
+// per chunk and replaced by the replay (before the fix the retry found sums that already
+// included the failed chunk and restarted from it, dropping the earlier chunks' attention; with
+// a constant token budget the sizes could also line up and the chunk was counted twice).
+TEST(Press, FailedChunkIsReplayedWithoutDoubleCounting) {
+  Geometry g;
+  const int64_t n = 160;
+  const int64_t chunk = 32;  // 5 chunks
+  LayerInputs in = RandomInputs(g, n, 21);
+  struct Case {
+    ScoreMethod method;
+    ChunkPolicy policy;
+    std::optional<int64_t> budget_tokens;
+    ChunkFailure failure;
+  };
+  const Case cases[] = {
+      {ScoreMethod::kH2O, ChunkPolicy::kLastChunk, std::nullopt, {1, 4, 1}},     // all layers
+      {ScoreMethod::kH2O, ChunkPolicy::kLastChunk, std::nullopt, {2, 2, 1}},     // half of them
+      {ScoreMethod::kH2OVl2, ChunkPolicy::kLastChunk, std::nullopt, {3, 3, 2}},  // twice
+      {ScoreMethod::kH2O, ChunkPolicy::kLastChunk, std::nullopt, {4, 4, 1}},     // the last chunk
+      {ScoreMethod::kH2O, ChunkPolicy::kEveryChunk, std::nullopt, {2, 4, 1}},
+      {ScoreMethod::kH2OVl1, ChunkPolicy::kEveryChunk, 24, {3, 4, 1}},  // constant budget
+      {ScoreMethod::kDropKV, ChunkPolicy::kEveryChunk, std::nullopt, {2, 4, 1}},
+  };
+  for (const Case& c : cases) {
+    CompressionParams p;
+    p.method = c.method;
+    p.keep_ratio = 0.3;
+    p.budget_tokens = c.budget_tokens;
+    p.chunk_policy = c.policy;
+    p.chunk_size = chunk;
+    SCOPED_TRACE(absl::StrCat(std::string(ScoreMethodName(c.method)), " ",
+                              std::string(ChunkPolicyName(c.policy)), " fail chunk ",
+                              c.failure.chunk_idx, " after ", c.failure.num_layers_selected,
+                              " layers x", c.failure.num_failures));
+    SimResult clean = Simulate(*MakeSelector(p, g), g, in, n, chunk);
+    SimResult replayed = Simulate(*MakeSelector(p, g), g, in, n, chunk, c.failure);
+    for (int32_t l = 0; l < g.num_layers; ++l) {
+      EXPECT_TRUE(at::equal(clean.positions[l], replayed.positions[l])) << "layer " << l;
+    }
+  }
+  // The clean chunked H2O run equals the single pass under last_chunk (same sums, other order).
+  CompressionParams p;
+  p.method = ScoreMethod::kH2O;
+  p.keep_ratio = 0.3;
+  SimResult single = Simulate(*MakeSelector(p, g), g, in, n, 0);
+  p.chunk_size = chunk;
+  SimResult replayed = Simulate(*MakeSelector(p, g), g, in, n, chunk, {1, 4, 1});
+  for (int32_t l = 0; l < g.num_layers; ++l) {
+    EXPECT_TRUE(at::equal(single.positions[l], replayed.positions[l])) << "layer " << l;
   }
 }
 

@@ -161,6 +161,62 @@ TEST(RunnerIntegration, EveryChunkBoundsPrefillPoolUsage) {
             << "), uncompressed " << full_peak << " blocks\n";
 }
 
+// A chunk that runs out of KV blocks part-way (RESOURCE_EXHAUSTED: the runner restores the cache,
+// keeps the selector, and the scheduler replays the chunk once blocks are free) gives the same
+// kept positions as an undisturbed prefill: H2O's column sums of the failed attempt are replaced
+// by the replay, not added to.
+TEST(RunnerIntegration, H2oChunkReplayedAfterResourceExhaustedKeepsTheSameTokens) {
+  auto runner = DemoRunner(256);
+  ASSERT_NE(runner, nullptr);
+  const int32_t num_layers = runner->config().num_layers;
+  const int64_t n = 240;
+  const int64_t chunk = 64;
+  const auto prompt = Prompt(n, 11);
+  CompressionParams p;
+  p.method = ScoreMethod::kH2O;
+  p.keep_ratio = 0.2;
+  p.chunk_policy = ChunkPolicy::kLastChunk;
+  p.chunk_size = chunk;
+  auto prefill_chunk = [&](SequenceId seq, int64_t start) {
+    const int64_t len = std::min<int64_t>(chunk, n - start);
+    return runner->Prefill(seq, std::span<const int32_t>(prompt).subspan(start, len),
+                           start + len == n, p);
+  };
+
+  // Reference: the undisturbed chunked prefill.
+  for (int64_t start = 0; start < n; start += chunk) ASSERT_TRUE(prefill_chunk(1, start).ok());
+  std::vector<at::Tensor> expected;
+  for (int32_t l = 0; l < num_layers; ++l) expected.push_back(*runner->StoredPositions(1, l));
+  runner->Release(1);
+
+  ASSERT_TRUE(prefill_chunk(2, 0).ok());
+  // A filler sequence leaves room for every layer's share of the next chunk but the last one's,
+  // so every layer's selector has seen the chunk when the step fails.
+  BlockPool& pool = runner->pool();
+  const int64_t need = num_layers * pool.BlocksFor(chunk);
+  const int64_t per_layer = (pool.num_free_blocks() - need + num_layers) / num_layers;
+  ASSERT_TRUE(
+      runner->Prefill(3, Prompt(per_layer * pool.block_size(), 5), true, CompressionParams{}).ok());
+  ASSERT_LT(pool.num_free_blocks(), need);
+  ASSERT_GE(pool.num_free_blocks(), need - pool.BlocksFor(chunk));
+  for (int attempt = 0; attempt < 2; ++attempt) {  // fails twice: replays replace, never add
+    auto failed = prefill_chunk(2, chunk);
+    ASSERT_FALSE(failed.ok());
+    EXPECT_EQ(failed.status().code(), absl::StatusCode::kResourceExhausted) << failed.status();
+    EXPECT_EQ(runner->CacheInfo(2).logical_len, chunk);  // left as before
+  }
+  runner->Release(3);
+  for (int64_t start = chunk; start < n; start += chunk) {
+    auto r = prefill_chunk(2, start);
+    ASSERT_TRUE(r.ok()) << r.status();
+  }
+  for (int32_t l = 0; l < num_layers; ++l) {
+    EXPECT_TRUE(at::equal(expected[l], *runner->StoredPositions(2, l))) << "layer " << l;
+  }
+  runner->Release(2);
+  EXPECT_EQ(pool.num_used_blocks(), 0);
+}
+
 }  // namespace
 }  // namespace dropkv::compression
 
