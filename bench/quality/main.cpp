@@ -7,10 +7,15 @@
 //   overall: mean fraction of positions with the same token (free-running),
 //   kl: mean KL(full || compressed) of the next-token distribution at the first decode step
 //       (both fed the full run's first token; the prefill logits themselves are unaffected).
-// Prints a Markdown table.
+// Prints a Markdown table (means, with the standard error over prompts); --per-prompt FILE also
+// writes every configuration's per-prompt values as JSON lines (paired comparisons between
+// presses: the same prompts run under each). --window / --pooling / --pooling-kernel apply to
+// every press (ablations).
 #include <ATen/ATen.h>
 
+#include <cmath>
 #include <cstdio>
+#include <fstream>
 #include <iostream>
 #include <numeric>
 #include <string>
@@ -21,6 +26,7 @@
 #include "engine/compression/press.h"
 #include "engine/model/config.h"
 #include "engine/runner/model_runner.h"
+#include "nlohmann/json.hpp"
 
 namespace {
 
@@ -64,6 +70,21 @@ absl::StatusOr<RunOutput> Run(ModelRunner& runner, const std::vector<std::vector
   return out;
 }
 
+struct MeanSe {
+  double mean = 0, se = 0;
+};
+MeanSe Summarise(const std::vector<double>& x) {
+  MeanSe r;
+  const double n = static_cast<double>(x.size());
+  if (x.empty()) return r;
+  for (double v : x) r.mean += v / n;
+  if (x.size() < 2) return r;
+  double ss = 0;
+  for (double v : x) ss += (v - r.mean) * (v - r.mean);
+  r.se = std::sqrt(ss / (n - 1) / n);
+  return r;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -75,6 +96,8 @@ int main(int argc, char** argv) {
                                       "streaming_llm", "knorm",  "random"};
   std::vector<double> keeps = {0.05, 0.1, 0.25, 0.5};
   std::vector<std::string> allocators = {"uniform", "mlp", "mga"};
+  std::string per_prompt_path, pooling = "max";
+  int window = 8, pooling_kernel = 11;
   app.add_option("--model", model_dir, "Hugging Face model folder")->required();
   app.add_option("--profile", profile, "InfoNCE profile for mga")->required();
   app.add_option("--num-prompts", num_prompts)->capture_default_str();
@@ -84,6 +107,12 @@ int main(int argc, char** argv) {
   app.add_option("--methods", methods)->delimiter(',');
   app.add_option("--keeps", keeps)->delimiter(',');
   app.add_option("--allocators", allocators)->delimiter(',');
+  app.add_option("--window", window, "Observation window W of every press")->capture_default_str();
+  app.add_option("--pooling", pooling, "DropKV score pooling: max, avg, none")
+      ->capture_default_str();
+  app.add_option("--pooling-kernel", pooling_kernel, "DropKV pooling kernel (odd)")
+      ->capture_default_str();
+  app.add_option("--per-prompt", per_prompt_path, "Write per-prompt values here (JSON lines)");
   CLI11_PARSE(app, argc, argv);
 
   dropkv::RunnerOptions ro;
@@ -129,6 +158,15 @@ int main(int argc, char** argv) {
   auto full = Run(runner, prompts, CompressionParams{}, gen_len);
   if (!full.ok()) return std::cerr << full.status() << "\n", 1;
 
+  std::ofstream per_prompt;
+  if (!per_prompt_path.empty()) {
+    per_prompt.open(per_prompt_path);
+    if (!per_prompt)
+      return std::cerr << "--per-prompt: cannot write " << per_prompt_path << "\n", 1;
+  }
+  auto pooling_type = dropkv::ParsePoolingType(pooling, "--pooling");
+  if (!pooling_type.ok()) return std::cerr << pooling_type.status() << "\n", 1;
+
   std::printf(
       "| method | keep | allocator | prefix agreement | overall agreement | KL first step |\n");
   std::printf("|---|---|---|---|---|---|\n");
@@ -140,6 +178,9 @@ int main(int argc, char** argv) {
         p.allocator = *dropkv::compression::ParseBudgetAllocator(a);
         p.keep_ratio = keep;
         p.profile_path = profile;
+        p.window = window;
+        p.pooling = *pooling_type;
+        p.pooling_kernel = pooling_kernel;
         if (auto s = dropkv::compression::ValidateCompression(p, runner.config().num_layers);
             !s.ok()) {
           std::printf("| %s | %.2f | %s | infeasible | | |\n", m.c_str(), keep, a.c_str());
@@ -153,7 +194,7 @@ int main(int argc, char** argv) {
         }
         auto r = Run(runner, prompts, p, gen_len);
         if (!r.ok()) return std::cerr << r.status() << "\n", 1;
-        double prefix = 0, overall = 0;
+        std::vector<double> prefix(num_prompts), overall(num_prompts), kl(num_prompts);
         for (int i = 0; i < num_prompts; ++i) {
           int first_div = gen_len, same = 0;
           for (int t = 0; t < gen_len; ++t) {
@@ -163,15 +204,23 @@ int main(int argc, char** argv) {
               first_div = t;
             }
           }
-          prefix += static_cast<double>(first_div) / gen_len;
-          overall += static_cast<double>(same) / gen_len;
+          prefix[i] = static_cast<double>(first_div) / gen_len;
+          overall[i] = static_cast<double>(same) / gen_len;
         }
-        // KL(full || compressed) per prompt, mean.
+        // KL(full || compressed) per prompt: fp64 [num_prompts].
         at::Tensor lp = full->first_step_logp, lq = r->first_step_logp;
-        const double kl = (lp.exp() * (lp - lq)).sum(-1).mean().item<double>();
-        std::printf("| %s | %.2f | %s | %.3f | %.3f | %.4f |\n", m.c_str(), keep, a.c_str(),
-                    prefix / num_prompts, overall / num_prompts, kl);
+        at::Tensor kl_t = (lp.exp() * (lp - lq)).sum(-1).contiguous();
+        for (int i = 0; i < num_prompts; ++i) kl[i] = kl_t[i].item<double>();
+        const MeanSe pre = Summarise(prefix), all = Summarise(overall), k = Summarise(kl);
+        std::printf("| %s | %.2f | %s | %.3f ± %.3f | %.3f ± %.3f | %.4f ± %.4f |\n", m.c_str(),
+                    keep, a.c_str(), pre.mean, pre.se, all.mean, all.se, k.mean, k.se);
         std::fflush(stdout);
+        if (per_prompt.is_open()) {
+          nlohmann::json j = {
+              {"method", m},        {"keep", keep},     {"allocator", a},     {"window", window},
+              {"pooling", pooling}, {"prefix", prefix}, {"overall", overall}, {"kl", kl}};
+          per_prompt << j.dump() << "\n" << std::flush;
+        }
       }
     }
   }
