@@ -39,7 +39,7 @@ struct Sequence {
   // largest, so a recomputed sequence never becomes the next victim again and the oldest ones
   // always make progress.
   int64_t admission_idx = -1;
-  int64_t num_prefilled = 0;   // prompt tokens in the cache
+  int64_t num_prefilled = 0;  // prompt tokens in the cache
   bool prefill_done = false;
   std::vector<int32_t> generated;
   int64_t num_generated_fed = 0;          // generated tokens in the cache (the rest are replayed)
@@ -47,7 +47,12 @@ struct Sequence {
   std::unique_ptr<SamplerState> sampler;  // RNG + history; survives preemption
   // Output state.
   size_t num_tokens_sent = 0;
-  size_t num_chars_sent = 0;  // of the decoded generated text
+  // The generated text so far, decoded token by token (the decoder holds back an incomplete
+  // character); decoding the whole output at every step would cost O(n^2) per request.
+  std::unique_ptr<IncrementalDecoder> decoder;
+  std::string text;
+  size_t num_chars_sent = 0;  // of `text`
+  bool text_closed = false;   // a stop string matched: nothing after it is ever sent
   std::vector<TokenLogprobInfo> pending_logprobs;
   GenerationSummary summary;
   bool admitted_once = false;
@@ -101,10 +106,9 @@ struct Scheduler::Impl {
     seq.num_tokens_sent = seq.generated.size();
     event.logprobs = std::move(seq.pending_logprobs);
     seq.pending_logprobs.clear();
-    if (tokenizer == nullptr) return;
-    auto text_or = tokenizer->Decode(seq.generated, /*skip_special_tokens=*/true);
-    if (!text_or.ok()) return;
-    std::string text = std::move(*text_or);
+    if (tokenizer == nullptr || seq.text_closed) return;
+    if (final && seq.decoder) seq.text += seq.decoder->Flush();
+    const std::string& text = seq.text;
     size_t safe_len = text.size();
     if (!final) {
       if (EndsWithReplacementChar(text)) safe_len -= 3;
@@ -132,29 +136,27 @@ struct Scheduler::Impl {
         dropkv::CheckStop(*seq.sampler, seq.generated.back(), options.eos_token_ids);
     if (by_token == FinishReason::kStop) return by_token;
     if (!p.stop_strings.empty() && tokenizer != nullptr) {
-      auto text_or = tokenizer->Decode(seq.generated, true);
-      if (text_or.ok()) {
-        size_t cut = std::string::npos;
-        for (const std::string& stop : p.stop_strings) {
-          // Only text after what was already sent can hold a new match.
-          const size_t from =
-              seq.num_chars_sent > stop.size() ? seq.num_chars_sent - stop.size() : 0;
-          const size_t at = text_or->find(stop, from);
-          if (at != std::string::npos) cut = std::min(cut, at);
-        }
-        if (cut != std::string::npos) {
-          // Send the text before the stop string now; nothing after it is ever sent.
-          GenerationEvent event;
-          event.token_ids.assign(seq.generated.begin() + seq.num_tokens_sent, seq.generated.end());
-          seq.num_tokens_sent = seq.generated.size();
-          event.logprobs = std::move(seq.pending_logprobs);
-          seq.pending_logprobs.clear();
-          if (cut > seq.num_chars_sent)
-            event.text = text_or->substr(seq.num_chars_sent, cut - seq.num_chars_sent);
-          seq.num_chars_sent = text_or->size();  // suppress the rest at Finish
-          if (!event.token_ids.empty() || !event.text.empty()) seq.channel->Push(std::move(event));
-          return FinishReason::kStop;
-        }
+      const std::string& text = seq.text;
+      size_t cut = std::string::npos;
+      for (const std::string& stop : p.stop_strings) {
+        // Only text after what was already sent can hold a new match.
+        const size_t from = seq.num_chars_sent > stop.size() ? seq.num_chars_sent - stop.size() : 0;
+        const size_t at = text.find(stop, from);
+        if (at != std::string::npos) cut = std::min(cut, at);
+      }
+      if (cut != std::string::npos) {
+        // Send the text before the stop string now; nothing after it is ever sent.
+        GenerationEvent event;
+        event.token_ids.assign(seq.generated.begin() + seq.num_tokens_sent, seq.generated.end());
+        seq.num_tokens_sent = seq.generated.size();
+        event.logprobs = std::move(seq.pending_logprobs);
+        seq.pending_logprobs.clear();
+        if (cut > seq.num_chars_sent)
+          event.text = text.substr(seq.num_chars_sent, cut - seq.num_chars_sent);
+        seq.num_chars_sent = text.size();
+        seq.text_closed = true;  // suppress the rest at Finish
+        if (!event.token_ids.empty() || !event.text.empty()) seq.channel->Push(std::move(event));
+        return FinishReason::kStop;
       }
     }
     if (static_cast<int32_t>(seq.generated.size()) >= p.max_new_tokens)
@@ -189,6 +191,12 @@ struct Scheduler::Impl {
   // Records a sampled token, checks the stop rules and sends the delta. True when finished.
   bool OnToken(Sequence& seq, const SampledToken& sampled) {
     seq.generated.push_back(sampled.token_id);
+    if (tokenizer != nullptr) {
+      if (!seq.decoder)
+        seq.decoder =
+            std::make_unique<IncrementalDecoder>(*tokenizer, /*skip_special_tokens=*/true);
+      seq.text += seq.decoder->Push(sampled.token_id);
+    }
     if (seq.request.sampling.return_logprobs || seq.request.sampling.num_top_logprobs > 0) {
       TokenLogprobInfo info;
       info.token_id = sampled.token_id;
@@ -312,9 +320,10 @@ struct Scheduler::Impl {
         // top of the usual reserve for what is still to come.
         const int64_t num_replay = static_cast<int64_t>(head.generated.size());
         const int64_t reserve =
-            num_replay + std::min<int64_t>(options.decode_reserve_tokens,
-                                           std::max<int64_t>(0, head.request.sampling.max_new_tokens -
-                                                                    num_replay));
+            num_replay +
+            std::min<int64_t>(
+                options.decode_reserve_tokens,
+                std::max<int64_t>(0, head.request.sampling.max_new_tokens - num_replay));
         head.blocks_needed =
             runner.BlocksForPrompt(static_cast<int64_t>(head.request.prompt_ids.size()),
                                    head.request.compression, reserve);
