@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -22,8 +23,8 @@
 #include <vector>
 
 #include <CLI/CLI.hpp>
-#include "absl/strings/str_split.h"
 #include <nlohmann/json.hpp>
+#include "absl/strings/str_split.h"
 
 #include "allocator/block_pool.h"
 #include "engine/compression/press.h"
@@ -44,43 +45,92 @@ using Json = nlohmann::json;
 // benchmark goes beyond the checkpoint's context (Gemma-7B: 8K).
 Json GeometryConfig(const std::string& name) {
   if (name == "llama-3.1-8b") {
-    return {{"architectures", {"LlamaForCausalLM"}}, {"model_type", "llama"},
-            {"hidden_size", 4096}, {"intermediate_size", 14336}, {"num_hidden_layers", 32},
-            {"num_attention_heads", 32}, {"num_key_value_heads", 8}, {"head_dim", 128},
-            {"vocab_size", 128256}, {"rms_norm_eps", 1e-5}, {"rope_theta", 500000.0},
-            {"rope_scaling", {{"rope_type", "llama3"}, {"factor", 8.0}, {"low_freq_factor", 1.0},
-                              {"high_freq_factor", 4.0}, {"original_max_position_embeddings", 8192}}},
-            {"max_position_embeddings", 131072}, {"tie_word_embeddings", false},
-            {"hidden_act", "silu"}, {"bos_token_id", 128000}, {"eos_token_id", 128001},
+    return {{"architectures", {"LlamaForCausalLM"}},
+            {"model_type", "llama"},
+            {"hidden_size", 4096},
+            {"intermediate_size", 14336},
+            {"num_hidden_layers", 32},
+            {"num_attention_heads", 32},
+            {"num_key_value_heads", 8},
+            {"head_dim", 128},
+            {"vocab_size", 128256},
+            {"rms_norm_eps", 1e-5},
+            {"rope_theta", 500000.0},
+            {"rope_scaling",
+             {{"rope_type", "llama3"},
+              {"factor", 8.0},
+              {"low_freq_factor", 1.0},
+              {"high_freq_factor", 4.0},
+              {"original_max_position_embeddings", 8192}}},
+            {"max_position_embeddings", 131072},
+            {"tie_word_embeddings", false},
+            {"hidden_act", "silu"},
+            {"bos_token_id", 128000},
+            {"eos_token_id", 128001},
             {"torch_dtype", "bfloat16"}};
   }
   if (name == "llama-3.2-1b") {
-    return {{"architectures", {"LlamaForCausalLM"}}, {"model_type", "llama"},
-            {"hidden_size", 2048}, {"intermediate_size", 8192}, {"num_hidden_layers", 16},
-            {"num_attention_heads", 32}, {"num_key_value_heads", 8}, {"head_dim", 64},
-            {"vocab_size", 128256}, {"rms_norm_eps", 1e-5}, {"rope_theta", 500000.0},
-            {"rope_scaling", {{"rope_type", "llama3"}, {"factor", 32.0}, {"low_freq_factor", 1.0},
-                              {"high_freq_factor", 4.0}, {"original_max_position_embeddings", 8192}}},
-            {"max_position_embeddings", 131072}, {"tie_word_embeddings", true},
-            {"hidden_act", "silu"}, {"bos_token_id", 128000}, {"eos_token_id", 128001},
+    return {{"architectures", {"LlamaForCausalLM"}},
+            {"model_type", "llama"},
+            {"hidden_size", 2048},
+            {"intermediate_size", 8192},
+            {"num_hidden_layers", 16},
+            {"num_attention_heads", 32},
+            {"num_key_value_heads", 8},
+            {"head_dim", 64},
+            {"vocab_size", 128256},
+            {"rms_norm_eps", 1e-5},
+            {"rope_theta", 500000.0},
+            {"rope_scaling",
+             {{"rope_type", "llama3"},
+              {"factor", 32.0},
+              {"low_freq_factor", 1.0},
+              {"high_freq_factor", 4.0},
+              {"original_max_position_embeddings", 8192}}},
+            {"max_position_embeddings", 131072},
+            {"tie_word_embeddings", true},
+            {"hidden_act", "silu"},
+            {"bos_token_id", 128000},
+            {"eos_token_id", 128001},
             {"torch_dtype", "bfloat16"}};
   }
   if (name == "qwen2.5-7b") {
-    return {{"architectures", {"Qwen2ForCausalLM"}}, {"model_type", "qwen2"},
-            {"hidden_size", 3584}, {"intermediate_size", 18944}, {"num_hidden_layers", 28},
-            {"num_attention_heads", 28}, {"num_key_value_heads", 4}, {"vocab_size", 152064},
-            {"rms_norm_eps", 1e-6}, {"rope_theta", 1000000.0}, {"max_position_embeddings", 131072},
-            {"tie_word_embeddings", false}, {"hidden_act", "silu"}, {"bos_token_id", 151643},
-            {"eos_token_id", 151643}, {"torch_dtype", "bfloat16"}};
+    return {{"architectures", {"Qwen2ForCausalLM"}},
+            {"model_type", "qwen2"},
+            {"hidden_size", 3584},
+            {"intermediate_size", 18944},
+            {"num_hidden_layers", 28},
+            {"num_attention_heads", 28},
+            {"num_key_value_heads", 4},
+            {"vocab_size", 152064},
+            {"rms_norm_eps", 1e-6},
+            {"rope_theta", 1000000.0},
+            {"max_position_embeddings", 131072},
+            {"tie_word_embeddings", false},
+            {"hidden_act", "silu"},
+            {"bos_token_id", 151643},
+            {"eos_token_id", 151643},
+            {"torch_dtype", "bfloat16"}};
   }
   if (name == "gemma-7b") {
-    return {{"architectures", {"GemmaForCausalLM"}}, {"model_type", "gemma"},
-            {"hidden_size", 3072}, {"intermediate_size", 24576}, {"num_hidden_layers", 28},
-            {"num_attention_heads", 16}, {"num_key_value_heads", 16}, {"head_dim", 256},
-            {"vocab_size", 256000}, {"rms_norm_eps", 1e-6}, {"rope_theta", 10000.0},
-            {"max_position_embeddings", 65536}, {"tie_word_embeddings", true},
-            {"hidden_act", "gelu_pytorch_tanh"}, {"hidden_activation", "gelu_pytorch_tanh"},
-            {"bos_token_id", 2}, {"eos_token_id", 1}, {"torch_dtype", "bfloat16"}};
+    return {{"architectures", {"GemmaForCausalLM"}},
+            {"model_type", "gemma"},
+            {"hidden_size", 3072},
+            {"intermediate_size", 24576},
+            {"num_hidden_layers", 28},
+            {"num_attention_heads", 16},
+            {"num_key_value_heads", 16},
+            {"head_dim", 256},
+            {"vocab_size", 256000},
+            {"rms_norm_eps", 1e-6},
+            {"rope_theta", 10000.0},
+            {"max_position_embeddings", 65536},
+            {"tie_word_embeddings", true},
+            {"hidden_act", "gelu_pytorch_tanh"},
+            {"hidden_activation", "gelu_pytorch_tanh"},
+            {"bos_token_id", 2},
+            {"eos_token_id", 1},
+            {"torch_dtype", "bfloat16"}};
   }
   return nullptr;
 }
@@ -120,7 +170,8 @@ std::vector<int32_t> RandomIds(int64_t n, int64_t vocab, uint64_t seed) {
   return ids;
 }
 
-CompressionParams Compression(double keep, const std::string& allocator, const std::string& profile) {
+CompressionParams Compression(double keep, const std::string& allocator,
+                              const std::string& profile) {
   CompressionParams c;
   if (keep >= 1.0) return c;
   c.method = ScoreMethod::kDropKV;
@@ -137,24 +188,42 @@ int Run(int argc, char** argv) {
   std::string allocator = "uniform", profile, hf_python, hf_script = "bench/e2e/hf_peer.py";
   bool random_weights = false, json_out = false;
   int repeats = 3, decode_steps = 32;
+  std::string graphs_arg = "both";
+  int64_t throughput_context = 0;
   double kv_gib = 0;
-  app.add_option("--model", model_dir, "Hugging Face folder (config.json; weights unless --random-weights)");
-  app.add_option("--geometry", geometry, "llama-3.1-8b | llama-3.2-1b | qwen2.5-7b | gemma-7b: write its config, random weights");
-  app.add_option("--write-config", write_config, "where --geometry writes its config folder")->capture_default_str();
+  app.add_option("--model", model_dir,
+                 "Hugging Face folder (config.json; weights unless --random-weights)");
+  app.add_option(
+      "--geometry", geometry,
+      "llama-3.1-8b | llama-3.2-1b | qwen2.5-7b | gemma-7b: write its config, random weights");
+  app.add_option("--write-config", write_config, "where --geometry writes its config folder")
+      ->capture_default_str();
   app.add_flag("--random-weights", random_weights, "draw weights on the device (normal, std 0.02)");
   app.add_option("--device", device, "cpu or cuda")->capture_default_str();
   app.add_option("--dtype", dtype, "bfloat16, float16 or float32")->capture_default_str();
-  app.add_option("--prefill", prefill_arg, "prompt lengths to prefill, comma-separated")->capture_default_str();
-  app.add_option("--decode", decode_arg, "BATCHxCONTEXT cases, comma-separated")->capture_default_str();
-  app.add_option("--decode-steps", decode_steps, "timed decode steps per case")->capture_default_str();
-  app.add_option("--keep", keep_arg, "keep ratios (1.0 = full cache), comma-separated")->capture_default_str();
+  app.add_option("--prefill", prefill_arg, "prompt lengths to prefill, comma-separated")
+      ->capture_default_str();
+  app.add_option("--decode", decode_arg, "BATCHxCONTEXT cases, comma-separated")
+      ->capture_default_str();
+  app.add_option("--decode-steps", decode_steps, "timed decode steps per case")
+      ->capture_default_str();
+  app.add_option("--keep", keep_arg, "keep ratios (1.0 = full cache), comma-separated")
+      ->capture_default_str();
   app.add_option("--allocator", allocator, "uniform or mga")->capture_default_str();
   app.add_option("--profile", profile, "InfoNCE profile for mga");
   app.add_option("--repeats", repeats, "timed repeats (median)")->capture_default_str();
   app.add_option("--kv-gib", kv_gib, "KV pool size in GiB (0 = runner default)");
-  app.add_option("--hf-python", hf_python, "python with transformers: time the HF peer in the same run");
+  app.add_option("--hf-python", hf_python,
+                 "python with transformers: time the HF peer in the same run");
   app.add_option("--hf-script", hf_script, "the peer script")->capture_default_str();
   app.add_flag("--json", json_out, "print one JSON object instead of the table");
+  app.add_option("--graphs", graphs_arg,
+                 "CUDA-graph decode: on, off or both (each decode case twice)")
+      ->capture_default_str();
+  app.add_option("--throughput-context", throughput_context,
+                 "also time decode at the full-memory batch of sequences of this context (KV "
+                 "filled synthetically, no prefill; 0 = skip)")
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
   auto split = [](const std::string& s) -> std::vector<std::string> {
@@ -164,7 +233,8 @@ int Run(int argc, char** argv) {
   if (!geometry.empty()) {
     Json config = GeometryConfig(geometry);
     if (config.is_null()) {
-      std::cerr << "--geometry: unknown '" << geometry << "' (llama-3.1-8b, llama-3.2-1b, qwen2.5-7b, gemma-7b)\n";
+      std::cerr << "--geometry: unknown '" << geometry
+                << "' (llama-3.1-8b, llama-3.2-1b, qwen2.5-7b, gemma-7b)\n";
       return 2;
     }
     if (write_config.empty()) write_config = "bench-models/" + geometry;
@@ -197,9 +267,15 @@ int Run(int argc, char** argv) {
   // Resident before any prefill: the weights plus the whole KV pool (allocated up front).
   const int64_t weights_bytes = PeakDeviceBytes(/*reset=*/false);
 
-  Json result = {{"model", model_dir}, {"device", device}, {"dtype", dtype},
-                 {"layers", config.num_layers}, {"kv_blocks_total", runner.pool().num_blocks()},
-                 {"prefill", Json::array()}, {"decode", Json::array()}, {"capacity", Json::array()}};
+  Json result = {{"model", model_dir},
+                 {"device", device},
+                 {"dtype", dtype},
+                 {"layers", config.num_layers},
+                 {"kv_blocks_total", runner.pool().num_blocks()},
+                 {"prefill", Json::array()},
+                 {"decode", Json::array()},
+                 {"capacity", Json::array()},
+                 {"throughput", Json::array()}};
   SequenceId next_seq = 1;
 
   for (const auto& keep_s : split(keep_arg)) {
@@ -216,8 +292,10 @@ int Run(int argc, char** argv) {
         absl::Status status;
         const double ms = TimeMs([&] {
           auto logits = runner.Prefill(seq, ids, /*is_last_chunk=*/true, comp);
-          if (!logits.ok()) status = logits.status();
-          else (void)logits->to(at::kCPU);
+          if (!logits.ok())
+            status = logits.status();
+          else
+            (void)logits->to(at::kCPU);
         });
         if (!status.ok()) {
           std::cerr << "prefill " << n << " keep " << keep << ": " << status << "\n";
@@ -230,8 +308,11 @@ int Run(int argc, char** argv) {
         runner.Release(seq);
         if (r > 0) times.push_back(ms);  // the first run is the warm-up
       }
-      result["prefill"].push_back({{"tokens", n}, {"keep", keep}, {"ms", Median(times)},
-                                   {"peak_bytes", peak}, {"weights_bytes", weights_bytes},
+      result["prefill"].push_back({{"tokens", n},
+                                   {"keep", keep},
+                                   {"ms", Median(times)},
+                                   {"peak_bytes", peak},
+                                   {"weights_bytes", weights_bytes},
                                    {"kept_tokens_all_layers", kept_tokens}});
       std::cerr << "prefill n=" << n << " keep=" << keep << ": " << Median(times) << " ms\n";
     }
@@ -245,47 +326,117 @@ int Run(int argc, char** argv) {
       for (int64_t b = 0; b < batch && status.ok(); ++b) {
         const SequenceId seq = next_seq++;
         auto logits = runner.Prefill(seq, RandomIds(ctx, config.vocab_size, 1000 + b), true, comp);
-        if (!logits.ok()) status = logits.status();
-        else tokens.push_back(static_cast<int32_t>(logits->argmax().item<int64_t>()));
+        if (!logits.ok())
+          status = logits.status();
+        else
+          tokens.push_back(static_cast<int32_t>(logits->argmax().item<int64_t>()));
         seqs.push_back(seq);
       }
+      std::vector<bool> modes;
+      if (graphs_arg != "off") modes.push_back(true);
+      if (graphs_arg != "on") modes.push_back(false);
+      for (bool graphs : modes) {
+        runner.SetCudaGraphs(graphs);
+        std::vector<double> times;
+        for (int step = 0; step < decode_steps + 2 && status.ok(); ++step) {
+          const double ms = TimeMs([&] {
+            auto logits = runner.Decode(seqs, tokens);
+            if (!logits.ok()) {
+              status = logits.status();
+              return;
+            }
+            auto next = logits->argmax(-1).to(at::kCPU);  // the host needs the ids: a real sync
+            for (int64_t b = 0; b < batch; ++b)
+              tokens[b] = static_cast<int32_t>(next[b].item<int64_t>());
+          });
+          if (step >= 2) times.push_back(ms);  // the first steps capture the graphs
+        }
+        if (!status.ok()) break;
+        result["decode"].push_back({{"batch", batch},
+                                    {"context", ctx},
+                                    {"keep", keep},
+                                    {"graphs", graphs},
+                                    {"ms_per_step", Median(times)},
+                                    {"tokens_per_s", batch * 1000.0 / Median(times)}});
+        std::cerr << "decode " << spec << " keep=" << keep << " graphs=" << graphs << ": "
+                  << Median(times) << " ms/step\n";
+      }
+      runner.SetCudaGraphs(graphs_arg != "off");
+      for (SequenceId seq : seqs) runner.Release(seq);
+      if (!status.ok()) {
+        std::cerr << "decode " << spec << " keep " << keep << ": " << status << "\n";
+        return 1;
+      }
+    }
+
+    // How many 32K-token sequences fit in the pool (admission's own accounting, 256 decode tokens).
+    const int64_t per_seq = runner.BlocksForPrompt(32768, comp, 256);
+    result["capacity"].push_back(
+        {{"keep", keep},
+         {"prompt_tokens", 32768},
+         {"blocks_per_sequence", per_seq},
+         {"sequences", per_seq > 0 ? runner.pool().num_blocks() / per_seq : 0}});
+
+    if (throughput_context > 0) {
+      // Decode throughput at the batch that fills the pool: as many sequences of
+      // `throughput_context` tokens as admission's accounting admits, each layer holding what
+      // the compressed prefill would keep. The K/V values are whatever the pool holds (the work
+      // per step does not depend on them), so no prefill is needed to fill 100+ GiB.
+      BlockPool& pool = runner.pool();
+      const int64_t per = runner.BlocksForPrompt(throughput_context, comp, decode_steps + 4);
+      const int64_t num_seqs = per > 0 ? pool.num_free_blocks() / per : 0;
+      const int64_t kept = comp.method == ScoreMethod::kNone
+                               ? throughput_context
+                               : static_cast<int64_t>(std::ceil(keep * throughput_context));
+      std::vector<SequenceId> seqs;
+      std::vector<int32_t> tokens;
+      absl::Status status;
+      for (int64_t b = 0; b < num_seqs && status.ok(); ++b) {
+        const SequenceId seq = next_seq++;
+        status = pool.AddSequence(seq);
+        for (int32_t l = 0; l < config.num_layers && status.ok(); ++l)
+          status = pool.AppendLayerSlots(seq, l, kept);
+        if (!status.ok()) break;
+        pool.set_logical_len(seq, throughput_context);
+        seqs.push_back(seq);
+        tokens.push_back(static_cast<int32_t>((b * 7919) % config.vocab_size));
+      }
       std::vector<double> times;
-      for (int step = 0; step < decode_steps + 2 && status.ok(); ++step) {
+      for (int step = 0; step < decode_steps + 2 && status.ok() && !seqs.empty(); ++step) {
         const double ms = TimeMs([&] {
           auto logits = runner.Decode(seqs, tokens);
           if (!logits.ok()) {
             status = logits.status();
             return;
           }
-          auto next = logits->argmax(-1).to(at::kCPU);  // the host needs the ids: a real sync
-          for (int64_t b = 0; b < batch; ++b) tokens[b] = static_cast<int32_t>(next[b].item<int64_t>());
+          (void)logits->argmax(-1).to(at::kCPU);
         });
         if (step >= 2) times.push_back(ms);
       }
       for (SequenceId seq : seqs) runner.Release(seq);
       if (!status.ok()) {
-        std::cerr << "decode " << spec << " keep " << keep << ": " << status << "\n";
+        std::cerr << "throughput keep " << keep << ": " << status << "\n";
         return 1;
       }
-      result["decode"].push_back({{"batch", batch}, {"context", ctx}, {"keep", keep},
-                                  {"ms_per_step", Median(times)},
-                                  {"tokens_per_s", batch * 1000.0 / Median(times)}});
-      std::cerr << "decode " << spec << " keep=" << keep << ": " << Median(times) << " ms/step\n";
+      const double ms = Median(times);
+      const int64_t n = static_cast<int64_t>(seqs.size());
+      result["throughput"].push_back({{"keep", keep},
+                                      {"context", throughput_context},
+                                      {"batch", n},
+                                      {"kept_tokens_per_layer", kept},
+                                      {"ms_per_step", ms},
+                                      {"tokens_per_s", ms > 0 ? n * 1000.0 / ms : 0.0}});
+      std::cerr << "throughput keep=" << keep << ": batch " << n << ", " << ms << " ms/step, "
+                << (ms > 0 ? n * 1000.0 / ms : 0.0) << " tok/s\n";
     }
-
-    // How many 32K-token sequences fit in the pool (admission's own accounting, 256 decode tokens).
-    const int64_t per_seq = runner.BlocksForPrompt(32768, comp, 256);
-    result["capacity"].push_back({{"keep", keep}, {"prompt_tokens", 32768},
-                                  {"blocks_per_sequence", per_seq},
-                                  {"sequences", per_seq > 0 ? runner.pool().num_blocks() / per_seq : 0}});
   }
 
   if (!hf_python.empty()) {
     std::string cmd = hf_python + " " + hf_script + " --model " + model_dir + " --prefill " +
-                      prefill_arg + " --decode " + decode_arg + " --repeats " + std::to_string(repeats) +
-                      " --decode-steps " + std::to_string(decode_steps) + " --device " +
-                      (device.rfind("cuda", 0) == 0 ? std::string("cuda") : device) + " --dtype " +
-                      dtype + (random_weights ? "" : " --weights");
+                      prefill_arg + " --decode " + decode_arg + " --repeats " +
+                      std::to_string(repeats) + " --decode-steps " + std::to_string(decode_steps) +
+                      " --device " + (device.rfind("cuda", 0) == 0 ? std::string("cuda") : device) +
+                      " --dtype " + dtype + (random_weights ? "" : " --weights");
     std::string text;
     if (FILE* pipe = popen(cmd.c_str(), "r")) {
       char buf[4096];
@@ -309,7 +460,8 @@ int Run(int argc, char** argv) {
   std::printf("\n%-28s %10s %10s %10s\n", "case", "ours", "HF", "HF/ours");
   auto hf_prefill = [&](int64_t n) -> double {
     if (!result.contains("hf")) return 0;
-    for (const auto& p : result["hf"]["prefill"]) if (p["tokens"] == n) return p["ms"];
+    for (const auto& p : result["hf"]["prefill"])
+      if (p["tokens"] == n) return p["ms"];
     return 0;
   };
   auto hf_decode = [&](int64_t b, int64_t c) -> double {
@@ -326,11 +478,18 @@ int Run(int argc, char** argv) {
   for (const auto& d : result["decode"]) {
     const double ours = d["ms_per_step"],
                  hf = d["keep"] == 1.0 ? hf_decode(d["batch"], d["context"]) : 0;
-    std::printf("decode bs%-3lld ctx%-6lld keep %.2f %8.2f %10.2f %10.2f\n", (long long)d["batch"],
-                (long long)d["context"], (double)d["keep"], ours, hf, hf > 0 ? hf / ours : 0.0);
+    std::printf("decode bs%-3lld ctx%-6lld keep %.2f%s %8.2f %10.2f %10.2f\n",
+                (long long)d["batch"], (long long)d["context"], (double)d["keep"],
+                d["graphs"] ? "" : " eager", ours, hf, hf > 0 ? hf / ours : 0.0);
+  }
+  for (const auto& t : result["throughput"]) {
+    std::printf("full-memory batch keep %.2f: %lld x %lld tokens, %.2f ms/step, %.0f tok/s\n",
+                (double)t["keep"], (long long)t["batch"], (long long)t["context"],
+                (double)t["ms_per_step"], (double)t["tokens_per_s"]);
   }
   for (const auto& c : result["capacity"]) {
-    std::printf("32K sequences that fit, keep %.2f: %lld\n", (double)c["keep"], (long long)c["sequences"]);
+    std::printf("32K sequences that fit, keep %.2f: %lld\n", (double)c["keep"],
+                (long long)c["sequences"]);
   }
   return 0;
 }
@@ -338,4 +497,6 @@ int Run(int argc, char** argv) {
 }  // namespace
 }  // namespace dropkv
 
-int main(int argc, char** argv) { return dropkv::Run(argc, argv); }
+int main(int argc, char** argv) {
+  return dropkv::Run(argc, argv);
+}

@@ -25,10 +25,15 @@ def main():
             print(f"{name:<16} {'  peak GiB (resident ' + format(p['weights_bytes'] / 2**30, '.1f') + ')':<34} "
                   f"{p['peak_bytes'] / 2**30:>10.2f}")
         for d in r["decode"]:
+            graphs = d.get("graphs", True)
             peer = hf_dec.get((d["batch"], d["context"])) if d["keep"] == 1.0 else None
-            case = f"decode bs{d['batch']} ctx{d['context']} keep {d['keep']:.2f} (ms)"
+            mode = "" if graphs else " eager"
+            case = f"decode bs{d['batch']} ctx{d['context']} keep {d['keep']:.2f}{mode} (ms)"
             ratio = f"{peer / d['ms_per_step']:.2f}" if peer else "-"
             print(f"{name:<16} {case:<34} {d['ms_per_step']:>10.2f} {peer or 0:>10.2f} {ratio:>8}")
+        for t in r.get("throughput", []):
+            case = f"full-mem bs{t['batch']} ctx{t['context']} keep {t['keep']:.2f} tok/s"
+            print(f"{name:<16} {case:<34} {t['tokens_per_s']:>10.0f}   ({t['ms_per_step']:.1f} ms/step)")
         for c in r["capacity"]:
             print(f"{name:<16} {'32K seqs that fit, keep ' + format(c['keep'], '.2f'):<34} {c['sequences']:>10}")
 

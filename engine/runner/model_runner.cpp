@@ -194,6 +194,7 @@ class TorchModelRunner : public ModelRunner {
   BlockPool& pool() override { return *pool_; }
   const Model* model() const override { return model_.get(); }
   void SetKvSelectorFactory(KvSelectorFactory factory) override { factory_ = std::move(factory); }
+  void SetCudaGraphs(bool on) override { options_.cuda_graphs = on; }
 
   int64_t BlocksForPrompt(int64_t prompt_len, const CompressionParams& c,
                           int64_t decode_reserve_tokens) const override {

@@ -89,6 +89,9 @@ class ModelRunner {
 
   // --- extensions (issue 3); defaults keep test doubles of this interface compiling ------------
   virtual const Model* model() const { return nullptr; }
+  // Turns CUDA-graph decode on or off from the next Decode (RunnerOptions.cuda_graphs at start);
+  // benchmarks time both in one run. No effect on CPU.
+  virtual void SetCudaGraphs(bool on) {}
   // Registers the selector factory used by Prefill (nullptr-like empty function = none).
   // Without one, a Prefill asking for compression is FAILED_PRECONDITION.
   virtual void SetKvSelectorFactory(KvSelectorFactory factory) {}
