@@ -285,8 +285,10 @@ std::vector<Setting> MakeSettings() {
       "block_size", "KV slots per paged block", [](C& c) -> int32_t& { return c.block_size; }, 1,
       1024));
   v.push_back(IntSetting<int64_t>(
-      "kv_memory", "KV pool size (bytes, e.g. 4GiB)",
-      [](C& c) -> int64_t& { return c.kv_memory_bytes; }, 1 << 20, kInt64Max, Kind::kBytes));
+      "kv_memory",
+      "KV pool size (bytes, e.g. 4GiB); 0 = auto (GPU: free memory after the weights less a "
+      "reserve for activations; CPU: 1GiB)",
+      [](C& c) -> int64_t& { return c.kv_memory_bytes; }, 0, kInt64Max, Kind::kBytes));
   v.push_back(IntSetting<int64_t>(
       "kv_blocks", "exact KV block count; 0 = from kv_memory",
       [](C& c) -> int64_t& { return c.kv_blocks; }, 0, 1LL << 32));

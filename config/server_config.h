@@ -41,9 +41,11 @@ struct ServerConfig {
   double shutdown_grace_seconds = 30.0;          // SIGTERM: drain this long, then cancel the rest
 
   // --- scheduler and KV cache ---
-  int32_t max_batch = 32;                     // most sequences in one decode step
-  int32_t block_size = 16;                    // KV slots per paged block
-  int64_t kv_memory_bytes = 4LL << 30;        // KV pool size (YAML key kv_memory, "4GiB" works)
+  int32_t max_batch = 32;   // most sequences in one decode step
+  int32_t block_size = 16;  // KV slots per paged block
+  // KV pool size (YAML key kv_memory, "4GiB" works); 0 = auto: on a GPU the free memory after the
+  // weights less a reserve for activations, on CPU 1 GiB.
+  int64_t kv_memory_bytes = 0;
   int64_t kv_blocks = 0;                      // > 0: exact block count, wins over kv_memory
   int32_t max_queue_requests = 256;           // waiting requests beyond this get RESOURCE_EXHAUSTED
   int64_t max_queue_prompt_tokens = 1 << 20;  // prompt tokens waiting beyond this: same; 0 = no cap
