@@ -370,11 +370,17 @@ struct Scheduler::Impl {
       }
       const int64_t prompt_len = static_cast<int64_t>(seq.request.prompt_ids.size());
       const int64_t remaining = prompt_len - seq.num_prefilled;
-      // A compression chunk size fixes the chunk boundaries (they change what every_chunk keeps);
-      // 0 = the whole prompt in one pass. Never split by the step budget: the same request must
-      // see the same chunks whatever else is running (batching invariance).
-      const int64_t chunk_size =
-          seq.request.compression.chunk_size > 0 ? seq.request.compression.chunk_size : prompt_len;
+      // Chunk boundaries depend on the request alone, never on what else runs this step, so a
+      // request sees the same chunks under any load (batching invariance). A compression chunk
+      // size fixes them (they change what every_chunk keeps). Without one, a compressed prompt
+      // goes in one pass (its scorers see every key at once and only the kept tokens are ever
+      // stored), and an uncompressed one in chunks of the step budget, so that a long prompt
+      // does not stall every running decode for its whole prefill.
+      const CompressionParams& c = seq.request.compression;
+      const int64_t chunk_size = c.chunk_size > 0 ? c.chunk_size
+                                 : c.method == ScoreMethod::kNone
+                                     ? options.max_prefill_tokens_per_step
+                                     : prompt_len;
       const int64_t chunk_len = std::min(remaining, chunk_size);
       // A fixed-size chunk waits for a step with enough budget unless it is the first one this
       // step.

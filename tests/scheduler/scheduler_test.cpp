@@ -160,6 +160,39 @@ TEST_F(SchedulerTest, ChunkedPrefillRespectsTokenBudget) {
   EXPECT_EQ(c.tokens, FakeRunner::Greedy(Prompt(20, 4), 2));
 }
 
+// An uncompressed prompt longer than the step budget is prefilled in budget-sized chunks while
+// the running sequences keep decoding; a compressed one (no chunk size) still goes in one pass.
+TEST_F(SchedulerTest, LongUncompressedPromptDoesNotStallDecodes) {
+  SchedulerOptions o;
+  o.max_prefill_tokens_per_step = 8;
+  Make(64, o);
+  auto running = Submit(MakeRequest(Prompt(4, 5), 10));
+  EXPECT_EQ(scheduler_->Step().num_prefill_tokens, 4);
+  auto long_prompt = Submit(MakeRequest(Prompt(20, 6), 2));
+  const int calls_before = runner_->num_prefill_calls;
+  for (int64_t want : {8, 8, 4}) {
+    StepReport step = scheduler_->Step();
+    EXPECT_EQ(step.num_prefill_tokens, want);
+    EXPECT_GE(step.num_decoded, 1);  // the running sequence got a token in the same step
+  }
+  EXPECT_EQ(runner_->num_prefill_calls - calls_before, 3);
+
+  GenerationRequest compressed = MakeRequest(Prompt(20, 7), 2);
+  compressed.compression.method = ScoreMethod::kDropKV;
+  compressed.compression.keep_ratio = 0.5;
+  auto compressed_ch = Submit(std::move(compressed));
+  const int calls_mid = runner_->num_prefill_calls;
+  RunAll();
+  EXPECT_EQ(runner_->num_prefill_calls - calls_mid, 1);
+  for (auto [ch, salt, len, n] :
+       {std::tuple{running, 5, 4, 10}, {long_prompt, 6, 20, 2}, {compressed_ch, 7, 20, 2}}) {
+    Collected col;
+    Drain(*ch, col);
+    EXPECT_EQ(col.tokens, FakeRunner::Greedy(Prompt(len, salt), n)) << "salt " << salt;
+  }
+  EXPECT_EQ(runner_->pool().num_free_blocks(), 64);
+}
+
 // Batching invariance: many concurrent requests of mixed lengths and compression settings each
 // produce exactly their single-request output.
 TEST_F(SchedulerTest, BatchedOutputsEqualSingleRequestOutputs) {
