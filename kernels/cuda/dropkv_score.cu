@@ -80,13 +80,15 @@ absl::Status Launch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
         cudaFuncSetAttribute(PartialAttnTcKernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              PartialAttnTcSmemBytes<T, D>());
         const cudaError_t st = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-            &blocks, PartialAttnTcKernel<T, D>, kThreads, PartialAttnTcSmemBytes<T, D>());
+            &blocks, PartialAttnTcKernel<T, D>, kAttnTcThreads, PartialAttnTcSmemBytes<T, D>());
         return st == cudaSuccess ? std::max(1, blocks) : 1;
       }();
       ctas_per_sm = occupancy;
     }
   }
-  const int splits = ChooseSplits(bh, num_chunks, max_n, params.num_splits, key_tile, ctas_per_sm);
+  // The tensor-core pass 1 takes kAttnTcChunks row chunks per CTA.
+  const int64_t chunk_ctas = tc ? (num_chunks + kAttnTcChunks - 1) / kAttnTcChunks : num_chunks;
+  const int splits = ChooseSplits(bh, chunk_ctas, max_n, params.num_splits, key_tile, ctas_per_sm);
   const int64_t split_len = ((max_n + splits - 1) / splits + key_tile - 1) / key_tile * key_tile;
   auto f32 = q.options().dtype(at::kFloat);
   // Scratch: partials (S x rows x (D + 2)) + merged a and lse: O(n) through S only.
@@ -125,7 +127,7 @@ absl::Status Launch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
       static const cudaError_t attr =
           cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
       C10_CUDA_CHECK(attr);
-      kernel<<<dim3(num_chunks, splits, bh), kThreads, smem, stream>>>(pa);
+      kernel<<<dim3(chunk_ctas, splits, bh), kAttnTcThreads, smem, stream>>>(pa);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   }
@@ -179,14 +181,14 @@ absl::Status Launch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
       static const int occupancy = [&] {
         int blocks = 0;
         const cudaError_t st =
-            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, smem);
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kScoreTcThreads, smem);
         return st == cudaSuccess ? std::max(1, blocks) : 1;
       }();
       const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
       const int64_t num_tiles = (max_n + kTcKeys - 1) / kTcKeys;
       const int64_t ctas_per_head =
           std::clamp<int64_t>((int64_t{occupancy} * num_sms + bh - 1) / bh, 1, num_tiles);
-      kernel<<<dim3(bh, ctas_per_head), kThreads, smem, stream>>>(sp);
+      kernel<<<dim3(bh, ctas_per_head), kScoreTcThreads, smem, stream>>>(sp);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   }

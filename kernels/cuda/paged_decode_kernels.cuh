@@ -3,9 +3,9 @@
 // finishes the job.
 //
 // Layout of the work (v5, replacing the W = 1 use of PartialAttnKernel):
-// - a key row of one head is D elements; kLanesPerKey = D / 8 lanes share a key, each holding 8
-//   elements (16 bytes for bf16 / fp16, 32 for fp32); a warp covers 32 / kLanesPerKey keys per
-//   step, the 4 warps of the CTA consecutive keys.
+// - a key row of one head is D elements; kLanesPerKey = D / kElems lanes share a key, each
+//   holding kElems = 16 (8 when 8 rows) elements; a warp covers 32 / kLanesPerKey keys per step,
+//   the 4 warps of the CTA consecutive keys.
 // - every thread streams its own 16-byte K and V pieces through a kDecStages-deep cp.async ring
 //   in shared memory that only it reads: no barrier in the key loop, several stages of loads in
 //   flight per thread (v4 had one tile in flight and four barriers per tile).
@@ -31,6 +31,7 @@ constexpr int kDecWarps = kDecThreads / 32;
 constexpr int kDecStages = 6;                // cp.async ring depth (5 stages in flight)
 constexpr int kDecStageBytesPerThread = 64;  // K + V bytes per thread per stage
 constexpr int kDecMaxTableEntries = 4096;    // block ids cached in shared memory per CTA
+constexpr float kDecLazyRescale = 8.f;       // base-2 units, see the softmax step
 constexpr int kDecMaxRows = 8;               // rows (query heads) per CTA; more go to blockIdx.z
 
 template <typename T>
@@ -43,6 +44,7 @@ struct PagedDecodeParams {
   int64_t stride_slot;          // Hkv * D elements between consecutive slots
   int32_t max_blocks;
   int32_t block_size;
+  int32_t block_shift;  // log2(block_size) when a power of two, else -1
   int32_t num_kv_heads;
   int32_t group;       // g query heads per KV head
   int32_t rows_pad;    // g rounded up to the row chunk
@@ -55,17 +57,24 @@ struct PagedDecodeParams {
   float* part_acc;     // [B*Hkv, S, rows_pad, D]
 };
 
-template <typename T>
+// Per-thread work shape. kElems head-dim elements per thread per key: 16 for 1-2 rows (half the
+// lanes per key, so the shuffle reduction and the redundant exp of a lane group cost half as much
+// per key), else 8: q and acc are RC x kElems registers each, and 4 rows x 16 measured 203
+// registers (2 CTAs per SM) against 128 (4 CTAs per SM) with 8.
+template <typename T, int RC>
 struct DecodeShape {
-  static constexpr int kElems = 8;                       // head-dim elements per thread per key
-  static constexpr int kVecs = kElems * sizeof(T) / 16;  // 16-byte copies per row piece (1 or 2)
-  static constexpr int kUnroll = kDecStageBytesPerThread / (2 * 16 * kVecs);  // key steps/stage
+  static constexpr int kElems = RC <= 2 ? 16 : 8;
+  static constexpr int kVecs = kElems * sizeof(T) / 16;  // 16-byte copies per row piece
+  static constexpr int kUnroll =                         // key steps per stage
+      kDecStageBytesPerThread / (2 * 16 * kVecs) > 0 ? kDecStageBytesPerThread / (2 * 16 * kVecs)
+                                                     : 1;
+  static constexpr int kStageBytes = kUnroll * 2 * kVecs * 16 * kDecThreads;
 };
 
 // Shared memory of PagedDecodeKernel<T, D, RC> in bytes, without the block-id cache.
 template <typename T, int D, int RC>
 constexpr int PagedDecodeSmemBytes() {
-  constexpr int ring = kDecStages * kDecStageBytesPerThread * kDecThreads;
+  constexpr int ring = kDecStages * DecodeShape<T, RC>::kStageBytes;
   constexpr int combine = kDecWarps * RC * (D + 2) * 4;
   return ring > combine ? ring : combine;
 }
@@ -74,12 +83,13 @@ constexpr int PagedDecodeSmemBytes() {
 // [chunk*RC, chunk*RC + RC) of KV head bh % Hkv of sequence bh / Hkv over keys
 // [s*split_len, min(n, (s+1)*split_len)) and writes one partial (m, l, acc) per row.
 template <typename T, int D, int RC>
-__global__ void __launch_bounds__(kDecThreads, 2) PagedDecodeKernel(const PagedDecodeParams<T> p) {
-  using Shape = DecodeShape<T>;
+__global__ void __launch_bounds__(kDecThreads, RC <= 4 ? 4 : 2)
+    PagedDecodeKernel(const PagedDecodeParams<T> p) {
+  using Shape = DecodeShape<T, RC>;
   constexpr int kElems = Shape::kElems;
   constexpr int kVecs = Shape::kVecs;
   constexpr int kUnroll = Shape::kUnroll;
-  constexpr int kLanesPerKey = D / kElems;  // 8, 16, 32
+  constexpr int kLanesPerKey = D / kElems;  // 4 .. 32
   static_assert(kLanesPerKey <= 32 && 32 % kLanesPerKey == 0, "head_dim 64, 128 or 256");
   static_assert(kUnroll >= 1, "stage too small");
   constexpr int kKeysPerWarp = 32 / kLanesPerKey;
@@ -139,8 +149,12 @@ __global__ void __launch_bounds__(kDecThreads, 2) PagedDecodeKernel(const PagedD
       int64_t off = 0;
       if (valid) {
         const int rel = j - blk0 * p.block_size;
-        const int32_t blk = table[rel / p.block_size];
-        off = (static_cast<int64_t>(blk) * p.block_size + rel % p.block_size) * p.stride_slot;
+        // Power-of-two block sizes (the usual 16) shift and mask instead of dividing (an integer
+        // division is ~20 instructions, twice per key piece in v5).
+        const int blk_idx = p.block_shift >= 0 ? rel >> p.block_shift : rel / p.block_size;
+        const int in_blk = p.block_shift >= 0 ? rel & (p.block_size - 1) : rel % p.block_size;
+        const int32_t blk = table[blk_idx];
+        off = (static_cast<int64_t>(blk) * p.block_size + in_blk) * p.stride_slot;
       }
 #pragma unroll
       for (int e = 0; e < kVecs; ++e) {
@@ -232,18 +246,24 @@ __global__ void __launch_bounds__(kDecThreads, 2) PagedDecodeKernel(const PagedD
         if (base + u * kKeysPerStep >= key_end) logit[u][r] = -INFINITY;
         m_new = fmaxf(m_new, logit[u][r]);
       }
-      // m_new = -inf only while this group has seen no valid key: keep everything at 0.
-      const float alpha = m_new == -INFINITY ? 1.f : FastExp2(m[r] - m_new);
+      // Lazy rescaling: m is a reference max that moves only when a key beats it by more than
+      // kDecLazyRescale (base 2): p <= 2^8 against it, and the RC x kElems rescale multiplies
+      // run a few times per split instead of every stage (v5). Always moves on the first key.
+      if (m_new > m[r] + kDecLazyRescale) {
+        const float alpha = m[r] == -INFINITY ? 0.f : FastExp2(m[r] - m_new);
+        m[r] = m_new;
+        l[r] *= alpha;
+#pragma unroll
+        for (int e = 0; e < kElems; ++e) acc[r][e] *= alpha;
+      }
+      // m = -inf only while this group has seen no valid key: p = 0 (not exp2(-inf + inf)).
       float sum = 0.f;
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        prob[u][r] = m_new == -INFINITY ? 0.f : FastExp2(logit[u][r] - m_new);
+        prob[u][r] = m[r] == -INFINITY ? 0.f : FastExp2(logit[u][r] - m[r]);
         sum += prob[u][r];
       }
-      l[r] = l[r] * alpha + sum;
-      m[r] = m_new;
-#pragma unroll
-      for (int e = 0; e < kElems; ++e) acc[r][e] *= alpha;
+      l[r] += sum;
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
