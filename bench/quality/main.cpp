@@ -98,6 +98,7 @@ int main(int argc, char** argv) {
   std::vector<std::string> allocators = {"uniform", "mlp", "mga"};
   std::string per_prompt_path, pooling = "max";
   int window = 8, pooling_kernel = 11;
+  bool h2o_per_query = false;
   app.add_option("--model", model_dir, "Hugging Face model folder")->required();
   app.add_option("--profile", profile, "InfoNCE profile for mga")->required();
   app.add_option("--num-prompts", num_prompts)->capture_default_str();
@@ -112,6 +113,9 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--pooling-kernel", pooling_kernel, "DropKV pooling kernel (odd)")
       ->capture_default_str();
+  app.add_flag("--h2o-per-query", h2o_per_query,
+               "H2O divides each key's attention sum by the number of queries that see it "
+               "(kvpress ObservedAttention; default: raw sums, DepthKV)");
   app.add_option("--per-prompt", per_prompt_path, "Write per-prompt values here (JSON lines)");
   CLI11_PARSE(app, argc, argv);
 
@@ -125,7 +129,13 @@ int main(int argc, char** argv) {
     return 1;
   }
   ModelRunner& runner = **runner_or;
-  runner.SetKvSelectorFactory(&dropkv::compression::CreateKvSelectorForModel);
+  dropkv::compression::PressOverrides overrides;
+  overrides.h2o_divide_by_num_queries = h2o_per_query;
+  runner.SetKvSelectorFactory(
+      [overrides](const CompressionParams& p, const dropkv::ModelConfig& c) {
+        return dropkv::compression::CreateKvSelector(
+            p, {c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim}, overrides);
+      });
   const int32_t bos = runner.config().bos_token_id >= 0 ? runner.config().bos_token_id : 1;
 
   // Prompts sampled from the model: BOS, then temperature-1 sampling, all prompts in one batch.
