@@ -432,6 +432,11 @@ int Run(int argc, char** argv) {
   }
 
   if (!hf_python.empty()) {
+    // The peer needs the device memory our KV pool holds: free the runner first.
+    runner_or->reset();
+#ifdef DROPKV_BENCH_CUDA
+    if (at::hasCUDA()) c10::cuda::CUDACachingAllocator::emptyCache();
+#endif
     std::string cmd = hf_python + " " + hf_script + " --model " + model_dir + " --prefill " +
                       prefill_arg + " --decode " + decode_arg + " --repeats " +
                       std::to_string(repeats) + " --decode-steps " + std::to_string(decode_steps) +

@@ -3,7 +3,9 @@
 #include <ATen/ATen.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <optional>
+#include <string>
 
 namespace dropkv {
 namespace {
@@ -12,7 +14,11 @@ namespace {
 // on Hopper (591 vs 347 TFLOP/s at 32K, ../shared/gpu/README.md), but it needs equal head counts,
 // so GQA K/V are expanded first (a copy of one layer's K/V, small next to the attention). The
 // first failure (an unsupported shape or build) turns it off for the process.
-std::atomic<bool> g_cudnn_prefill_ok{true};
+// DROPKV_CUDNN_PREFILL=0 keeps the flash backend (for comparisons).
+std::atomic<bool> g_cudnn_prefill_ok{[] {
+  const char* v = std::getenv("DROPKV_CUDNN_PREFILL");
+  return v == nullptr || std::string(v) != "0";
+}()};
 constexpr int64_t kCudnnMinTokens = 1024;
 
 std::optional<at::Tensor> CudnnCausalAttention(const at::Tensor& qh, const at::Tensor& kh,

@@ -26,6 +26,8 @@ class AttentionBackend {
   // Returns the attention output [N, Hq, D] in q's dtype.
   virtual absl::StatusOr<at::Tensor> Attend(int32_t layer_idx, const at::Tensor& q,
                                             const at::Tensor& k, const at::Tensor& v) = 0;
+  // false: q, k, v may be strided views of the fused projection (saves copies in decode).
+  virtual bool wants_contiguous() const { return true; }
 };
 
 // Sees each layer's attention output (o_proj output, before the residual add): [N, hidden].

@@ -126,13 +126,14 @@ class DecodeBackend : public AttentionBackend {
         max_seq_len_(max_seq_len),
         scale_(scale),
         use_kernel_(use_kernel) {}
+  bool wants_contiguous() const override { return false; }
   absl::StatusOr<at::Tensor> Attend(int32_t layer_idx, const at::Tensor& q, const at::Tensor& k,
                                     const at::Tensor& v) override {
     const auto& kc = pool_.key_cache();
     const auto& vc = pool_.value_cache();
     const int64_t hkv = kc.size(2);
     const int64_t d = kc.size(3);
-    const auto slots = in_.slots[layer_idx];
+    const auto slots = in_.slots[layer_idx];  // int64 [B]
     kc.view({-1, hkv, d}).index_copy_(0, slots, k);
     vc.view({-1, hkv, d}).index_copy_(0, slots, v);
     if (use_kernel_) {
