@@ -56,21 +56,18 @@ def main():
               f"{verdict(mp, sp)} / {verdict(mk, sk)} | "
               f"{statistics.median(ra['kl']):.4f} / {statistics.median(rb['kl']):.4f} |")
 
+    # (label, key of A, key of B, allocator column): method pairs per allocator, then allocator
+    # pairs per method.
+    cells = []
     for pair in args.pairs.split(","):
         a, b = pair.split(":")
-        for keep in keeps:
-            for alloc in allocs:
-                ra, rb = runs.get((a, keep, alloc)), runs.get((b, keep, alloc))
-                if ra and rb:
-                    row(f"{a} vs {b}", ra, rb, keep, alloc)
+        cells += [(f"{a} vs {b}", (a, k, al), (b, k, al), al) for k in keeps for al in allocs]
     for pair in args.allocator_pairs.split(","):
         a, b = pair.split(":")
-        for m in methods:
-            for keep in keeps:
-                ra, rb = runs.get((m, keep, a)), runs.get((m, keep, b))
-                if ra and rb:
-                    row(f"{m}: {a} vs {b}", ra, rb, keep, "-")
-
+        cells += [(f"{m}: {a} vs {b}", (m, k, a), (m, k, b), "-") for m in methods for k in keeps]
+    for label, key_a, key_b, alloc in cells:
+        if key_a in runs and key_b in runs:
+            row(label, runs[key_a], runs[key_b], key_a[1], alloc)
 
 if __name__ == "__main__":
     main()
