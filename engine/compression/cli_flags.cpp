@@ -22,9 +22,8 @@ T OrThrow(const absl::StatusOr<T>& v, const std::string& flag) {
 void AddCompressionFlags(CLI::App& app, CompressionParams* p) {
   app.add_option_function<std::string>(
          "--method",
-         [p](const std::string& s) { p->method = OrThrow(ParseScoreMethod(s), "--method"); },
-         "Scorer: dropkv, snapkv, h2o, h2o_vl1, h2o_vl2, streaming_llm, knorm, random, none "
-         "(default none = full cache)")
+         [p](const std::string& s) { p->method = OrThrow(ParseScoreMethod(s, ""), "--method"); },
+         "Scorer: " + JoinNames(kScoreMethodNames) + " (default none = full cache)")
       ->envname("DROPKV_METHOD");
   auto* keep = app.add_option("--keep", p->keep_ratio, "Fraction of the KV cache kept, (0, 1]")
                    ->capture_default_str()
@@ -51,10 +50,9 @@ void AddCompressionFlags(CLI::App& app, CompressionParams* p) {
   app.add_option_function<std::string>(
          "--allocator",
          [p](const std::string& s) {
-           p->allocator = OrThrow(ParseBudgetAllocator(s), "--allocator");
+           p->allocator = OrThrow(ParseBudgetAllocator(s, ""), "--allocator");
          },
-         "Layer budgets: uniform, pyramid, mlp, mga, mlma2, mlma4, mlma6, explicit (default "
-         "uniform)")
+         "Layer budgets: " + JoinNames(kBudgetAllocatorNames) + " (default uniform)")
       ->envname("DROPKV_ALLOCATOR");
   app.add_option("--profile", p->profile_path, "Layer profile JSON for mga / mlma*")
       ->envname("DROPKV_PROFILE");
@@ -68,8 +66,8 @@ void AddCompressionFlags(CLI::App& app, CompressionParams* p) {
       ->envname("DROPKV_WINDOW");
   app.add_option_function<std::string>(
          "--pooling",
-         [p](const std::string& s) { p->pooling = OrThrow(ParsePoolingType(s), "--pooling"); },
-         "DropKV score smoothing: max, avg, none (default max)")
+         [p](const std::string& s) { p->pooling = OrThrow(ParsePoolingType(s, ""), "--pooling"); },
+         "DropKV score smoothing: " + JoinNames(kPoolingTypeNames) + " (default max)")
       ->envname("DROPKV_POOLING");
   app.add_option("--pooling-kernel", p->pooling_kernel, "Pooling kernel (odd)")
       ->capture_default_str()
@@ -82,9 +80,9 @@ void AddCompressionFlags(CLI::App& app, CompressionParams* p) {
   app.add_option_function<std::string>(
          "--chunk-policy",
          [p](const std::string& s) {
-           p->chunk_policy = OrThrow(ParseChunkPolicy(s), "--chunk-policy");
+           p->chunk_policy = OrThrow(ParseChunkPolicy(s, ""), "--chunk-policy");
          },
-         "Chunked prefill: last_chunk, every_chunk, budget (default last_chunk)")
+         "Chunked prefill: " + JoinNames(kChunkPolicyNames) + " (default last_chunk)")
       ->envname("DROPKV_CHUNK_POLICY");
   app.add_option("--chunk-size", p->chunk_size, "Prefill chunk tokens (0 = one pass; >= window)")
       ->capture_default_str()

@@ -72,6 +72,10 @@ TEST(CompressionFlags, ParsesEverySetting) {
 TEST(CompressionFlags, BadValuesNameTheFlag) {
   CompressionParams p;
   EXPECT_NE(Parse({"--method", "snap"}, &p).find("snapkv"), std::string::npos);
+  // The flag names the field once, then the accepted names (engine/compression_names.h).
+  EXPECT_EQ(Parse({"--allocator", "pyr"}, &p),
+            "--allocator: expected one of uniform|pyramid|mlp|mga|mlma2|mlma4|mlma6|explicit, "
+            "got 'pyr'");
   EXPECT_NE(Parse({"--compression-ratio", "1.0"}, &p).find("compression_ratio"), std::string::npos);
   EXPECT_NE(Parse({"--allocator", "cone"}, &p).find("allocator"), std::string::npos);
   EXPECT_NE(Parse({"--keep", "0.5", "--compression-ratio", "0.5"}, &p), "");
