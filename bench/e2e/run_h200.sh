@@ -29,14 +29,6 @@ kv=${E2E_KV_GIB:-0}
   --throughput-context 32768 --hf-python python3 --hf-script bench/e2e/hf_peer.py --json \
   > "$OUT/llama.json" 2> /tmp/llama.err
 tail -14 /tmp/llama.err
-# Prefill 32K at the old 60 GiB pool, cuDNN attention on / off (flash with GQA): isolates the
-# attention backend from memory pressure at the full-memory pool.
-for cudnn in 1 0; do
-  DROPKV_CUDNN_PREFILL=$cudnn "$bench" --geometry llama-3.1-8b --write-config /tmp/geo/llama-3.1-8b \
-    --prefill 32768 --decode "" --keep 1.0 --repeats 2 --kv-gib 60 --json \
-    > "/tmp/prefill60_cudnn$cudnn.json" 2> /tmp/prefill60.err
-  echo "prefill 32K, 60 GiB pool, cuDNN=$cudnn: $(grep -o 'prefill n=32768 keep=1: [0-9.]* ms' /tmp/prefill60.err)"
-done
 if [[ -z "${SKIP_OTHERS:-}" ]]; then
   for g in qwen2.5-7b gemma-7b; do
     "$bench" --geometry "$g" --write-config "/tmp/geo/$g" --prefill 32768 --decode 1x8192 \

@@ -2,52 +2,7 @@
 
 #include <ATen/ATen.h>
 
-#include <atomic>
-#include <cstdlib>
-#include <optional>
-#include <string>
-
 namespace dropkv {
-namespace {
-
-// Long causal prompts on CUDA: cuDNN's fused attention is ~1.7x faster than SDPA's flash backend
-// on Hopper (591 vs 347 TFLOP/s at 32K, ../shared/gpu/README.md), but it needs equal head counts,
-// so GQA K/V are expanded first (a copy of one layer's K/V, small next to the attention). The
-// first failure (an unsupported shape or build) turns it off for the process.
-// DROPKV_CUDNN_PREFILL=0 keeps the flash backend (for comparisons).
-std::atomic<bool> g_cudnn_prefill_ok{[] {
-  const char* v = std::getenv("DROPKV_CUDNN_PREFILL");
-  return v == nullptr || std::string(v) != "0";
-}()};
-constexpr int64_t kCudnnMinTokens = 1024;
-
-std::optional<at::Tensor> CudnnCausalAttention(const at::Tensor& qh, const at::Tensor& kh,
-                                               const at::Tensor& vh, double scale) {
-  // qh: [1, Hq, T, D]; kh, vh: [1, Hkv, T, D]
-  if (!g_cudnn_prefill_ok.load(std::memory_order_relaxed) || !qh.is_cuda() ||
-      qh.size(2) < kCudnnMinTokens || qh.size(3) > 128 ||
-      (qh.scalar_type() != at::kBFloat16 && qh.scalar_type() != at::kHalf)) {
-    return std::nullopt;
-  }
-  try {
-    const int64_t hq = qh.size(1), hkv = kh.size(1);
-    auto expand = [&](const at::Tensor& t) {
-      if (hq == hkv) return t;
-      return t.unsqueeze(2)
-          .expand({t.size(0), hkv, hq / hkv, t.size(2), t.size(3)})
-          .reshape({t.size(0), hq, t.size(2), t.size(3)});  // [1, Hq, T, D]
-    };
-    auto result = at::_scaled_dot_product_cudnn_attention(qh, expand(kh), expand(vh), {},
-                                                          /*compute_log_sumexp=*/false, 0.0,
-                                                          /*is_causal=*/true, false, scale);
-    return std::get<0>(result);
-  } catch (const std::exception&) {
-    g_cudnn_prefill_ok.store(false);
-    return std::nullopt;
-  }
-}
-
-}  // namespace
 
 at::Tensor PrefillAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             double scale) {
@@ -58,12 +13,8 @@ at::Tensor PrefillAttention(const at::Tensor& q, const at::Tensor& k, const at::
   auto vh = v.unsqueeze(0);
   at::Tensor out;
   if (n == t_len) {
-    if (auto fast = CudnnCausalAttention(qh, kh, vh, scale)) {
-      out = *fast;
-    } else {
-      out = at::scaled_dot_product_attention(qh, kh, vh, {}, 0.0, /*is_causal=*/true, scale,
-                                             /*enable_gqa=*/true);
-    }
+    out = at::scaled_dot_product_attention(qh, kh, vh, {}, 0.0, /*is_causal=*/true, scale,
+                                           /*enable_gqa=*/true);
   } else {
     // [T, n]: every earlier entry is visible; the chunk part is lower-triangular.
     auto mask = at::ones({t_len, n}, at::TensorOptions().dtype(at::kBool).device(q.device()));
