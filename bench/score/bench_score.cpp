@@ -25,6 +25,7 @@
 #include <functional>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/dropkv_score.h"
@@ -222,24 +223,52 @@ int main(int argc, char** argv) {
           },
           runs);
     }
-    // The same 32 calls captured in a CUDA graph (how a decode step would replay them).
-    double graph_ms = -1;
-    try {
+    // Split-count sweep at 8K (the default picks about 2 CTAs per SM): where the merge and the
+    // per-CTA prologue stop paying for more parallel streams.
+    std::vector<std::pair<int, double>> split_sweep;
+    {
       auto seq_lens = at::full({1}, ctx, bf16.dtype(at::kInt));
-      at::cuda::CUDAGraph graph;
-      auto side = at::cuda::getStreamFromPool();
-      {
-        c10::cuda::CUDAStreamGuard guard(side);
-        graph.capture_begin();
-        for (int64_t l = 0; l < layers; ++l) {
-          (void)*dropkv::kernels::PagedDecodeAttention(q1, k_pool, v_pool, tables[l], seq_lens);
-        }
-        graph.capture_end();
+      for (int splits : {8, 16, 24, 33, 48, 66, 128}) {
+        dropkv::kernels::PagedAttentionParams params;
+        params.max_seq_len = static_cast<int32_t>(ctx);
+        params.num_splits = splits;
+        split_sweep.emplace_back(splits, TimeMs(
+                                             [&] {
+                                               for (int64_t l = 0; l < layers; ++l) {
+                                                 (void)*dropkv::kernels::PagedDecodeAttention(
+                                                     q1, k_pool, v_pool, tables[l], seq_lens,
+                                                     params);
+                                               }
+                                             },
+                                             runs));
       }
-      graph_ms = TimeMs([&] { graph.replay(); }, runs);
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "graph capture failed: %s\n", e.what());
     }
+    // The same 32 calls captured in a CUDA graph (how a decode step would replay them): full
+    // context without a hint (the tables' capacity sizes the grid), and keep 10% with the hint.
+    auto graph_time = [&](int64_t len, int32_t hint_len) {
+      try {
+        auto seq_lens = at::full({1}, len, bf16.dtype(at::kInt));
+        dropkv::kernels::PagedAttentionParams params;
+        params.max_seq_len = hint_len;
+        at::cuda::CUDAGraph graph;
+        auto side = at::cuda::getStreamFromPool();
+        {
+          c10::cuda::CUDAStreamGuard guard(side);
+          graph.capture_begin();
+          for (int64_t l = 0; l < layers; ++l) {
+            (void)*dropkv::kernels::PagedDecodeAttention(q1, k_pool, v_pool, tables[l], seq_lens,
+                                                         params);
+          }
+          graph.capture_end();
+        }
+        return TimeMs([&] { graph.replay(); }, runs);
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "graph capture failed: %s\n", e.what());
+        return -1.0;
+      }
+    };
+    const double graph_ms = graph_time(ctx, 0);
+    const double graph10_ms = graph_time(lens[1], static_cast<int32_t>(lens[1]));
     // Batch 16 x 2K context (the issue-8 HF comparison's decode row), 32 layer calls cycling over
     // 8 disjoint sets of block tables (each layer's 134 MB of K/V is past the L2 anyway).
     const int64_t batch16 = 16, ctx16 = 2048, blocks16 = ctx16 / block_size;
@@ -287,10 +316,11 @@ int main(int argc, char** argv) {
       std::printf(
           "],\"decode\":{\"ctx\":%lld,\"layers\":%lld,\"paged_ms\":%.4f,\"paged_keep10_ms\":%.4f,"
           "\"paged_graph_ms\":%.4f,\"sdpa_dense_ms\":%.4f,\"roofline_ms\":%.4f,"
-          "\"batch16_ctx2k_ms\":%.4f,\"batch16_roofline_ms\":%.4f}}\n",
+          "\"batch16_ctx2k_ms\":%.4f,\"batch16_roofline_ms\":%.4f,\"paged_keep10_graph_ms\":%.4f}}"
+          "\n",
           static_cast<long long>(ctx), static_cast<long long>(layers), decode_ms[0], decode_ms[1],
           graph_ms, sdpa_ms, decode_bytes / (copy_gbs * 1e9) * 1e3, decode16_ms,
-          decode16_bytes / (copy_gbs * 1e9) * 1e3);
+          decode16_bytes / (copy_gbs * 1e9) * 1e3, graph10_ms);
     } else {
       std::printf("device %s, %d SMs; d2d copy %.0f GB/s (read + write); median of %d runs\n",
                   props->name, props->multiProcessorCount, copy_gbs, runs);
@@ -315,6 +345,12 @@ int main(int argc, char** argv) {
           "paged decode, batch 16 x ctx %lld, %lld layers: %.4f ms/step; K+V roofline %.4f ms\n",
           static_cast<long long>(ctx16), static_cast<long long>(layers), decode16_ms,
           decode16_bytes / (copy_gbs * 1e9) * 1e3);
+      std::printf("paged decode, CUDA graph of the 32 calls at ctx %lld (keep 10%%): %.4f ms\n",
+                  static_cast<long long>(lens[1]), graph10_ms);
+      std::printf("paged decode ctx %lld x %lld layers by num_splits:", static_cast<long long>(ctx),
+                  static_cast<long long>(layers));
+      for (const auto& [splits, ms] : split_sweep) std::printf(" %d: %.4f ms;", splits, ms);
+      std::printf("\n");
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "dropkv-bench-score: %s\n", e.what());

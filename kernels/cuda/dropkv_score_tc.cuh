@@ -199,14 +199,21 @@ __global__ void __launch_bounds__(kAttnTcThreads, D <= 128 ? 2 : 1)
     CpAsyncWait<1>();  // this thread's copies of the current tile landed
     __syncthreads();   // ... and everyone's
     if (active) {      // S[:, 16 wg : 16 wg + 16] = Q K^T
-      wmma::fragment<wmma::accumulator, 16, 16, 16, float> s_frag;
+      // Two accumulators over even / odd column blocks, added at the end: two dependent chains of
+      // D / 32 tensor-core products instead of one of D / 16 (pass 3 sums in the same order).
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> s_frag, s_frag2;
       wmma::fill_fragment(s_frag, 0.f);
+      wmma::fill_fragment(s_frag2, 0.f);
 #pragma unroll
-      for (int f = 0; f < kQFrags; ++f) {
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> b_frag;
+      for (int f = 0; f < kQFrags; f += 2) {
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> b_frag, b_frag2;
         wmma::load_matrix_sync(b_frag, k_s + wg * 16 * kLd + f * 16, kLd);
+        wmma::load_matrix_sync(b_frag2, k_s + wg * 16 * kLd + (f + 1) * 16, kLd);
         wmma::mma_sync(s_frag, q_frag[f], b_frag, s_frag);
+        wmma::mma_sync(s_frag2, q_frag[f + 1], b_frag2, s_frag2);
       }
+#pragma unroll
+      for (int i = 0; i < s_frag.num_elements; ++i) s_frag.x[i] += s_frag2.x[i];
       wmma::store_matrix_sync(s_s + wg * 16, s_frag, kLdS, wmma::mem_row_major);
     }
     __syncthreads();
@@ -443,19 +450,34 @@ __global__ void __launch_bounds__(kScoreTcThreads, D <= 128 ? 2 : 1)
         const int cc = chunk_in_group;  // this warp's chunk of the group
         const T* q_c = q_s + cc * kTcRows * kLd;
         const T* a_c = a_s + cc * kTcRows * kLd;
-        wmma::fragment<wmma::accumulator, 16, 16, 16, float> s_frag, av_frag;
+        // Logits in pass 1's order (even / odd column blocks in two accumulators, then added);
+        // <a, v> the same way: four short dependent chains instead of two long ones.
+        wmma::fragment<wmma::accumulator, 16, 16, 16, float> s_frag, av_frag, s_frag2, av_frag2;
         wmma::fill_fragment(s_frag, 0.f);
         wmma::fill_fragment(av_frag, 0.f);
+        wmma::fill_fragment(s_frag2, 0.f);
+        wmma::fill_fragment(av_frag2, 0.f);
 #pragma unroll
-        for (int c = 0; c < D; c += 16) {
+        for (int c = 0; c < D; c += 32) {
           wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a_frag;
           wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> b_frag;
           wmma::load_matrix_sync(a_frag, q_c + c, kLd);
           wmma::load_matrix_sync(b_frag, k_s + key_group * 16 * kLd + c, kLd);
           wmma::mma_sync(s_frag, a_frag, b_frag, s_frag);
+          wmma::load_matrix_sync(a_frag, q_c + c + 16, kLd);
+          wmma::load_matrix_sync(b_frag, k_s + key_group * 16 * kLd + c + 16, kLd);
+          wmma::mma_sync(s_frag2, a_frag, b_frag, s_frag2);
           wmma::load_matrix_sync(a_frag, a_c + c, kLd);
           wmma::load_matrix_sync(b_frag, v_s + key_group * 16 * kLd + c, kLd);
           wmma::mma_sync(av_frag, a_frag, b_frag, av_frag);
+          wmma::load_matrix_sync(a_frag, a_c + c + 16, kLd);
+          wmma::load_matrix_sync(b_frag, v_s + key_group * 16 * kLd + c + 16, kLd);
+          wmma::mma_sync(av_frag2, a_frag, b_frag, av_frag2);
+        }
+#pragma unroll
+        for (int i = 0; i < s_frag.num_elements; ++i) {
+          s_frag.x[i] += s_frag2.x[i];
+          av_frag.x[i] += av_frag2.x[i];
         }
         wmma::store_matrix_sync(s_w, s_frag, kLdF, wmma::mem_row_major);
         wmma::store_matrix_sync(av_w, av_frag, kLdF, wmma::mem_row_major);
