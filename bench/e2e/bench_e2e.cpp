@@ -437,8 +437,8 @@ int Run(int argc, char** argv) {
 #ifdef DROPKV_BENCH_CUDA
     if (at::hasCUDA()) c10::cuda::CUDACachingAllocator::emptyCache();
 #endif
-    std::string cmd = hf_python + " " + hf_script + " --model " + model_dir + " --prefill " +
-                      prefill_arg + " --decode " + decode_arg + " --repeats " +
+    std::string cmd = hf_python + " " + hf_script + " --model " + model_dir + " --prefill='" +
+                      prefill_arg + "' --decode='" + decode_arg + "' --repeats " +
                       std::to_string(repeats) + " --decode-steps " + std::to_string(decode_steps) +
                       " --device " + (device.rfind("cuda", 0) == 0 ? std::string("cuda") : device) +
                       " --dtype " + dtype + (random_weights ? "" : " --weights");
