@@ -106,12 +106,23 @@ __global__ void __launch_bounds__(kDecThreads, RC <= 4 ? 4 : 2)
   const int bh = blockIdx.x, split = blockIdx.y, chunk = blockIdx.z;
   const int b = bh / p.num_kv_heads, h = bh % p.num_kv_heads;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int n = p.seq_lens[b];
+  const int n = p.seq_lens[b];  // used below: the block-id loads go out before it returns
   const int key_begin = split * p.split_len;
-  const int key_end = min(n, key_begin + p.split_len);
   const int row0 = chunk * RC;
   const int64_t part_row0 = (static_cast<int64_t>(bh) * p.num_splits + split) * p.rows_pad + row0;
 
+  // Block ids of the split, once (v4 loaded one per key, a dependent load before each K/V load).
+  // The whole range a split can touch is read without knowing n (entries past n are never used),
+  // so this load overlaps the length's instead of waiting for it (v7 chained length -> ids -> K/V).
+  const int blk0 = key_begin / p.block_size;
+  const int32_t* table_g = p.block_tables + static_cast<int64_t>(b) * p.max_blocks + blk0;
+  const bool cached = p.table_len > 0;  // the host sized the cache for the longest split
+  if (cached) {
+    const int avail = min(p.table_len, p.max_blocks - blk0);
+    for (int i = tid; i < avail; i += kDecThreads) table_s[i] = table_g[i];
+  }
+
+  const int key_end = min(n, key_begin + p.split_len);
   if (key_begin >= key_end) {  // empty split (uniform over the CTA): weight 0 in the merge
     for (int idx = tid; idx < RC * D; idx += kDecThreads) p.part_acc[part_row0 * D + idx] = 0.f;
     if (tid < RC) {
@@ -120,16 +131,7 @@ __global__ void __launch_bounds__(kDecThreads, RC <= 4 ? 4 : 2)
     }
     return;
   }
-
-  // Block ids of the split, once (v4 loaded one per key, a dependent load before each K/V load).
-  const int blk0 = key_begin / p.block_size;
-  const int num_blk = (key_end - 1) / p.block_size - blk0 + 1;
-  const int32_t* table_g = p.block_tables + static_cast<int64_t>(b) * p.max_blocks + blk0;
-  const bool cached = num_blk <= p.table_len;
-  if (cached) {
-    for (int i = tid; i < num_blk; i += kDecThreads) table_s[i] = table_g[i];
-    __syncthreads();
-  }
+  if (cached) __syncthreads();
   const int32_t* table = cached ? table_s : table_g;
 
   // This thread's key slot in a step and its 8 columns.
