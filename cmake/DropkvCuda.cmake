@@ -39,5 +39,11 @@ if(DROPKV_CUDA_ENABLED)
   endif()
   message(STATUS "dropkv: CUDA on, architectures ${CMAKE_CUDA_ARCHITECTURES}")
 else()
+  # The PyPI torch wheel is a CUDA build: its CMake config still looks for the toolkit and, with
+  # no GPU to query, fails to pick architectures. Our targets compile no CUDA code then, so any
+  # valid list will do.
+  if(NOT DEFINED ENV{TORCH_CUDA_ARCH_LIST})
+    set(ENV{TORCH_CUDA_ARCH_LIST} "9.0")
+  endif()
   message(STATUS "dropkv: CUDA off")
 endif()

@@ -54,14 +54,54 @@ if(NOT DROPKV_KVPRESS_PYTHON)
   endif()
 endif()
 
-find_package(Torch 2.11 REQUIRED)
+# The PyPI wheel is a CUDA build, and its CMake config stops with a fatal error on a machine
+# without a CUDA toolkit (a plain CPU machine). The CPU engine needs none of it: there, the target
+# is made from the wheel's headers and CPU libraries directly (DROPKV_TORCH_CPU_ONLY; AUTO = when
+# CUDA is off and no nvcc exists).
+set(DROPKV_TORCH_CPU_ONLY "AUTO" CACHE STRING "Link LibTorch's CPU libraries only: ON, OFF or AUTO")
+set(_torch_cpu_only OFF)
+if(DROPKV_TORCH_CPU_ONLY STREQUAL "ON")
+  set(_torch_cpu_only ON)
+elseif(DROPKV_TORCH_CPU_ONLY STREQUAL "AUTO" AND NOT DROPKV_CUDA_ENABLED)
+  find_program(_dropkv_nvcc nvcc HINTS "$ENV{CUDA_HOME}/bin" /usr/local/cuda/bin)
+  if(NOT _dropkv_nvcc)
+    set(_torch_cpu_only ON)
+  endif()
+endif()
+if(_torch_cpu_only AND DROPKV_CUDA_ENABLED)
+  message(FATAL_ERROR "DROPKV_TORCH_CPU_ONLY=ON needs DROPKV_CUDA=OFF")
+endif()
+
+add_library(dropkv_torch INTERFACE)
+if(_torch_cpu_only)
+  execute_process(
+    COMMAND "${DROPKV_PYTHON}" -c
+            "import os, torch; print(os.path.dirname(torch.__file__)); print(torch.__version__.split('+')[0]); print(int(torch.compiled_with_cxx11_abi()))"
+    OUTPUT_VARIABLE _torch_info OUTPUT_STRIP_TRAILING_WHITESPACE RESULT_VARIABLE _rc)
+  if(NOT _rc EQUAL 0)
+    message(FATAL_ERROR "LibTorch not found: '${DROPKV_PYTHON} -c import torch' failed")
+  endif()
+  string(REPLACE "\n" ";" _torch_info "${_torch_info}")
+  list(GET _torch_info 0 _torch_root)
+  list(GET _torch_info 1 Torch_VERSION)
+  list(GET _torch_info 2 _torch_abi)
+  set(TORCH_CXX_FLAGS "-D_GLIBCXX_USE_CXX11_ABI=${_torch_abi}")
+  target_include_directories(dropkv_torch SYSTEM INTERFACE "${_torch_root}/include"
+                                                           "${_torch_root}/include/torch/csrc/api/include")
+  # --no-as-needed: libtorch_cpu registers its operators in static initialisers.
+  target_link_libraries(dropkv_torch INTERFACE "-Wl,--no-as-needed" "${_torch_root}/lib/libtorch_cpu.so"
+                                               "${_torch_root}/lib/libc10.so" "-Wl,--as-needed")
+  target_link_options(dropkv_torch INTERFACE "-Wl,-rpath,${_torch_root}/lib")
+  message(STATUS "dropkv: LibTorch ${Torch_VERSION} CPU libraries only (no CUDA toolkit here)")
+else()
+  find_package(Torch 2.11 REQUIRED)
+  target_link_libraries(dropkv_torch INTERFACE ${TORCH_LIBRARIES})
+endif()
 if(NOT Torch_VERSION VERSION_EQUAL "2.11.0")
   message(FATAL_ERROR "dropkv pins LibTorch 2.11.0 (the GPU machine's version); found ${Torch_VERSION}")
 endif()
 # TORCH_CXX_FLAGS carries the ABI define; apply it everywhere so Debian libs and torch agree.
 string(APPEND CMAKE_CXX_FLAGS " ${TORCH_CXX_FLAGS}")
-add_library(dropkv_torch INTERFACE)
-target_link_libraries(dropkv_torch INTERFACE ${TORCH_LIBRARIES})
 add_library(dropkv::torch ALIAS dropkv_torch)
 # The wheel's libtorch_python is not needed and drags in libpython; TORCH_LIBRARIES does not list it.
 
