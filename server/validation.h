@@ -24,7 +24,8 @@ class CompressionSettings;
 
 struct ValidationLimits {
   int32_t vocab_size = 0;               // token ids must be in [0, vocab_size)
-  int64_t max_context_len = 0;          // prompt_len + max_new_tokens may not exceed it; 0 = none
+  int64_t max_context_len = 0;          // the prompt may not exceed it (0 = none); generation
+                                        // stops with LENGTH when prompt + output reach it
   int32_t max_new_tokens_limit = 4096;  // largest max_new_tokens accepted
   int64_t max_prompt_tokens = 0;        // 0 = the context length
   int64_t max_request_bytes = 4 << 20;  // serialized request size ("oversized request")
