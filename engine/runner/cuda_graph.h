@@ -55,6 +55,17 @@ class StagedUpload {
   virtual void Upload() = 0;
   virtual const at::Tensor& device_buffer() const = 0;
 };
+// Device time of stretches of work on the current stream, without a host sync while they are
+// queued: Start()/Stop() record events; Seconds() waits for the last Stop and sums the stretches.
+class DeviceTimer {
+ public:
+  virtual ~DeviceTimer() = default;
+  virtual void Start() = 0;
+  virtual void Stop() = 0;
+  virtual double Seconds() = 0;
+};
+absl::StatusOr<std::unique_ptr<DeviceTimer>> CreateCudaTimer();
+
 // A byte buffer of `num_bytes` on `device` plus its pinned staging twin.
 absl::StatusOr<std::unique_ptr<StagedUpload>> CreateStagedUpload(int64_t num_bytes,
                                                                  int device_index);

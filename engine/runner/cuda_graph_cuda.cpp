@@ -102,6 +102,59 @@ absl::StatusOr<std::pair<int64_t, int64_t>> CudaMemoryInfo(int device_index) {
   }
 }
 
+namespace {
+
+// A metric must never fail the prefill it measures: any CUDA error turns the timer off (0 s).
+class CudaTimer : public DeviceTimer {
+ public:
+  void Start() override {
+    Guard([&] {
+      stretches_.emplace_back(std::make_unique<at::cuda::CUDAEvent>(cudaEventDefault),
+                              std::make_unique<at::cuda::CUDAEvent>(cudaEventDefault));
+      stretches_.back().first->record();
+    });
+  }
+  void Stop() override {
+    Guard([&] {
+      if (!stretches_.empty()) stretches_.back().second->record();
+    });
+  }
+  double Seconds() override {
+    double ms = 0;
+    Guard([&] {
+      for (auto& [start, stop] : stretches_) {
+        stop->synchronize();
+        ms += start->elapsed_time(*stop);
+      }
+    });
+    return failed_ ? 0.0 : ms / 1e3;
+  }
+
+ private:
+  template <typename Fn>
+  void Guard(Fn&& fn) {
+    if (failed_) return;
+    try {
+      fn();
+    } catch (const std::exception&) {
+      failed_ = true;
+    }
+  }
+  bool failed_ = false;
+  std::vector<std::pair<std::unique_ptr<at::cuda::CUDAEvent>, std::unique_ptr<at::cuda::CUDAEvent>>>
+      stretches_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<DeviceTimer>> CreateCudaTimer() {
+  try {
+    return std::unique_ptr<DeviceTimer>(new CudaTimer());
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat("CUDA timer: ", e.what()));
+  }
+}
+
 absl::StatusOr<std::unique_ptr<StagedUpload>> CreateStagedUpload(int64_t num_bytes,
                                                                  int device_index) {
   try {

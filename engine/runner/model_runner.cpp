@@ -8,6 +8,7 @@
 #include <c10/core/InferenceMode.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -68,6 +69,8 @@ class PrefillBackend : public AttentionBackend {
   absl::StatusOr<at::Tensor> Attend(int32_t layer_idx, const at::Tensor& q, const at::Tensor& k,
                                     const at::Tensor& v) override;
   std::vector<int32_t>& deferred_free() { return deferred_free_; }
+  // Time spent in the selector over this chunk's layers (SequenceCacheInfo::compression_seconds).
+  double selection_seconds() { return device_timer_ ? device_timer_->Seconds() : host_seconds_; }
 
  private:
   TorchModelRunner& runner_;
@@ -75,7 +78,9 @@ class PrefillBackend : public AttentionBackend {
   int64_t start_pos_;
   bool is_last_chunk_;
   KvSelector* selector_;
-  std::vector<int32_t> deferred_free_;  // old blocks of compacted layers, freed on commit
+  std::vector<int32_t> deferred_free_;         // old blocks of compacted layers, freed on commit
+  std::unique_ptr<DeviceTimer> device_timer_;  // CUDA: events around each Select, no host sync
+  double host_seconds_ = 0;                    // CPU: wall time of each Select
 };
 
 // The inputs of one decode step, packed in one byte buffer so that one host-to-device copy moves
@@ -277,6 +282,7 @@ class TorchModelRunner : public ModelRunner {
       if (!hidden.ok()) return fail(hidden.status());
       pool_->FreeBlocks(backend.deferred_free());  // commit
       pool_->set_logical_len(seq, start + n);
+      if (selector != nullptr) compression_seconds_[seq] += backend.selection_seconds();
       if (!is_last_chunk) return at::Tensor();
       return model_->Logits(hidden->narrow(0, n - 1, 1)).squeeze(0);  // fp32 [vocab]
     } catch (const std::exception& e) {
@@ -350,6 +356,8 @@ class TorchModelRunner : public ModelRunner {
     for (int32_t l = 0; l < pool_->num_layers(); ++l)
       info.stored_len_per_layer.push_back(pool_->stored_len(seq, l));
     info.num_blocks = pool_->num_blocks_of(seq);
+    if (auto it = compression_seconds_.find(seq); it != compression_seconds_.end())
+      info.compression_seconds = it->second;
     return info;
   }
 
@@ -357,6 +365,7 @@ class TorchModelRunner : public ModelRunner {
     pool_->FreeSequence(seq);
     positions_.erase(seq);
     selectors_.erase(seq);
+    compression_seconds_.erase(seq);
   }
 
   absl::Status CompactLayer(SequenceId seq, int32_t layer_idx, const at::Tensor& kept) override {
@@ -609,6 +618,7 @@ class TorchModelRunner : public ModelRunner {
   std::unique_ptr<BlockPool> pool_;
   KvSelectorFactory factory_;
   std::unordered_map<SequenceId, std::unique_ptr<KvSelector>> selectors_;  // until the last chunk
+  std::unordered_map<SequenceId, double> compression_seconds_;  // selector time of committed chunks
   // Per sequence, per layer: positions [Hkv, stored] once a layer was compacted (undefined =
   // arange(stored_len), the uncompressed case). Tracked through prefill; decode does not extend
   // them.
@@ -654,7 +664,19 @@ absl::StatusOr<at::Tensor> PrefillBackend::Attend(int32_t layer_idx, const at::T
     view.values = all_v;
     view.positions = all_pos;
     view.is_last_chunk = is_last_chunk_;
-    ASSIGN_OR_RETURN(kept, selector_->Select(view));
+    if (q.is_cuda() && !device_timer_) {
+      if (auto timer = CreateCudaTimer(); timer.ok()) device_timer_ = std::move(*timer);
+    }
+    const auto host_start = std::chrono::steady_clock::now();
+    if (device_timer_) device_timer_->Start();
+    auto selected = selector_->Select(view);
+    if (device_timer_) {
+      device_timer_->Stop();
+    } else {
+      host_seconds_ +=
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - host_start).count();
+    }
+    ASSIGN_OR_RETURN(kept, std::move(selected));
   }
   if (kept) {
     std::vector<int32_t> old;

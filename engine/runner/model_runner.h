@@ -48,6 +48,9 @@ struct SequenceCacheInfo {
   int64_t logical_len = 0;  // next RoPE position
   std::vector<int64_t> stored_len_per_layer;
   int64_t num_blocks = 0;
+  // Time the KvSelector spent scoring and selecting over the prefill so far (device time on CUDA,
+  // wall time on CPU); 0 without compression.
+  double compression_seconds = 0;
 };
 
 // The compression hook (issue 6). The runner asks the registered factory for a selector when a

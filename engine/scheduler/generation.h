@@ -49,10 +49,11 @@ struct GenerationSummary {
   std::vector<int64_t> kv_tokens_kept_per_layer;
   int64_t kv_bytes_saved = 0;
   int32_t num_preemptions = 0;
-  double queue_ms = 0;    // arrival -> first admission
-  double prefill_ms = 0;  // first admission -> prefill done (last admission after preemption)
-  double ttft_ms = 0;     // arrival -> first token
-  double decode_ms = 0;   // first token -> finish
+  double queue_ms = 0;     // arrival -> first admission
+  double prefill_ms = 0;   // first admission -> prefill done (last admission after preemption)
+  double ttft_ms = 0;      // arrival -> first token
+  double decode_ms = 0;    // first token -> finish
+  double scoring_ms = -1;  // KV scoring + selection in the prefill (compressed requests; else < 0)
 };
 
 // One delta of output. `finished` marks the last event of a request.

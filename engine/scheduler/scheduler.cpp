@@ -227,6 +227,8 @@ struct Scheduler::Impl {
     if (seq.generated.empty()) {
       const SequenceCacheInfo info = runner.CacheInfo(seq.seq_id);
       seq.summary.kv_tokens_kept_per_layer = info.stored_len_per_layer;
+      if (seq.request.compression.method != ScoreMethod::kNone)
+        seq.summary.scoring_ms = info.compression_seconds * 1e3;
       int64_t kept = 0;
       for (int64_t n : info.stored_len_per_layer) kept += n;
       seq.summary.num_kv_tokens_kept = kept;

@@ -94,7 +94,7 @@ void RequestMetricsTracker::Finish(absl::StatusCode code, const std::string& fin
       metrics_->OnRequestAdmitted(summary->queue_ms / 1e3, summary->num_prompt_tokens);
       if (!summary->kv_tokens_kept_per_layer.empty()) {
         metrics_->OnPrefillCompressed(summary->kv_tokens_kept_per_layer, summary->num_prompt_tokens,
-                                      /*scoring_seconds=*/-1.0);
+                                      summary->scoring_ms >= 0 ? summary->scoring_ms / 1e3 : -1.0);
       }
     }
     metrics_->OnRequestFinished(code, duration_s);

@@ -55,6 +55,21 @@ class RequestMetricsTest : public ::testing::Test {
   std::ostringstream log_;
 };
 
+// A compressed request's scoring time (GenerationSummary::scoring_ms, from the runner) is observed.
+TEST_F(RequestMetricsTest, CompressedRequestObservesScoringTime) {
+  RequestMetricsTracker tracker(&metrics_, request_, /*log_prompts=*/false, "", Clock());
+  GenerationEvent last = Tokens(1);
+  last.finished = true;
+  last.finish_reason = FinishReason::kLength;
+  last.summary.num_prompt_tokens = 100;
+  last.summary.kv_tokens_kept_per_layer = {10, 10};
+  last.summary.scoring_ms = 7.5;
+  tracker.OnEvent(last);
+  auto m = ParsePrometheusText(metrics_.RenderText());
+  EXPECT_EQ(m.Value("dropkv_scoring_seconds_count"), 1);
+  EXPECT_NEAR(*m.Value("dropkv_scoring_seconds_sum"), 0.0075, 1e-12);
+}
+
 TEST_F(RequestMetricsTest, FinishedRequestFeedsEveryMetricAndOneLogLine) {
   RequestMetricsTracker tracker(&metrics_, request_, /*log_prompts=*/false, "the prompt", Clock());
   now_ = t0_ + 200ms;
@@ -87,7 +102,7 @@ TEST_F(RequestMetricsTest, FinishedRequestFeedsEveryMetricAndOneLogLine) {
   EXPECT_NEAR(*m.Value("dropkv_request_queue_seconds_sum"), 0.05, 1e-9);
   EXPECT_EQ(m.Value("dropkv_kv_tokens_kept_total"), 40);
   EXPECT_EQ(m.Value("dropkv_kv_tokens_evicted_total"), 160);
-  EXPECT_EQ(m.Value("dropkv_scoring_seconds_count"), 0);  // not measured here: not observed
+  EXPECT_EQ(m.Value("dropkv_scoring_seconds_count"), 0);  // scoring_ms < 0: not compressed
 
   auto j = LastLogLine();
   EXPECT_EQ(j["request_id"], "r1");

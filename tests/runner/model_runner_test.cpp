@@ -7,9 +7,11 @@
 
 #include <ATen/ATen.h>
 
+#include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <thread>
 
 #include "allocator/block_pool.h"
 #include "engine/model/config.h"
@@ -239,6 +241,33 @@ TEST(ModelRunnerTest, ChunkedPrefillWithSelectorSeesStoredPlusChunk) {
   cp.method = ScoreMethod::kSnapKV;
   EXPECT_EQ(runner->Prefill(2, prompt, true, cp).status().code(),
             absl::StatusCode::kFailedPrecondition);
+}
+
+// The selector's time is reported per sequence (it feeds dropkv_scoring_seconds): a selector
+// that takes 10 ms per layer shows up as at least 4 x 10 ms per chunk; none means 0.
+class SlowSelector : public KvSelector {
+ public:
+  absl::StatusOr<std::optional<at::Tensor>> Select(const LayerKvView&) override {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    return std::optional<at::Tensor>();
+  }
+};
+
+TEST(ModelRunnerTest, SelectorTimeIsReportedPerSequence) {
+  auto runner = MakeRunner();
+  SlowSelector selector;
+  auto prompt = Tokens(10, 3);
+  ASSERT_TRUE(runner->Prefill(2, prompt, true, {}).ok());
+  EXPECT_EQ(runner->CacheInfo(2).compression_seconds, 0.0);
+  ASSERT_TRUE(
+      runner->PrefillWithSelector(1, std::span(prompt).subspan(0, 6), false, &selector).ok());
+  const double first = runner->CacheInfo(1).compression_seconds;
+  EXPECT_GE(first, 4 * 0.010);  // 4 layers
+  ASSERT_TRUE(runner->PrefillWithSelector(1, std::span(prompt).subspan(6), true, &selector).ok());
+  EXPECT_GE(runner->CacheInfo(1).compression_seconds, first + 4 * 0.010);
+  EXPECT_LT(runner->CacheInfo(1).compression_seconds, 10.0);
+  runner->Release(1);
+  EXPECT_EQ(runner->CacheInfo(1).compression_seconds, 0.0);
 }
 
 TEST(ModelRunnerTest, CaptureAttentionOutputsDoesNotTouchThePool) {

@@ -220,7 +220,12 @@ TEST_F(SchedulerTest, BatchedOutputsEqualSingleRequestOutputs) {
     Drain(*channels[i], c);
     EXPECT_EQ(c.tokens, FakeRunner::Greedy(Prompt(3 + (i * 5) % 29, i), 1 + (i * 7) % 17))
         << "request " << i;
-    if (i % 3 == 1) EXPECT_EQ(c.summary.num_kv_tokens_kept, 2 * ((3 + (i * 5) % 29 + 1) / 2));
+    if (i % 3 == 1) {
+      EXPECT_EQ(c.summary.num_kv_tokens_kept, 2 * ((3 + (i * 5) % 29 + 1) / 2));
+      EXPECT_GE(c.summary.scoring_ms, 0);  // compressed: the runner's selector time is reported
+    } else {
+      EXPECT_LT(c.summary.scoring_ms, 0);  // uncompressed: not measured
+    }
   }
   EXPECT_EQ(runner_->pool().num_free_blocks(), 512);
 }
