@@ -2,8 +2,11 @@
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <string>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -26,6 +29,46 @@ struct WeightSpec {
 
 std::string ShapeStr(at::IntArrayRef s) {
   return absl::StrCat("[", absl::StrJoin(s, ", "), "]");
+}
+
+// oneDNN's linear over a weight reordered once at load into its blocked layout. On this
+// project's x86 CPUs it is 1.4-1.9x faster than at::linear (MKL's GEMM re-packs the weight in
+// every call) at 1..128 rows. Reached through the dispatcher: the ops live in torch's `mkldnn`
+// library, not in the generated at:: API. Absent or failing ops leave the weights as they are.
+struct OneDnnLinearOps {
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, std::optional<int64_t>)> reorder;
+  c10::TypedOperatorHandle<at::Tensor(
+      const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, c10::string_view,
+      c10::List<std::optional<at::Scalar>>, std::optional<c10::string_view>)>
+      linear;
+};
+
+const OneDnnLinearOps* OneDnnOps() {
+  static const std::optional<OneDnnLinearOps> ops = []() -> std::optional<OneDnnLinearOps> {
+    try {
+      auto& d = c10::Dispatcher::singleton();
+      return OneDnnLinearOps{
+          d.findSchemaOrThrow("mkldnn::_reorder_linear_weight", "")
+              .typed<at::Tensor(const at::Tensor&, std::optional<int64_t>)>(),
+          d.findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+              .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
+                                const std::optional<at::Tensor>&, c10::string_view,
+                                c10::List<std::optional<at::Scalar>>,
+                                std::optional<c10::string_view>)>()};
+    } catch (const std::exception&) {
+      return std::nullopt;
+    }
+  }();
+  return ops ? &*ops : nullptr;
+}
+
+// x [N, in] @ w^T (+ b): w is a plain [out, in] tensor or a oneDNN-packed one.
+at::Tensor Linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
+  if (w.is_mkldnn()) {
+    return OneDnnOps()->linear.call(x, w, b.defined() ? std::optional<at::Tensor>(b) : std::nullopt,
+                                    "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
+  }
+  return at::linear(x, w, b);
 }
 
 at::Tensor RotateHalf(const at::Tensor& x) {
@@ -89,6 +132,44 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& model_dir,
 absl::StatusOr<std::unique_ptr<Model>> Model::CreateRandom(const ModelConfig& c, at::Device device,
                                                            at::ScalarType dtype, uint64_t seed) {
   return LoadOrDraw("", c, device, dtype, seed);
+}
+
+void Model::PackForCpu() {
+  if (dtype_ != at::kFloat || !embed_.is_cpu() || OneDnnOps() == nullptr) return;
+  if (const char* v = std::getenv("DROPKV_CPU_PACKED_WEIGHTS");
+      v != nullptr && std::string(v) == "0")
+    return;
+  try {
+    // Check the packed op against at::linear once before trusting it with every weight.
+    const Layer& first = layers_.front();
+    const int64_t in = first.qkv_w.size(1);
+    auto probe = at::arange(3 * in, at::kFloat).reshape({3, in}).sin();  // no RNG draw
+    auto want = at::linear(probe, first.qkv_w, first.qkv_b);
+    auto got = Linear(probe, OneDnnOps()->reorder.call(first.qkv_w, std::nullopt), first.qkv_b);
+    if (!at::allclose(got, want, 1e-4, 1e-5)) {
+      LogWarn("model: oneDNN packed linear disagrees with at::linear; weights stay unpacked");
+      return;
+    }
+    // Small matrices lose: oneDNN's fixed cost per call outweighs the packing (stories260K's
+    // 64 x 64 projections run 1.3-1.7x slower packed); from about 4 MB of weights it wins.
+    constexpr int64_t kMinPackedElements = int64_t{1} << 20;
+    auto pack = [&](at::Tensor* w) {
+      if (w->numel() < kMinPackedElements) return;
+      *w = OneDnnOps()->reorder.call(*w, std::nullopt);
+      ++num_packed_weights_;
+    };
+    for (Layer& l : layers_) {
+      for (at::Tensor* w : {&l.qkv_w, &l.o_w, &l.gate_up_w, &l.down_w}) pack(w);
+    }
+    // A tied head stays as it is: packing it would hold a second copy of the embedding.
+    if (!lm_head_.is_same(embed_)) pack(&lm_head_);
+    if (num_packed_weights_ > 0) {
+      LogInfo(absl::StrCat("model: ", num_packed_weights_, " weights packed for oneDNN's linear"));
+    }
+  } catch (const std::exception& e) {
+    LogWarn(absl::StrCat("model: packing weights for oneDNN failed (", e.what(),
+                         "); a partly packed model still works, each weight picks its path"));
+  }
 }
 
 void Model::FuseProjections(Layer& l) {
@@ -192,6 +273,7 @@ absl::StatusOr<std::unique_ptr<Model>> Model::LoadOrDraw(const std::string& mode
       }
     }
     for (auto& l : m->layers_) FuseProjections(l);
+    m->PackForCpu();
     m->inv_freq_ = RopeInvFreq(c, c.rope.original_max_position_embeddings).to(device);
   } catch (const std::exception& e) {
     return absl::InternalError(absl::StrCat(model_dir, ": loading weights failed: ", e.what()));
@@ -245,7 +327,7 @@ absl::StatusOr<at::Tensor> Model::Forward(const at::Tensor& tokens, const at::Te
     for (int32_t i = 0; i < c.num_layers; ++i) {
       const Layer& l = layers_[i];
       auto hs = Norm(x, l.input_norm);
-      auto qkv = at::linear(hs, l.qkv_w, l.qkv_b);  // [N, q_size + 2 kv_size]
+      auto qkv = Linear(hs, l.qkv_w, l.qkv_b);  // [N, q_size + 2 kv_size]
       // RoPE on q and k together (one set of elementwise kernels): [N, Hq + Hkv, D].
       auto qk = qkv.narrow(1, 0, c.q_size() + c.kv_size())
                     .view({n, c.num_heads + c.num_kv_heads, c.head_dim});
@@ -261,16 +343,16 @@ absl::StatusOr<at::Tensor> Model::Forward(const at::Tensor& tokens, const at::Te
         k = k.contiguous();
         v = v.contiguous();
       }
-      ASSIGN_OR_RETURN(at::Tensor attn, backend.Attend(i, q, k, v));     // [N, Hq, D]
-      auto o = at::linear(attn.reshape({n, c.q_size()}), l.o_w, l.o_b);  // [N, hidden]
+      ASSIGN_OR_RETURN(at::Tensor attn, backend.Attend(i, q, k, v));  // [N, Hq, D]
+      auto o = Linear(attn.reshape({n, c.q_size()}), l.o_w, l.o_b);   // [N, hidden]
       if (observer != nullptr && *observer) (*observer)(i, o);
       x = x + o;
       hs = Norm(x, l.post_norm);
       const int64_t inter = c.intermediate_size;
-      auto gate_up = at::linear(hs, l.gate_up_w, l.gate_up_b);  // [N, 2 inter]
+      auto gate_up = Linear(hs, l.gate_up_w, l.gate_up_b);  // [N, 2 inter]
       auto gate = gate_up.narrow(1, 0, inter);
       gate = c.hidden_act == "silu" ? at::silu(gate) : at::gelu(gate, "tanh");
-      x = x + at::linear(gate * gate_up.narrow(1, inter, inter), l.down_w, l.down_b);
+      x = x + Linear(gate * gate_up.narrow(1, inter, inter), l.down_w, l.down_b);
     }
     return Norm(x, final_norm_);
   } catch (const std::exception& e) {
@@ -279,7 +361,7 @@ absl::StatusOr<at::Tensor> Model::Forward(const at::Tensor& tokens, const at::Te
 }
 
 at::Tensor Model::Logits(const at::Tensor& hidden) const {
-  return at::linear(hidden, lm_head_).to(at::kFloat);
+  return Linear(hidden, lm_head_, at::Tensor()).to(at::kFloat);
 }
 
 }  // namespace dropkv

@@ -68,6 +68,8 @@ class Model {
                                      const AttentionObserver* observer = nullptr) const;
   // hidden [N, hidden] -> fp32 logits [N, vocab].
   at::Tensor Logits(const at::Tensor& hidden) const;
+  // Weights held in oneDNN's packed layout (CPU fp32, large matrices; see PackForCpu).
+  int32_t num_packed_weights() const { return num_packed_weights_; }
 
  private:
   struct Layer {
@@ -89,6 +91,9 @@ class Model {
                                                            std::optional<uint64_t> random_seed);
   // Concatenates q/k/v and gate/up into qkv_w / gate_up_w and drops the separate tensors.
   static void FuseProjections(Layer& l);
+  // CPU fp32: replaces the large projection weights (and an untied LM head) by oneDNN-packed
+  // copies (DROPKV_CPU_PACKED_WEIGHTS=0 keeps them plain). Memory-neutral: the plain ones go.
+  void PackForCpu();
   at::Tensor Norm(const at::Tensor& x, const at::Tensor& w) const;
   // cos, sin: [N, D] in the model dtype.
   std::pair<at::Tensor, at::Tensor> RopeCosSin(const at::Tensor& positions,
@@ -101,6 +106,7 @@ class Model {
   at::Tensor lm_head_;     // [vocab, hidden] (the embedding when tied)
   at::Tensor inv_freq_;    // fp32 [D/2]
   std::vector<Layer> layers_;
+  int32_t num_packed_weights_ = 0;
 };
 
 // fp32 [D/2] RoPE inverse frequencies for `config` at sequence length `seq_len` (only dynamic

@@ -270,6 +270,51 @@ TEST(ModelRunnerTest, SelectorTimeIsReportedPerSequence) {
   EXPECT_EQ(runner->CacheInfo(1).compression_seconds, 0.0);
 }
 
+// CPU fp32 holds projections of >= 1M elements in oneDNN's packed layout (Model::PackForCpu):
+// the logits of prefill and decode equal those of plain at::linear over the same weights.
+TEST(ModelRunnerTest, PackedCpuWeightsGiveTheSameLogits) {
+  const auto dir = testing::ScratchDir("runner-packed");
+  std::ofstream(dir / "config.json") << R"({
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+    "hidden_size": 1024, "intermediate_size": 1024, "num_hidden_layers": 2,
+    "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128, "vocab_size": 1024,
+    "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+    "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": false, "torch_dtype": "float32"
+  })";
+  auto make = [&](const char* packed) {
+    setenv("DROPKV_CPU_PACKED_WEIGHTS", packed, 1);
+    RunnerOptions o;
+    o.model_dir = dir.string();
+    o.random_weights = true;
+    o.random_seed = 7;
+    o.num_kv_blocks = 64;
+    auto r = ModelRunner::Create(o);
+    unsetenv("DROPKV_CPU_PACKED_WEIGHTS");
+    EXPECT_TRUE(r.ok()) << r.status();
+    return std::move(*r);
+  };
+  auto plain = make("0");
+  auto packed = make("1");
+  EXPECT_EQ(plain->model()->num_packed_weights(), 0);
+  // q/k/v (1536 x 1024), o, gate/up (2048 x 1024), down per layer, and the untied head.
+  EXPECT_EQ(packed->model()->num_packed_weights(), 2 * 4 + 1);
+  auto close = [](const at::Tensor& a, const at::Tensor& b) {
+    const double scale = std::max(1.0, a.abs().max().item<double>());
+    return (a - b).abs().max().item<double>() / scale;
+  };
+  auto prompt = Tokens(20, 5);
+  auto a = plain->Prefill(1, prompt, true, {});
+  auto b = packed->Prefill(1, prompt, true, {});
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_LT(close(*a, *b), 1e-4);
+  const SequenceId seq = 1;
+  const int32_t tok = 17;
+  auto da = plain->Decode(std::span(&seq, 1), std::span(&tok, 1));
+  auto db = packed->Decode(std::span(&seq, 1), std::span(&tok, 1));
+  ASSERT_TRUE(da.ok() && db.ok());
+  EXPECT_LT(close(*da, *db), 1e-4);
+}
+
 TEST(ModelRunnerTest, CaptureAttentionOutputsDoesNotTouchThePool) {
   auto runner = MakeRunner();
   auto outs = runner->CaptureAttentionOutputs(Tokens(7, 0));
