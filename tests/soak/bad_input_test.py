@@ -18,6 +18,8 @@ import subprocess
 import sys
 import time
 
+from soak_common import prepare_scratch, stop
+
 
 def parse_args():
     ap = argparse.ArgumentParser()
@@ -65,20 +67,7 @@ def start(server, args, scratch, name, wait_listen=True, timeout=120):
 def main():
     args = parse_args()
     scratch = args.scratch
-    shutil.rmtree(scratch, ignore_errors=True)
-    os.makedirs(scratch)
-    src = os.path.join(args.shared, "models", "stories260K")
-    model = os.path.join(scratch, "stories260K")
-    subprocess.run([args.convert, "llama2c", "--model", os.path.join(src, "stories260K.bin"),
-                    "--tokenizer", os.path.join(src, "tok512.bin"), "--out", model],
-                   check=True, stdout=subprocess.DEVNULL)
-    stubs = os.path.join(scratch, "stubs")
-    os.makedirs(stubs)
-    from grpc_tools import protoc
-    assert protoc.main(["protoc", f"-I{args.proto_dir}", f"--python_out={stubs}",
-                        f"--grpc_python_out={stubs}",
-                        os.path.join(args.proto_dir, "dropkv", "v1", "inference.proto")]) == 0
-    sys.path.insert(0, stubs)
+    model = prepare_scratch(scratch, args.shared, args.convert, args.proto_dir)
     import grpc
     from dropkv.v1 import inference_pb2 as pb
     from dropkv.v1 import inference_pb2_grpc as pbg
@@ -176,11 +165,7 @@ def main():
         c, d = code_of(stub.GenerateUnary, good, metadata=auth)
         check("alive_after_all", c == grpc.StatusCode.OK and proc.poll() is None, f"{c.name}")
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
 
     # Operator mistakes: the process exits non-zero with a message naming the culprit.
     def startup(case, extra, model_dir, expect):

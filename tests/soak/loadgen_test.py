@@ -10,12 +10,13 @@ import http.server
 import json
 import os
 import re
-import shutil
 import socket
 import subprocess
 import sys
 import threading
 import time
+
+from soak_common import prepare_scratch, stop
 
 FAILURES = []
 
@@ -38,20 +39,7 @@ def main():
         ap.add_argument(a, required=True)
     ap.add_argument("--shared", default=os.environ.get("DROPKV_SHARED", ""))
     args = ap.parse_args()
-    shutil.rmtree(args.scratch, ignore_errors=True)
-    os.makedirs(args.scratch)
-    src = os.path.join(args.shared, "models", "stories260K")
-    model = os.path.join(args.scratch, "stories260K")
-    subprocess.run([args.convert, "llama2c", "--model", os.path.join(src, "stories260K.bin"),
-                    "--tokenizer", os.path.join(src, "tok512.bin"), "--out", model],
-                   check=True, stdout=subprocess.DEVNULL)
-    stubs = os.path.join(args.scratch, "stubs")
-    os.makedirs(stubs)
-    from grpc_tools import protoc
-    assert protoc.main(["protoc", f"-I{args.proto_dir}", f"--python_out={stubs}",
-                        f"--grpc_python_out={stubs}",
-                        os.path.join(args.proto_dir, "dropkv", "v1", "inference.proto")]) == 0
-    sys.path.insert(0, stubs)
+    model = prepare_scratch(args.scratch, args.shared, args.convert, args.proto_dir)
     import grpc
     from dropkv.v1 import inference_pb2 as pb
     from dropkv.v1 import inference_pb2_grpc as pbg
@@ -166,11 +154,7 @@ def main():
         check("metrics_deltas_match_pages", got == expected and served == ["/metrics"] * 2,
               f"{got} vs {expected}")
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
     print(f"{len(FAILURES)} failures: {FAILURES}" if FAILURES else "loadgen checks PASSED")
     return 1 if FAILURES else 0
 

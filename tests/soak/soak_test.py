@@ -22,11 +22,12 @@ import argparse
 import os
 import random
 import re
-import shutil
 import subprocess
 import sys
 import threading
 import time
+
+from soak_common import prepare_scratch, stop
 
 
 def log(msg):
@@ -45,27 +46,6 @@ def parse_args():
     ap.add_argument("--max-requests", type=int, default=20000)
     ap.add_argument("--seed", type=int, default=20261130)
     return ap.parse_args()
-
-
-def prepare(args):
-    if os.path.exists(args.scratch):
-        shutil.rmtree(args.scratch)
-    os.makedirs(args.scratch)
-    model_src = os.path.join(args.shared, "models", "stories260K")
-    model_dir = os.path.join(args.scratch, "stories260K")
-    subprocess.run([args.convert, "llama2c", "--model", os.path.join(model_src, "stories260K.bin"),
-                    "--tokenizer", os.path.join(model_src, "tok512.bin"), "--out", model_dir],
-                   check=True, stdout=subprocess.DEVNULL)
-    stubs = os.path.join(args.scratch, "stubs")
-    os.makedirs(stubs)
-    from grpc_tools import protoc
-    rc = protoc.main(["protoc", f"-I{args.proto_dir}", f"--python_out={stubs}",
-                      f"--grpc_python_out={stubs}",
-                      os.path.join(args.proto_dir, "dropkv", "v1", "inference.proto")])
-    if rc != 0:
-        raise RuntimeError("protoc failed")
-    sys.path.insert(0, stubs)
-    return model_dir
 
 
 def start_server(args, model_dir):
@@ -237,7 +217,7 @@ class Soak:
 
 def main():
     args = parse_args()
-    model_dir = prepare(args)
+    model_dir = prepare_scratch(args.scratch, args.shared, args.convert, args.proto_dir)
     import grpc
     from dropkv.v1 import inference_pb2 as pb
     from dropkv.v1 import inference_pb2_grpc as pbg
@@ -327,12 +307,7 @@ def main():
             log("PASSED")
     finally:
         if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop(proc)
     return 0 if ok else 1
 
 
