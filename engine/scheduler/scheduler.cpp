@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <condition_variable>
 #include <deque>
+#include <limits>
 #include <random>
 #include <utility>
 
@@ -42,8 +43,12 @@ struct Sequence {
   int64_t num_prefilled = 0;  // prompt tokens in the cache
   bool prefill_done = false;
   std::vector<int32_t> generated;
-  int64_t num_generated_fed = 0;          // generated tokens in the cache (the rest are replayed)
-  int64_t blocks_needed = 0;              // BlocksForPrompt at admission
+  int64_t num_generated_fed = 0;  // generated tokens in the cache (the rest are replayed)
+  int64_t blocks_needed = 0;      // BlocksForPrompt at admission
+  // What the runner sees: the request's compression, plus the scheduler's chunking of a long
+  // compressed prompt that has no chunk size (set at the first admission, kept after preemption).
+  CompressionParams prefill_params;
+  bool prefill_params_set = false;
   std::unique_ptr<SamplerState> sampler;  // RNG + history; survives preemption
   // Output state.
   size_t num_tokens_sent = 0;
@@ -326,9 +331,12 @@ struct Scheduler::Impl {
             std::min<int64_t>(
                 options.decode_reserve_tokens,
                 std::max<int64_t>(0, head.request.sampling.max_new_tokens - num_replay));
-        head.blocks_needed =
-            runner.BlocksForPrompt(static_cast<int64_t>(head.request.prompt_ids.size()),
-                                   head.request.compression, reserve);
+        if (!head.prefill_params_set) {
+          head.prefill_params = PrefillParams(head.request, counts.num_total, reserve);
+          head.prefill_params_set = true;
+        }
+        head.blocks_needed = runner.BlocksForPrompt(
+            static_cast<int64_t>(head.request.prompt_ids.size()), head.prefill_params, reserve);
         if (head.blocks_needed > counts.num_total) {
           seq = std::move(waiting.front());
           waiting.pop_front();
@@ -362,6 +370,51 @@ struct Scheduler::Impl {
     }
   }
 
+  // A compressed prompt longer than the step budget and without a chunk size would go in one
+  // pass and stall every running decode for its whole prefill (~270 ms for 8K tokens on an H200).
+  // It is prefilled in chunks of the step budget under last_chunk instead, which selects exactly
+  // what one pass selects (algorithms.md section 5: the last chunk's last W queries score every
+  // key). The price: its chunks are stored in full until the last one compresses, so this is
+  // done only when that full prompt fits the pool; otherwise it stays one pass (the tokens that
+  // are evicted are never stored). The choice depends on the request and the pool size, never on
+  // the load (batching invariance).
+  CompressionParams PrefillParams(const GenerationRequest& request, int64_t pool_blocks,
+                                  int64_t reserve) const {
+    CompressionParams c = request.compression;
+    const int64_t prompt_len = static_cast<int64_t>(request.prompt_ids.size());
+    const int64_t step = options.max_prefill_tokens_per_step;
+    if (c.method == ScoreMethod::kNone || c.chunk_size > 0 || prompt_len <= step ||
+        step < c.window || step > std::numeric_limits<int32_t>::max())
+      return c;
+    CompressionParams chunked = c;
+    chunked.chunk_size = static_cast<int32_t>(step);
+    chunked.chunk_policy = ChunkPolicy::kLastChunk;
+    if (runner.BlocksForPrompt(prompt_len, chunked, reserve) > pool_blocks) return c;
+    return chunked;
+  }
+
+  // Chunk boundaries depend on the request alone, never on what else runs this step, so a
+  // request sees the same chunks under any load (batching invariance). A compression chunk size
+  // fixes them (they change what every_chunk keeps); without one an uncompressed prompt goes in
+  // chunks of the step budget, so that a long prompt does not stall every running decode.
+  int64_t NextChunkLen(const Sequence& seq) const {
+    const int64_t prompt_len = static_cast<int64_t>(seq.request.prompt_ids.size());
+    const int64_t remaining = prompt_len - seq.num_prefilled;
+    const CompressionParams& c = seq.prefill_params;
+    if (c.chunk_size > 0) {
+      int64_t len = std::min<int64_t>(remaining, c.chunk_size);
+      // The scheduler's own chunking of a compressed prompt leaves the last chunk at least W
+      // tokens, so that it holds the whole observation window, as one pass does.
+      if (c.chunk_size != seq.request.compression.chunk_size && remaining > len &&
+          remaining - len < c.window)
+        len = remaining - c.window;
+      return len;
+    }
+    if (c.method == ScoreMethod::kNone)
+      return std::min(remaining, options.max_prefill_tokens_per_step);
+    return remaining;  // compressed, one pass
+  }
+
   void PrefillChunks(StepReport& report) {
     int64_t budget = options.max_prefill_tokens_per_step;
     for (size_t i = 0; i < running.size() && budget > 0;) {
@@ -371,26 +424,14 @@ struct Scheduler::Impl {
         continue;
       }
       const int64_t prompt_len = static_cast<int64_t>(seq.request.prompt_ids.size());
-      const int64_t remaining = prompt_len - seq.num_prefilled;
-      // Chunk boundaries depend on the request alone, never on what else runs this step, so a
-      // request sees the same chunks under any load (batching invariance). A compression chunk
-      // size fixes them (they change what every_chunk keeps). Without one, a compressed prompt
-      // goes in one pass (its scorers see every key at once and only the kept tokens are ever
-      // stored), and an uncompressed one in chunks of the step budget, so that a long prompt
-      // does not stall every running decode for its whole prefill.
-      const CompressionParams& c = seq.request.compression;
-      const int64_t chunk_size = c.chunk_size > 0 ? c.chunk_size
-                                 : c.method == ScoreMethod::kNone
-                                     ? options.max_prefill_tokens_per_step
-                                     : prompt_len;
-      const int64_t chunk_len = std::min(remaining, chunk_size);
+      const int64_t chunk_len = NextChunkLen(seq);
       // A fixed-size chunk waits for a step with enough budget unless it is the first one this
       // step.
       if (chunk_len > budget && budget < options.max_prefill_tokens_per_step) break;
       const bool is_last = seq.num_prefilled + chunk_len == prompt_len;
       std::span<const int32_t> chunk(seq.request.prompt_ids.data() + seq.num_prefilled,
                                      static_cast<size_t>(chunk_len));
-      auto logits_or = runner.Prefill(seq.seq_id, chunk, is_last, seq.request.compression);
+      auto logits_or = runner.Prefill(seq.seq_id, chunk, is_last, seq.prefill_params);
       if (!logits_or.ok()) {
         if (absl::IsResourceExhausted(logits_or.status()) && running.size() > 1) {
           // Make room: the newest sequence goes back to waiting (it may be this one).

@@ -117,6 +117,50 @@ TEST(RunnerIntegration, CompressedPrefillThenDecodeEqualsCompactedFullCache) {
     EXPECT_EQ(info.stored_len_per_layer[l], (*budgets)[l] + 6);
 }
 
+// The scheduler prefills a long compressed prompt in chunks under last_chunk (so that running
+// decodes are not stalled): inside the real runner that must keep exactly what one pass keeps,
+// and decode the same, for every scorer.
+TEST(RunnerIntegration, LastChunkPrefillKeepsWhatOnePassKeeps) {
+  const int64_t n = 300, chunk = 64;  // 64 + 64 + 64 + 64 + 44: the last chunk holds the window
+  const auto prompt = Prompt(n, 3);
+  for (ScoreMethod m : {ScoreMethod::kDropKV, ScoreMethod::kSnapKV, ScoreMethod::kH2O}) {
+    SCOPED_TRACE(std::string(ScoreMethodName(m)));
+    auto runner = DemoRunner(2048);
+    ASSERT_NE(runner, nullptr);
+    CompressionParams one_pass;
+    one_pass.method = m;
+    one_pass.keep_ratio = 0.2;
+    CompressionParams chunked = one_pass;
+    chunked.chunk_size = chunk;
+    chunked.chunk_policy = ChunkPolicy::kLastChunk;
+    auto logits_a = runner->Prefill(1, prompt, true, one_pass);
+    ASSERT_TRUE(logits_a.ok()) << logits_a.status();
+    absl::StatusOr<at::Tensor> logits_b;
+    for (int64_t s = 0; s < n; s += chunk) {
+      std::span<const int32_t> c(prompt.data() + s, static_cast<size_t>(std::min(chunk, n - s)));
+      logits_b = runner->Prefill(2, c, s + chunk >= n, chunked);
+      ASSERT_TRUE(logits_b.ok()) << logits_b.status();
+    }
+    EXPECT_TRUE(at::allclose(*logits_a, *logits_b, 1e-4, 1e-4));
+    const int32_t num_layers = runner->config().num_layers;
+    for (int32_t l = 0; l < num_layers; ++l) {
+      auto a = runner->StoredPositions(1, l), b = runner->StoredPositions(2, l);
+      ASSERT_TRUE(a.ok() && b.ok());
+      EXPECT_LT(a->size(1), n);  // compressed at all
+      EXPECT_TRUE(at::equal(*a, *b)) << "layer " << l;
+    }
+    int32_t token = static_cast<int32_t>(logits_a->argmax().item<int64_t>());
+    for (int step = 0; step < 4; ++step) {
+      const std::vector<SequenceId> seqs = {1, 2};
+      const std::vector<int32_t> toks = {token, token};
+      auto out = runner->Decode(seqs, toks);
+      ASSERT_TRUE(out.ok()) << out.status();
+      EXPECT_TRUE(at::allclose((*out)[0], (*out)[1], 1e-4, 1e-4)) << "decode step " << step;
+      token = static_cast<int32_t>((*out)[0].argmax().item<int64_t>());
+    }
+  }
+}
+
 TEST(RunnerIntegration, EveryChunkBoundsPrefillPoolUsage) {
   // 4K-token prompt, 10% budget, chunks of 512: the pool never holds more than the compressed
   // cache + one layer's full K/V + one chunk (in blocks, one block of rounding per layer).

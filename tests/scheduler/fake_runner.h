@@ -63,14 +63,21 @@ class FakeRunner : public ModelRunner {
                              static_cast<int64_t>(c.keep_ratio * static_cast<double>(len) + 0.999));
   }
 
+  // Peak per layer as the real runner counts it: last_chunk chunks are stored in full first.
   int64_t BlocksForPrompt(int64_t prompt_len, const CompressionParams& c,
                           int64_t decode_reserve_tokens) const override {
-    return kNumLayers * pool_->BlocksFor(Kept(prompt_len, c) + decode_reserve_tokens);
+    const bool chunked = c.chunk_size > 0 && c.chunk_size < prompt_len;
+    const int64_t peak =
+        c.method != ScoreMethod::kNone && chunked ? prompt_len : Kept(prompt_len, c);
+    return kNumLayers *
+           pool_->BlocksFor(std::max(peak, Kept(prompt_len, c) + decode_reserve_tokens));
   }
 
   absl::StatusOr<at::Tensor> Prefill(SequenceId seq, std::span<const int32_t> chunk,
                                      bool is_last_chunk, const CompressionParams& c) override {
     ++num_prefill_calls;
+    prefill_chunk_lens.push_back(static_cast<int64_t>(chunk.size()));
+    last_prefill_params = c;
     const bool is_new = !pool_->HasSequence(seq);
     if (is_new) {
       if (auto st = pool_->AddSequence(seq); !st.ok()) return st;
@@ -133,6 +140,8 @@ class FakeRunner : public ModelRunner {
 
   int64_t num_live_sequences() const { return static_cast<int64_t>(history_.size()); }
   int num_prefill_calls = 0;
+  std::vector<int64_t> prefill_chunk_lens;  // every Prefill call's chunk length, in order
+  CompressionParams last_prefill_params;
   int num_decode_calls = 0;
   int32_t last_decode_batch = 0;
 

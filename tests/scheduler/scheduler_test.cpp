@@ -160,37 +160,83 @@ TEST_F(SchedulerTest, ChunkedPrefillRespectsTokenBudget) {
   EXPECT_EQ(c.tokens, FakeRunner::Greedy(Prompt(20, 4), 2));
 }
 
-// An uncompressed prompt longer than the step budget is prefilled in budget-sized chunks while
-// the running sequences keep decoding; a compressed one (no chunk size) still goes in one pass.
-TEST_F(SchedulerTest, LongUncompressedPromptDoesNotStallDecodes) {
+// A prompt longer than the step budget is prefilled in budget-sized chunks while the running
+// sequences keep decoding: an uncompressed one in plain chunks; a compressed one without a chunk
+// size under last_chunk (the same selection as one pass), its last chunk holding the whole
+// observation window W = 8.
+TEST_F(SchedulerTest, LongPromptsDoNotStallDecodes) {
   SchedulerOptions o;
   o.max_prefill_tokens_per_step = 8;
   Make(64, o);
-  auto running = Submit(MakeRequest(Prompt(4, 5), 10));
+  auto running = Submit(MakeRequest(Prompt(4, 5), 16));
   EXPECT_EQ(scheduler_->Step().num_prefill_tokens, 4);
   auto long_prompt = Submit(MakeRequest(Prompt(20, 6), 2));
-  const int calls_before = runner_->num_prefill_calls;
+  runner_->prefill_chunk_lens.clear();
   for (int64_t want : {8, 8, 4}) {
     StepReport step = scheduler_->Step();
     EXPECT_EQ(step.num_prefill_tokens, want);
     EXPECT_GE(step.num_decoded, 1);  // the running sequence got a token in the same step
   }
-  EXPECT_EQ(runner_->num_prefill_calls - calls_before, 3);
+  EXPECT_EQ(runner_->prefill_chunk_lens, (std::vector<int64_t>{8, 8, 4}));
 
   GenerationRequest compressed = MakeRequest(Prompt(20, 7), 2);
   compressed.compression.method = ScoreMethod::kDropKV;
   compressed.compression.keep_ratio = 0.5;
   auto compressed_ch = Submit(std::move(compressed));
-  const int calls_mid = runner_->num_prefill_calls;
+  runner_->prefill_chunk_lens.clear();
+  // 20 = 8 + 4 + 8: a plain 8 + 8 + 4 split would leave the window half outside the last chunk.
+  for (int64_t want : {8, 4, 8}) {
+    StepReport step = scheduler_->Step();
+    EXPECT_EQ(step.num_prefill_tokens, want);
+    EXPECT_GE(step.num_decoded, 1);
+  }
+  EXPECT_EQ(runner_->prefill_chunk_lens, (std::vector<int64_t>{8, 4, 8}));
+  EXPECT_EQ(runner_->last_prefill_params.chunk_policy, ChunkPolicy::kLastChunk);
+  EXPECT_EQ(runner_->last_prefill_params.chunk_size, 8);
   RunAll();
-  EXPECT_EQ(runner_->num_prefill_calls - calls_mid, 1);
   for (auto [ch, salt, len, n] :
-       {std::tuple{running, 5, 4, 10}, {long_prompt, 6, 20, 2}, {compressed_ch, 7, 20, 2}}) {
+       {std::tuple{running, 5, 4, 16}, {long_prompt, 6, 20, 2}, {compressed_ch, 7, 20, 2}}) {
     Collected col;
     Drain(*ch, col);
     EXPECT_EQ(col.tokens, FakeRunner::Greedy(Prompt(len, salt), n)) << "salt " << salt;
+    if (salt == 7) {
+      EXPECT_EQ(col.summary.num_kv_tokens_kept, 2 * 10);  // as one pass keeps
+    }
   }
   EXPECT_EQ(runner_->pool().num_free_blocks(), 64);
+}
+
+// The chunks of a last_chunk prefill are stored in full until the last one compresses: when the
+// whole prompt would not fit the pool, a compressed prompt stays one pass (only kept tokens are
+// ever stored), and a request's own chunk size is never overridden.
+TEST_F(SchedulerTest, CompressedPromptStaysOnePassWhenItsFullCacheWouldNotFit) {
+  SchedulerOptions o;
+  o.max_prefill_tokens_per_step = 8;
+  o.decode_reserve_tokens = 0;
+  // Two layers of 4-token blocks: 40 tokens need 20 blocks in full, 10 blocks at keep 25%.
+  Make(16, o);
+  GenerationRequest r = MakeRequest(Prompt(40, 8), 1);
+  r.compression.method = ScoreMethod::kDropKV;
+  r.compression.keep_ratio = 0.25;
+  auto ch = Submit(std::move(r));
+  RunAll();
+  EXPECT_EQ(runner_->prefill_chunk_lens, (std::vector<int64_t>{40}));
+  EXPECT_EQ(runner_->last_prefill_params.chunk_size, 0);
+  Collected col;
+  Drain(*ch, col);
+  EXPECT_EQ(col.tokens, FakeRunner::Greedy(Prompt(40, 8), 1));
+
+  runner_->prefill_chunk_lens.clear();
+  GenerationRequest own = MakeRequest(Prompt(20, 9), 1);
+  own.compression.method = ScoreMethod::kDropKV;
+  own.compression.keep_ratio = 0.5;
+  own.compression.chunk_size = 6;
+  own.compression.chunk_policy = ChunkPolicy::kEveryChunk;
+  auto own_ch = Submit(std::move(own));
+  RunAll();
+  EXPECT_EQ(runner_->prefill_chunk_lens, (std::vector<int64_t>{6, 6, 6, 2}));
+  EXPECT_EQ(runner_->last_prefill_params.chunk_policy, ChunkPolicy::kEveryChunk);
+  EXPECT_EQ(runner_->pool().num_free_blocks(), 16);
 }
 
 // Batching invariance: many concurrent requests of mixed lengths and compression settings each
