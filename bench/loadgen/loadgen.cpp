@@ -15,6 +15,8 @@
 #include <fstream>
 #include <memory>
 #include <mutex>
+#include <optional>
+#include <set>
 #include <sstream>
 #include <thread>
 
@@ -194,9 +196,12 @@ class Runner {
     if (o_.rate > 0) arrivals = std::thread([this] { Arrivals(); });
     std::thread progress;
     if (o_.progress) progress = std::thread([this] { Progress(); });
+    std::thread closer;
+    if (o_.steady) closer = std::thread([this] { CloseWindow(); });
     if (arrivals.joinable()) arrivals.join();
     for (auto& w : workers) w.join();
     finished_ = true;
+    if (closer.joinable()) closer.join();
     if (progress.joinable()) progress.join();
     return Collect();
   }
@@ -206,6 +211,34 @@ class Runner {
     if (Clock::now() >= end_) return true;
     return o_.max_requests > 0 && num_measured_started_.load() >= o_.max_requests;
   }
+
+  // Steady mode: at the window's end, cancel every request still in flight (each worker then
+  // sees Stopping() and ends).
+  void CloseWindow() {
+    std::this_thread::sleep_until(end_);
+    std::lock_guard<std::mutex> lock(mu_);
+    window_closed_ = true;
+    for (grpc::ClientContext* ctx : live_) ctx->TryCancel();
+  }
+
+  // Tracks a request's context so that CloseWindow can cancel it; one that starts after the
+  // window closed is cancelled at once.
+  class LiveRequest {
+   public:
+    LiveRequest(Runner& r, grpc::ClientContext* ctx) : r_(r), ctx_(ctx) {
+      std::lock_guard<std::mutex> lock(r_.mu_);
+      r_.live_.insert(ctx_);
+      if (r_.window_closed_) ctx_->TryCancel();
+    }
+    ~LiveRequest() {
+      std::lock_guard<std::mutex> lock(r_.mu_);
+      r_.live_.erase(ctx_);
+    }
+
+   private:
+    Runner& r_;
+    grpc::ClientContext* ctx_;
+  };
 
   // Open loop: Poisson arrival times; a worker picks each up. Latency counts from the scheduled
   // arrival, so a backed-up client does not hide server queueing (no coordinated omission).
@@ -285,6 +318,8 @@ class Runner {
     ctx.set_deadline(std::chrono::system_clock::now() +
                      std::chrono::duration_cast<std::chrono::system_clock::duration>(
                          std::chrono::duration<double>(o_.request_timeout_s)));
+    std::optional<LiveRequest> live;
+    if (o_.steady) live.emplace(*this, &ctx);
     auto reader = stub->Generate(&ctx, req);
     v1::GenerateResponse msg;
     Clock::time_point last = t0;
@@ -292,6 +327,7 @@ class Runner {
       const int n = msg.token_ids_size();
       if (n == 0) continue;
       const Clock::time_point now = Clock::now();
+      if (now >= window_start_ && now < end_) tokens_in_window_ += n;
       if (s.ttft_ms < 0) {
         s.ttft_ms = Seconds(now - t0) * 1e3;
       } else {
@@ -337,7 +373,16 @@ class Runner {
     std::vector<double> ttft, itl, e2e;
     Clock::time_point last_done = window_start_;
     for (const Sample& s : samples_) {
-      if (!s.measured) continue;
+      if (o_.steady) {
+        // Requests that complete inside the window; in steady state they are a fair sample.
+        if (s.done >= end_) {
+          if (s.code == grpc::StatusCode::CANCELLED) ++r.cancelled_at_end;
+          continue;
+        }
+        if (s.done < window_start_) continue;
+      } else if (!s.measured) {
+        continue;
+      }
       if (s.code != grpc::StatusCode::OK) {
         ++r.errors[StatusName(s.code)];
         continue;
@@ -351,6 +396,10 @@ class Runner {
       last_done = std::max(last_done, s.done);
     }
     r.measured_s = Seconds(last_done - window_start_);
+    if (o_.steady) {
+      r.measured_s = o_.duration_s;
+      r.output_tokens = tokens_in_window_;  // every stream's tokens, finished or not
+    }
     r.ttft_ms = Summarize(std::move(ttft));
     r.itl_ms = Summarize(std::move(itl));
     r.e2e_ms = Summarize(std::move(e2e));
@@ -391,7 +440,10 @@ class Runner {
   bool arrivals_done_ = false;
   int64_t num_dropped_ = 0;
   std::vector<Sample> samples_;
+  std::set<grpc::ClientContext*> live_;  // steady mode: requests in flight
+  bool window_closed_ = false;
   std::atomic<int64_t> num_measured_started_{0}, num_done_{0}, tokens_streamed_{0};
+  std::atomic<int64_t> tokens_in_window_{0};
   std::atomic<bool> finished_{false};
 };
 
@@ -413,6 +465,9 @@ absl::StatusOr<RunResult> RunLoad(const LoadOptions& o) {
     return absl::InvalidArgumentError("--rate: must be in [0, 100000] requests/s");
   if (!(o.request_timeout_s > 0 && o.request_timeout_s <= 3600))
     return absl::InvalidArgumentError("--timeout: must be in (0, 3600] seconds");
+  if (o.steady && o.max_requests > 0)
+    return absl::InvalidArgumentError(
+        "--requests: not with --steady (the window alone bounds a steady-state run)");
   if (o.prompt_len.Max() < 1 || o.output_len.Max() < 1)
     return absl::InvalidArgumentError("prompt and output lengths must be set");
 
@@ -527,6 +582,7 @@ nlohmann::json ResultToJson(const RunResult& r) {
                  {"duration_s", o.duration_s},
                  {"warmup_s", o.warmup_s},
                  {"max_requests", o.max_requests},
+                 {"steady", o.steady},
                  {"prompt_len", o.prompt_len.spec},
                  {"output_len", o.output_len.spec},
                  {"compression", compression},
@@ -535,6 +591,7 @@ nlohmann::json ResultToJson(const RunResult& r) {
   j["requests_ok"] = r.num_ok;
   j["errors"] = r.errors;
   j["dropped_by_client"] = r.num_dropped;
+  j["cancelled_at_end"] = r.cancelled_at_end;
   j["prompt_tokens"] = r.prompt_tokens;
   j["output_tokens"] = r.output_tokens;
   j["requests_per_s"] = r.requests_per_s();
@@ -562,14 +619,18 @@ std::string ResultsToMarkdown(const std::vector<RunResult>& results) {
       absl::StrAppend(&errors, errors.empty() ? "" : ", ", name, " ", n);
     if (r.num_dropped > 0)
       absl::StrAppend(&errors, errors.empty() ? "" : ", ", "dropped ", r.num_dropped);
+    if (r.cancelled_at_end > 0)
+      absl::StrAppend(&errors, errors.empty() ? "" : ", ", "in flight at end ", r.cancelled_at_end);
     if (errors.empty()) errors = "0";
     char row[512];
-    std::snprintf(row, sizeof(row), "| %s | %d | %s | %lld | %s | %.2f | %.1f | %s | %s | %s |\n",
-                  r.options.rate > 0 ? "open" : "closed", r.options.concurrency,
-                  r.options.rate > 0 ? absl::StrCat(r.options.rate).c_str() : "-",
-                  static_cast<long long>(r.num_ok), errors.c_str(), r.requests_per_s(),
-                  r.output_tokens_per_s(), pct(r.ttft_ms).c_str(), pct(r.itl_ms).c_str(),
-                  pct(r.e2e_ms).c_str());
+    std::snprintf(
+        row, sizeof(row), "| %s | %d | %s | %lld | %s | %.2f | %.1f | %s | %s | %s |\n",
+        absl::StrCat(r.options.rate > 0 ? "open" : "closed", r.options.steady ? " steady" : "")
+            .c_str(),
+        r.options.concurrency, r.options.rate > 0 ? absl::StrCat(r.options.rate).c_str() : "-",
+        static_cast<long long>(r.num_ok), errors.c_str(), r.requests_per_s(),
+        r.output_tokens_per_s(), pct(r.ttft_ms).c_str(), pct(r.itl_ms).c_str(),
+        pct(r.e2e_ms).c_str());
     md += row;
   }
   return md;

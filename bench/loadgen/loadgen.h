@@ -45,6 +45,11 @@ struct LoadOptions {
   double duration_s = 10.0;  // measured window
   double warmup_s = 0.0;     // requests started earlier are not measured
   int64_t max_requests = 0;  // > 0: stop after this many measured requests
+  // Steady state: measure what happens inside the window (tokens streamed in it, requests that
+  // complete in it) and cancel what is still in flight when it closes. The default measures the
+  // requests that start in the window and waits for them, which needs windows several request
+  // lifetimes long when requests are long (8K prompts at 256 streams: minutes).
+  bool steady = false;
   double request_timeout_s = 60.0;
   LengthDist prompt_len;
   LengthDist output_len;
@@ -62,7 +67,8 @@ Percentiles Summarize(std::vector<double> values);
 
 struct RunResult {
   LoadOptions options;
-  double measured_s = 0;  // window start -> last measured completion
+  double measured_s = 0;         // window start -> last measured completion (steady: the window)
+  int64_t cancelled_at_end = 0;  // steady: requests in flight when the window closed
   int64_t num_ok = 0;
   std::map<std::string, int64_t> errors;  // gRPC status name -> count (measured requests)
   int64_t num_dropped = 0;  // open loop: arrivals with `concurrency` already in flight

@@ -70,6 +70,9 @@ int main(int argc, char** argv) {
   app.add_option("--rate", o.rate, "open loop: Poisson arrivals per second (0 = closed loop)");
   app.add_option("--warmup", o.warmup_s, "seconds of load before measuring")->capture_default_str();
   app.add_option("--requests", o.max_requests, "stop after this many measured requests (0 = none)");
+  app.add_flag("--steady", o.steady,
+               "measure inside the window: tokens streamed in it, requests completing in it; "
+               "cancel what is in flight when it closes (long requests at high concurrency)");
   app.add_option("--timeout", o.request_timeout_s, "per-request deadline, seconds")
       ->capture_default_str();
   app.add_option("--prompt-len", prompt_spec, "fixed:N | uniform:A:B | file:PATH")

@@ -5,8 +5,11 @@
 #   there: run with carry [".gpu-pack"], command `bash bench/loadgen/run_h200.sh`
 # Llama-3.1-8B geometry with random weights (bf16) and the Llama-3 tokenizer; 8K-token prompts,
 # 256 output tokens; a closed-loop concurrency sweep at keep 100% and at DropKV keep 10%.
-# Env: SWEEP (default 1,16,64,256), DURATION (s per point, 20), WARMUP (5), KV_MEMORY (100GiB),
-# PROMPT_LEN (fixed:8192), OUTPUT_LEN (fixed:256), MODES ("none dropkv:0.1").
+# Steady-state points (`--steady`): each point warms up, measures a window (tokens streamed in it,
+# requests completing in it) and cancels what is in flight; the warm-up grows with the
+# concurrency, because the first wave of 8K prefills takes ~0.3 s per stream.
+# Env: POINTS (default "1:10:20 16:15:25 64:30:30 256:90:45", CONCURRENCY:WARMUP_S:WINDOW_S),
+# KV_MEMORY (100GiB), PROMPT_LEN (fixed:8192), OUTPUT_LEN (fixed:256), MODES ("none dropkv:0.1").
 set -uo pipefail
 OUT=${OUT:-$PWD/.gpu/out}
 mkdir -p "$OUT"
@@ -29,19 +32,27 @@ done
 grep -q "listening on" "$OUT/server.log" || { echo "server did not start"; tail -20 "$OUT/server.log"; exit 1; }
 grep -E "KV pool|listening" "$OUT/server.log"
 
+metrics() { python3 -c 'import urllib.request as u; print(u.urlopen("http://127.0.0.1:9400/metrics").read().decode())'; }
 for mode in ${MODES:-none dropkv:0.1}; do
   name=${mode//[:.]/_}
-  dropkv-loadgen --address 127.0.0.1:50051 --sweep "${SWEEP:-1,16,64,256}" \
-    --duration "${DURATION:-20}" --warmup "${WARMUP:-5}" --timeout 300 \
-    --prompt-len "${PROMPT_LEN:-fixed:8192}" --output-len "${OUTPUT_LEN:-fixed:256}" \
-    --compression "$mode" --metrics-url http://127.0.0.1:9400/metrics --no-progress \
-    --out-md "$OUT/load_$name.md" --out-json "$OUT/load_$name.json" > /dev/null 2> "$OUT/loadgen_$name.log"
-  echo "loadgen $mode: rc=$?"
+  for point in ${POINTS:-1:10:20 16:15:25 64:30:30 256:90:45}; do
+    IFS=: read -r conc warmup window <<< "$point"
+    dropkv-loadgen --address 127.0.0.1:50051 --concurrency "$conc" --steady \
+      --warmup "$warmup" --duration "$window" --timeout 600 \
+      --prompt-len "${PROMPT_LEN:-fixed:8192}" --output-len "${OUTPUT_LEN:-fixed:256}" \
+      --compression "$mode" --metrics-url http://127.0.0.1:9400/metrics --no-progress \
+      --json > "$OUT/load_${name}_c$conc.json" 2>> "$OUT/loadgen_$name.log"
+    echo "loadgen $mode concurrency $conc: rc=$? ($(date +%T))"
+    # The cancelled streams leave the server before the next point starts.
+    for _ in $(seq 60); do
+      metrics | grep -qE '^dropkv_requests_running 0' && break
+      sleep 0.5
+    done
+  done
 done
+# Every block is back after thousands of requests and hundreds of client cancellations.
+metrics | grep -E '^dropkv_(kv_blocks_(used|total)|requests_(running|waiting)|preemptions_total) '
 kill -TERM "$server"
 wait "$server"
-echo "==================== dropkv-loadgen (H200, Llama-3.1-8B geometry) ===================="
-for mode in ${MODES:-none dropkv:0.1}; do
-  echo "## compression $mode"
-  cat "$OUT/load_${mode//[:.]/_}.md"
-done
+echo "==================== dropkv-loadgen steady state (H200, Llama-3.1-8B geometry) ===================="
+python3 bench/loadgen/steady_table.py "$OUT"/load_*_c*.json

@@ -108,6 +108,45 @@ def main():
             # One gap per token after the first message of each request.
             check(f"{mode}_itl_count", 0 < rep["itl_ms"]["count"] <= ok * (out_len - 1),
                   f"{rep['itl_ms']['count']} gaps for {ok} requests")
+        # Steady mode: long requests (400 tokens) so that every stream has one in flight when the
+        # window closes; those are cancelled, not waited for, and the server frees their KV.
+        before = stub.GetServerStats(pb.GetServerStatsRequest(), timeout=10)
+        start = time.monotonic()
+        r = subprocess.run(
+            [args.loadgen, "--address", f"127.0.0.1:{port}", "--steady", "--warmup", "1",
+             "--duration", "3", "--concurrency", "4", "--prompt-len", "uniform:4:64",
+             "--output-len", "fixed:400", "--json", "--no-progress"] + metrics_args,
+            capture_output=True, text=True, timeout=120)
+        elapsed = time.monotonic() - start
+        if r.returncode != 0:
+            check("steady_runs", False, r.stderr)
+        else:
+            rep = json.loads(r.stdout)
+            check("steady_config", rep["config"]["steady"] is True and rep["measured_s"] == 3,
+                  str(rep["config"]))
+            check("steady_cancels_in_flight", 1 <= rep["cancelled_at_end"] <= 4 and not rep["errors"],
+                  f"cancelled_at_end={rep['cancelled_at_end']} errors={rep['errors']}")
+            # Bounded by the window: no 400-token request is waited for after it closes.
+            check("steady_bounded", elapsed < 1 + 3 + 5, f"{elapsed:.1f} s")
+            if has_metrics:
+                gen = sum(v for k, v in rep["metrics_delta"].items()
+                          if k.startswith("dropkv_generation_tokens_total"))
+                # Window tokens are a part of all tokens generated (warm-up and cancelled ones too).
+                check("steady_window_tokens", 0 < rep["output_tokens"] <= gen,
+                      f"window {rep['output_tokens']} vs generated {gen}")
+            idle = None
+            for _ in range(100):
+                idle = stub.GetServerStats(pb.GetServerStatsRequest(), timeout=10)
+                if idle.num_running == 0 and idle.num_waiting == 0:
+                    break
+                time.sleep(0.1)
+            check("steady_cancelled_reach_server",
+                  idle.num_running == 0 and idle.kv_blocks_used == before.kv_blocks_used,
+                  f"running={idle.num_running} kv used {idle.kv_blocks_used} vs {before.kv_blocks_used}")
+        r = subprocess.run([args.loadgen, "--address", f"127.0.0.1:{port}", "--steady",
+                            "--requests", "5"], capture_output=True, text=True)
+        check("steady_refuses_requests", r.returncode == 2 and "--requests" in r.stderr,
+              r.stderr.strip())
         # /metrics parsing and deltas against a stand-in endpoint with known pages.
         pages = [
             '# HELP x\ndropkv_requests_total{status="ok"} 10\ndropkv_requests_running 3\n'
