@@ -188,7 +188,7 @@ int Run(int argc, char** argv) {
   std::string allocator = "uniform", profile, hf_python, hf_script = "bench/e2e/hf_peer.py";
   bool random_weights = false, json_out = false;
   int repeats = 3, decode_steps = 32;
-  std::string graphs_arg = "both";
+  std::string graphs_arg = "both", fused_arg = "on";
   int64_t throughput_context = 0;
   double kv_gib = 0;
   app.add_option("--model", model_dir,
@@ -220,6 +220,10 @@ int Run(int argc, char** argv) {
   app.add_option("--graphs", graphs_arg,
                  "CUDA-graph decode: on, off or both (each decode case twice)")
       ->capture_default_str();
+  app.add_option("--fused-ops", fused_arg,
+                 "CUDA: fused RMSNorm / RoPE + K/V store / activation kernels, on or off")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"on", "off"}));
   app.add_option("--throughput-context", throughput_context,
                  "also time decode at the full-memory batch of sequences of this context (KV "
                  "filled synthetically, no prefill; 0 = skip)")
@@ -255,6 +259,7 @@ int Run(int argc, char** argv) {
   options.device = device;
   options.dtype = dtype;
   options.random_weights = random_weights;
+  options.cuda_fused_ops = fused_arg == "on";
   if (kv_gib > 0) options.kv_cache_bytes = static_cast<int64_t>(kv_gib * (1LL << 30));
   auto runner_or = ModelRunner::Create(options);
   if (!runner_or.ok()) {
@@ -270,6 +275,7 @@ int Run(int argc, char** argv) {
   Json result = {{"model", model_dir},
                  {"device", device},
                  {"dtype", dtype},
+                 {"fused_ops", options.cuda_fused_ops},
                  {"layers", config.num_layers},
                  {"kv_blocks_total", runner.pool().num_blocks()},
                  {"prefill", Json::array()},

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <string>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -14,6 +15,7 @@
 #include "engine/model/attention.h"
 #include "engine/model/log.h"
 #include "engine/model/safetensors.h"
+#include "kernels/fused_ops.h"
 
 namespace dropkv {
 namespace {
@@ -298,16 +300,67 @@ at::Tensor Model::Norm(const at::Tensor& x, const at::Tensor& w) const {
   return w * normed.to(x.scalar_type());      // Llama: cast back before the weight, as HF does
 }
 
-std::pair<at::Tensor, at::Tensor> Model::RopeCosSin(const at::Tensor& positions,
-                                                    int64_t max_position) const {
-  at::Tensor inv_freq = inv_freq_;
+bool Model::uses_fused_ops(const at::Tensor& x) const {
+  return fused_cuda_ops_ && x.is_cuda() && kernels::FusedOpsBuilt();
+}
+
+absl::StatusOr<at::Tensor> Model::AddNorm(at::Tensor& x, const at::Tensor& delta,
+                                          const at::Tensor& w, bool fused) const {
+  if (fused) return kernels::AddRmsNorm(x, delta, w, config_.rms_norm_eps);
+  if (delta.defined()) x = x + delta;
+  return Norm(x, w);
+}
+
+at::Tensor Model::RopeFrequencies(int64_t max_position) const {
   if (config_.rope.type == RopeType::kDynamic &&
       max_position + 1 > config_.rope.original_max_position_embeddings) {
-    inv_freq = RopeInvFreq(config_, max_position + 1).to(inv_freq_.device());
+    return RopeInvFreq(config_, max_position + 1).to(inv_freq_.device());
   }
+  return inv_freq_;
+}
+
+std::pair<at::Tensor, at::Tensor> Model::RopeCosSin(const at::Tensor& positions,
+                                                    int64_t max_position) const {
+  at::Tensor inv_freq = RopeFrequencies(max_position);
   auto freqs = positions.to(at::kFloat).unsqueeze(1) * inv_freq.unsqueeze(0);  // [N, D/2]
   auto emb = at::cat({freqs, freqs}, -1);                                      // [N, D]
   return {emb.cos().to(dtype_), emb.sin().to(dtype_)};
+}
+
+absl::StatusOr<Model::QkvHeads> Model::SplitHeads(const at::Tensor& qkv, const Rope& rope,
+                                                  bool fused, int32_t layer_idx,
+                                                  AttentionBackend& backend) const {
+  const auto& c = config_;
+  const int64_t n = qkv.size(0);
+  QkvHeads heads;
+  if (fused) {
+    const kernels::QkvGeometry geo{c.num_heads, c.num_kv_heads, c.head_dim};
+    if (auto dst = backend.kv_slots(layer_idx)) {
+      // Decode: K and V go straight into their cache slots; only q comes back.
+      ASSIGN_OR_RETURN(heads.q, kernels::RopeWriteKv(qkv, geo, rope.positions, rope.inv_freq,
+                                                     dst->key_cache, dst->value_cache, dst->slots));
+      return heads;
+    }
+    ASSIGN_OR_RETURN(std::tie(heads.q, heads.k, heads.v),
+                     kernels::RopeSplitQkv(qkv, geo, rope.positions, rope.inv_freq));
+    return heads;
+  }
+  // RoPE on q and k together (one set of elementwise kernels): [N, Hq + Hkv, D].
+  auto qk = qkv.narrow(1, 0, c.q_size() + c.kv_size())
+                .view({n, c.num_heads + c.num_kv_heads, c.head_dim});
+  qk = qk * rope.cos_h + RotateHalf(qk) * rope.sin_h;
+  heads.q = qk.narrow(1, 0, c.num_heads);               // [N, Hq, D]
+  heads.k = qk.narrow(1, c.num_heads, c.num_kv_heads);  // [N, Hkv, D]
+  heads.v = qkv.narrow(1, c.q_size() + c.kv_size(), c.kv_size())
+                .view({n, c.num_kv_heads, c.head_dim});  // [N, Hkv, D], rows strided
+  if (backend.wants_contiguous()) {
+    // Prefill: the selectors and cache writes get dense tensors (a decode step's index_copy_
+    // and the paged kernel read the strided rows as they are).
+    heads.q = heads.q.contiguous();
+    heads.k = heads.k.contiguous();
+    heads.v = heads.v.contiguous();
+  }
+  return heads;
 }
 
 absl::StatusOr<at::Tensor> Model::Forward(const at::Tensor& tokens, const at::Tensor& positions,
@@ -321,40 +374,42 @@ absl::StatusOr<at::Tensor> Model::Forward(const at::Tensor& tokens, const at::Te
       // HF rounds sqrt(hidden) to the model dtype first.
       x = x * at::scalar_tensor(std::sqrt(static_cast<double>(c.hidden_size)), x.options());
     }
-    auto [cos, sin] = RopeCosSin(positions, max_position);
-    auto cos_h = cos.unsqueeze(1);  // [N, 1, D]
-    auto sin_h = sin.unsqueeze(1);
+    const bool fused = uses_fused_ops(x);
+    Rope rope;
+    rope.positions = positions;
+    if (fused) {
+      rope.inv_freq = RopeFrequencies(max_position);
+    } else {
+      auto [cos, sin] = RopeCosSin(positions, max_position);
+      rope.cos_h = cos.unsqueeze(1);  // [N, 1, D]
+      rope.sin_h = sin.unsqueeze(1);
+    }
+    const auto act = c.hidden_act == "silu" ? kernels::GateActivation::kSilu
+                                            : kernels::GateActivation::kGeluTanh;
+    // The last sub-layer's output, added into x by the next norm (one kernel when fused).
+    at::Tensor delta;
     for (int32_t i = 0; i < c.num_layers; ++i) {
       const Layer& l = layers_[i];
-      auto hs = Norm(x, l.input_norm);
+      ASSIGN_OR_RETURN(at::Tensor hs, AddNorm(x, delta, l.input_norm, fused));
       auto qkv = Linear(hs, l.qkv_w, l.qkv_b);  // [N, q_size + 2 kv_size]
-      // RoPE on q and k together (one set of elementwise kernels): [N, Hq + Hkv, D].
-      auto qk = qkv.narrow(1, 0, c.q_size() + c.kv_size())
-                    .view({n, c.num_heads + c.num_kv_heads, c.head_dim});
-      qk = qk * cos_h + RotateHalf(qk) * sin_h;
-      auto q = qk.narrow(1, 0, c.num_heads);               // [N, Hq, D]
-      auto k = qk.narrow(1, c.num_heads, c.num_kv_heads);  // [N, Hkv, D]
-      auto v = qkv.narrow(1, c.q_size() + c.kv_size(), c.kv_size())
-                   .view({n, c.num_kv_heads, c.head_dim});  // [N, Hkv, D], rows strided
-      if (backend.wants_contiguous()) {
-        // Prefill: the selectors and cache writes get dense tensors (a decode step's index_copy_
-        // and the paged kernel read the strided rows as they are).
-        q = q.contiguous();
-        k = k.contiguous();
-        v = v.contiguous();
-      }
-      ASSIGN_OR_RETURN(at::Tensor attn, backend.Attend(i, q, k, v));  // [N, Hq, D]
-      auto o = Linear(attn.reshape({n, c.q_size()}), l.o_w, l.o_b);   // [N, hidden]
+      ASSIGN_OR_RETURN(QkvHeads heads, SplitHeads(qkv, rope, fused, i, backend));
+      ASSIGN_OR_RETURN(at::Tensor attn, backend.Attend(i, heads.q, heads.k, heads.v));
+      auto o = Linear(attn.reshape({n, c.q_size()}), l.o_w, l.o_b);  // [N, hidden]
       if (observer != nullptr && *observer) (*observer)(i, o);
-      x = x + o;
-      hs = Norm(x, l.post_norm);
+      ASSIGN_OR_RETURN(hs, AddNorm(x, o, l.post_norm, fused));
       const int64_t inter = c.intermediate_size;
       auto gate_up = Linear(hs, l.gate_up_w, l.gate_up_b);  // [N, 2 inter]
-      auto gate = gate_up.narrow(1, 0, inter);
-      gate = c.hidden_act == "silu" ? at::silu(gate) : at::gelu(gate, "tanh");
-      x = x + Linear(gate * gate_up.narrow(1, inter, inter), l.down_w, l.down_b);
+      at::Tensor gated;
+      if (fused) {
+        ASSIGN_OR_RETURN(gated, kernels::GatedActivation(gate_up, act));
+      } else {
+        auto gate = gate_up.narrow(1, 0, inter);
+        gate = act == kernels::GateActivation::kSilu ? at::silu(gate) : at::gelu(gate, "tanh");
+        gated = gate * gate_up.narrow(1, inter, inter);
+      }
+      delta = Linear(gated, l.down_w, l.down_b);
     }
-    return Norm(x, final_norm_);
+    return AddNorm(x, delta, final_norm_, fused);
   } catch (const std::exception& e) {
     return absl::InternalError(absl::StrCat("model forward failed: ", e.what()));
   }

@@ -28,6 +28,15 @@ class AttentionBackend {
                                             const at::Tensor& k, const at::Tensor& v) = 0;
   // false: q, k, v may be strided views of the fused projection (saves copies in decode).
   virtual bool wants_contiguous() const { return true; }
+
+  // A paged cache this forward's K/V of a layer go to (see kernels/cache_ops.h for the layout).
+  struct KvSlots {
+    at::Tensor key_cache, value_cache;  // [num_blocks, block_size, Hkv, D]
+    at::Tensor slots;                   // int64 [N]: token t's slot; negative = padding, skipped
+  };
+  // When set, the model may store K (after RoPE) and V there itself, fused with RoPE in one
+  // kernel (CUDA decode); Attend then gets undefined k and v. nullopt: Attend gets them.
+  virtual std::optional<KvSlots> kv_slots(int32_t layer_idx) { return std::nullopt; }
 };
 
 // Sees each layer's attention output (o_proj output, before the residual add): [N, hidden].
@@ -70,6 +79,11 @@ class Model {
   at::Tensor Logits(const at::Tensor& hidden) const;
   // Weights held in oneDNN's packed layout (CPU fp32, large matrices; see PackForCpu).
   int32_t num_packed_weights() const { return num_packed_weights_; }
+  // CUDA: residual + RMSNorm, RoPE (+ the K/V store in decode) and the gated activation run as
+  // fused kernels (kernels/fused_ops.h), about 10 fewer launches per layer; off: the ATen ops.
+  // No effect on the CPU. On by default.
+  void set_fused_cuda_ops(bool on) { fused_cuda_ops_ = on; }
+  bool uses_fused_ops(const at::Tensor& x) const;
 
  private:
   struct Layer {
@@ -95,9 +109,28 @@ class Model {
   // copies (DROPKV_CPU_PACKED_WEIGHTS=0 keeps them plain). Memory-neutral: the plain ones go.
   void PackForCpu();
   at::Tensor Norm(const at::Tensor& x, const at::Tensor& w) const;
+  // x += delta (when defined), then Norm(x, w): one kernel when `fused`, else two ATen ops (x is
+  // then replaced, not updated in place).
+  absl::StatusOr<at::Tensor> AddNorm(at::Tensor& x, const at::Tensor& delta, const at::Tensor& w,
+                                     bool fused) const;
+  // fp32 [D/2] frequencies for a forward whose largest position is max_position (only dynamic
+  // RoPE depends on it).
+  at::Tensor RopeFrequencies(int64_t max_position) const;
   // cos, sin: [N, D] in the model dtype.
   std::pair<at::Tensor, at::Tensor> RopeCosSin(const at::Tensor& positions,
                                                int64_t max_position) const;
+  // RoPE for one forward: the fused kernels take the frequencies, the ATen ops cos/sin tables.
+  struct Rope {
+    at::Tensor positions;     // int64 [N]
+    at::Tensor inv_freq;      // fused: fp32 [D/2]
+    at::Tensor cos_h, sin_h;  // unfused: [N, 1, D], model dtype
+  };
+  struct QkvHeads {
+    at::Tensor q, k, v;  // [N, Hq, D], [N, Hkv, D] x2; k, v undefined once stored by the kernel
+  };
+  // One layer's q, k, v from its fused projection qkv [N, q_size + 2 kv_size], RoPE applied.
+  absl::StatusOr<QkvHeads> SplitHeads(const at::Tensor& qkv, const Rope& rope, bool fused,
+                                      int32_t layer_idx, AttentionBackend& backend) const;
 
   ModelConfig config_;
   at::ScalarType dtype_;
@@ -107,6 +140,7 @@ class Model {
   at::Tensor inv_freq_;    // fp32 [D/2]
   std::vector<Layer> layers_;
   int32_t num_packed_weights_ = 0;
+  bool fused_cuda_ops_ = true;
 };
 
 // fp32 [D/2] RoPE inverse frequencies for `config` at sequence length `seq_len` (only dynamic

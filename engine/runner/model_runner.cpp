@@ -132,15 +132,20 @@ class DecodeBackend : public AttentionBackend {
         scale_(scale),
         use_kernel_(use_kernel) {}
   bool wants_contiguous() const override { return false; }
+  std::optional<KvSlots> kv_slots(int32_t layer_idx) override {
+    return KvSlots{pool_.key_cache(), pool_.value_cache(), in_.slots[layer_idx]};
+  }
   absl::StatusOr<at::Tensor> Attend(int32_t layer_idx, const at::Tensor& q, const at::Tensor& k,
                                     const at::Tensor& v) override {
     const auto& kc = pool_.key_cache();
     const auto& vc = pool_.value_cache();
-    const int64_t hkv = kc.size(2);
-    const int64_t d = kc.size(3);
-    const auto slots = in_.slots[layer_idx];  // int64 [B]
-    kc.view({-1, hkv, d}).index_copy_(0, slots, k);
-    vc.view({-1, hkv, d}).index_copy_(0, slots, v);
+    if (k.defined()) {  // else the model stored them with RoPE (kv_slots)
+      const int64_t hkv = kc.size(2);
+      const int64_t d = kc.size(3);
+      const auto slots = in_.slots[layer_idx];  // int64 [B]
+      kc.view({-1, hkv, d}).index_copy_(0, slots, k);
+      vc.view({-1, hkv, d}).index_copy_(0, slots, v);
+    }
     if (use_kernel_) {
       // The split-K CUDA kernel reads the block tables on the device: no host sync per layer;
       // the grid comes from max_seq_len, known on the host (fixed per captured graph).
@@ -725,6 +730,7 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const RunnerOpt
   } else {
     ASSIGN_OR_RETURN(model, Model::Load(dir, config, device, dtype));
   }
+  model->set_fused_cuda_ops(options.cuda_fused_ops);
   BlockPoolOptions po;
   po.block_size = options.block_size;
   po.num_layers = config.num_layers;

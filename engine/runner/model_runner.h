@@ -41,6 +41,9 @@ struct RunnerOptions {
   // CUDA decode replays a captured graph per (batch bucket, context bucket) instead of launching
   // each kernel from the host. Off: every step runs eagerly (for comparison and debugging).
   bool cuda_graphs = true;
+  // CUDA: the fused residual + RMSNorm, RoPE + K/V store and gated-activation kernels
+  // (kernels/fused_ops.h) instead of chains of ATen ops. Off: for comparison and debugging.
+  bool cuda_fused_ops = true;
 };
 
 // What the scheduler needs to know about a sequence's cache after a step.

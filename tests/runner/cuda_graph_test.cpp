@@ -1,16 +1,20 @@
 // CUDA graphs of the decode step (engine/runner/cuda_graph.h through ModelRunner): a runner that
 // replays captured graphs gives the same logits as an eager runner over many steps with ragged
-// batches that change size (padded rows) and cross a context bucket; the CUDA KV pool default
-// follows the device's free memory. Label gpu: skipped without a CUDA device.
+// batches that change size (padded rows) and cross a context bucket, with the fused kernels and
+// against the ATen ops; the CUDA KV pool default follows the device's free memory. Label gpu:
+// skipped without a CUDA device.
 #include "engine/runner/cuda_graph.h"
 
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <vector>
 
 #include "allocator/block_pool.h"
 #include "engine/runner/model_runner.h"
@@ -32,8 +36,9 @@ std::string TinyLlamaDir() {
   return dir.string();
 }
 
-std::unique_ptr<ModelRunner> MakeRunner(bool graphs) {
+std::unique_ptr<ModelRunner> MakeRunner(bool graphs, bool fused_ops = true) {
   RunnerOptions o;
+  o.cuda_fused_ops = fused_ops;
   o.model_dir = TinyLlamaDir();
   o.device = "cuda";
   o.dtype = "bfloat16";
@@ -53,52 +58,73 @@ std::vector<int32_t> Prompt(int n, int salt) {
   return t;
 }
 
-TEST(CudaGraphDecodeTest, GraphLogitsEqualEagerOverRaggedChangingBatches) {
-  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
-  auto eager = MakeRunner(false);
-  auto graph = MakeRunner(true);
-  ASSERT_TRUE(eager && graph);
+// Runs the same prefills and decode batches through `ref` and `test`; every logits row must agree
+// within bf16 tolerance (the greedy tokens follow `ref`). Returns the worst relative difference.
+double ExpectSameLogits(ModelRunner& ref, ModelRunner& test, const char* label) {
   // Prompt lengths: 250 tokens = 16 blocks of 16, so a few decode steps in seq 1 crosses from the
   // 16-column table bucket to the next one; the rest are ragged.
   const std::map<SequenceId, int> prompt_len = {{1, 250}, {2, 17}, {3, 100}, {4, 5}, {5, 241}};
   std::map<SequenceId, int32_t> next;
+  double worst = 0;
   for (const auto& [seq, n] : prompt_len) {
-    auto a = eager->Prefill(seq, Prompt(n, static_cast<int>(seq)), true, {});
-    auto b = graph->Prefill(seq, Prompt(n, static_cast<int>(seq)), true, {});
-    ASSERT_TRUE(a.ok() && b.ok());
+    auto a = ref.Prefill(seq, Prompt(n, static_cast<int>(seq)), true, {});
+    auto b = test.Prefill(seq, Prompt(n, static_cast<int>(seq)), true, {});
+    EXPECT_TRUE(a.ok() && b.ok()) << label;
+    if (!a.ok() || !b.ok()) return worst;
+    const double rel = ((b->cpu() - a->cpu()).norm() / a->cpu().norm()).item<double>();
+    worst = std::max(worst, rel);
+    EXPECT_LT(rel, 1e-2) << label << ": prefill of seq " << seq;
     next[seq] = static_cast<int32_t>(a->argmax().item<int64_t>());
   }
   // Batches of 3 (bucket 4: one padded row), 5 (bucket 8), 2 and 1, and back to 3.
   const std::vector<std::vector<SequenceId>> phases = {
       {1, 2, 3}, {1, 2, 3, 4, 5}, {2, 5}, {4}, {1, 3, 4}};
-  double worst = 0;
   int num_steps = 0;
   for (const auto& batch : phases) {
     for (int step = 0; step < 10; ++step, ++num_steps) {
       std::vector<int32_t> tokens;
       for (SequenceId s : batch) tokens.push_back(next[s]);
-      auto a = eager->Decode(batch, tokens);
-      auto b = graph->Decode(batch, tokens);
-      ASSERT_TRUE(a.ok()) << a.status();
-      ASSERT_TRUE(b.ok()) << b.status();
-      ASSERT_EQ(b->sizes(), a->sizes());
+      auto a = ref.Decode(batch, tokens);
+      auto b = test.Decode(batch, tokens);
+      EXPECT_TRUE(a.ok()) << label << ": " << a.status();
+      EXPECT_TRUE(b.ok()) << label << ": " << b.status();
+      if (!a.ok() || !b.ok()) return worst;
+      EXPECT_EQ(b->sizes(), a->sizes());
       for (size_t i = 0; i < batch.size(); ++i) {
         auto ra = (*a)[i].cpu(), rb = (*b)[i].cpu();
         // bf16 tolerance: the graph pads the GEMM rows, which may pick other cuBLAS kernels.
         const double rel = ((rb - ra).norm() / ra.norm()).item<double>();
         worst = std::max(worst, rel);
-        EXPECT_LT(rel, 1e-2) << "step " << num_steps << " seq " << batch[i];
+        EXPECT_LT(rel, 1e-2) << label << ": step " << num_steps << " seq " << batch[i];
         next[batch[i]] = static_cast<int32_t>(ra.argmax().item<int64_t>());
       }
     }
   }
-  std::printf("graph vs eager: worst relative logits difference %.3g over %d steps\n", worst,
-              num_steps);
+  std::printf("%s: worst relative logits difference %.3g over %d steps\n", label, worst, num_steps);
   // The two runners hold the same sequences at the same lengths (padding wrote no live block).
   for (const auto& [seq, n] : prompt_len) {
-    EXPECT_EQ(graph->CacheInfo(seq).logical_len, eager->CacheInfo(seq).logical_len);
+    EXPECT_EQ(test.CacheInfo(seq).logical_len, ref.CacheInfo(seq).logical_len);
   }
-  EXPECT_GT(graph->CacheInfo(1).num_blocks / 3, 16) << "seq 1 never crossed a table bucket";
+  EXPECT_GT(test.CacheInfo(1).num_blocks / 3, 16) << "seq 1 never crossed a table bucket";
+  return worst;
+}
+
+TEST(CudaGraphDecodeTest, GraphLogitsEqualEagerOverRaggedChangingBatches) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  auto eager = MakeRunner(false);
+  auto graph = MakeRunner(true);
+  ASSERT_TRUE(eager && graph);
+  ExpectSameLogits(*eager, *graph, "graph vs eager");
+}
+
+// The fused kernels (kernels/fused_ops.h: residual + RMSNorm, RoPE + K/V store, gated activation)
+// inside captured graphs against the ATen ops run eagerly: prefill and decode.
+TEST(CudaGraphDecodeTest, FusedOpsInGraphsEqualAtenOpsEager) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  auto aten = MakeRunner(/*graphs=*/false, /*fused_ops=*/false);
+  auto fused = MakeRunner(/*graphs=*/true, /*fused_ops=*/true);
+  ASSERT_TRUE(aten && fused);
+  ExpectSameLogits(*aten, *fused, "fused graphs vs ATen eager");
 }
 
 TEST(CudaGraphDecodeTest, DefaultKvPoolIsFreeMemoryLessTheReserve) {

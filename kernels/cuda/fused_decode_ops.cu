@@ -1,0 +1,483 @@
+// Fused elementwise ops of the transformer layer on CUDA (kernels/fused_ops.h). Device code
+// first (raw pointers, no torch), then the launchers, then the entry points that check the
+// tensors and dispatch on the dtype.
+//
+// Rounding: every op rounds to the model dtype exactly where the ATen chain it replaces does
+// (fp32 math inside each op, ATen's round-to-nearest-even conversions between ops), so a fused
+// decode step computes the same numbers as the unfused one up to the order of RMSNorm's sum.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/check.h"
+#include "kernels/fused_ops.h"
+
+// Returns a failed status from the enclosing function (kernels/ does not depend on engine/'s
+// macros).
+#define FUSED_RETURN_IF_ERROR(expr)                \
+  do {                                             \
+    ::absl::Status fused_status_ = (expr);         \
+    if (!fused_status_.ok()) return fused_status_; \
+  } while (0)
+
+namespace dropkv::kernels {
+namespace {
+
+// --- device code ---------------------------------------------------------------------------------
+
+__device__ __forceinline__ float ToFloat(float x) {
+  return x;
+}
+__device__ __forceinline__ float ToFloat(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
+__device__ __forceinline__ float ToFloat(__half x) {
+  return __half2float(x);
+}
+
+template <typename T>
+__device__ __forceinline__ T FromFloat(float x);
+template <>
+__device__ __forceinline__ float FromFloat<float>(float x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+template <>
+__device__ __forceinline__ __half FromFloat<__half>(float x) {
+  return __float2half_rn(x);
+}
+
+// x rounded to T and back: what an ATen op on T tensors stores between two ops.
+template <typename T>
+__device__ __forceinline__ float Round(float x) {
+  return ToFloat(FromFloat<T>(x));
+}
+
+// kVec elements moved as one load/store (16 bytes for kVec = 16 / sizeof(T)).
+template <typename T, int kVec>
+struct alignas(sizeof(T) * kVec) Pack {
+  T v[kVec];
+};
+
+// Sum over the CTA (blockDim.x a multiple of 32, <= 1024); every thread gets the total.
+__device__ float BlockSum(float x) {
+  __shared__ float warp_sums[32];
+  for (int offset = 16; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  if (lane == 0) warp_sums[warp] = x;
+  __syncthreads();
+  const int num_warps = blockDim.x / 32;
+  x = lane < num_warps ? warp_sums[lane] : 0.f;
+  for (int offset = 16; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
+  return x;
+}
+
+// grid (N), block a multiple of 32: CTA n owns row n. Pass 1 adds delta into the residual
+// (rounded, stored) and sums the squares of the stored values; pass 2 re-reads the row this thread
+// wrote and writes x * rstd * w rounded once.
+//   residual: [N, H] contiguous; delta: [N, H] with row stride delta_stride (nullptr: no add)
+//   weight: [H] (T or fp32); out: [N, H] contiguous. H % kVec == 0, pointers kVec-aligned.
+template <typename T, typename W, int kVec>
+__global__ void AddRmsNormKernel(T* __restrict__ residual, const T* __restrict__ delta,
+                                 int64_t delta_stride, const W* __restrict__ weight,
+                                 T* __restrict__ out, int64_t hidden, float eps) {
+  using P = Pack<T, kVec>;
+  const int64_t row = blockIdx.x;
+  P* r = reinterpret_cast<P*>(residual + row * hidden);
+  const P* d = delta != nullptr ? reinterpret_cast<const P*>(delta + row * delta_stride) : nullptr;
+  P* o = reinterpret_cast<P*>(out + row * hidden);
+  const int64_t num_packs = hidden / kVec;
+  float sum_sq = 0.f;
+  for (int64_t i = threadIdx.x; i < num_packs; i += blockDim.x) {
+    P x = r[i];
+    if (d != nullptr) {
+      const P y = d[i];
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) x.v[k] = FromFloat<T>(ToFloat(x.v[k]) + ToFloat(y.v[k]));
+      r[i] = x;
+    }
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) {
+      const float f = ToFloat(x.v[k]);
+      sum_sq += f * f;
+    }
+  }
+  const float rstd = rsqrtf(BlockSum(sum_sq) / static_cast<float>(hidden) + eps);
+  for (int64_t i = threadIdx.x; i < num_packs; i += blockDim.x) {
+    const P x = r[i];
+    P y;
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) {
+      y.v[k] = FromFloat<T>(ToFloat(x.v[k]) * rstd * ToFloat(weight[i * kVec + k]));
+    }
+    o[i] = y;
+  }
+}
+
+// grid (N, ceil((Hq + 2 Hkv) / blockDim.y)), block (D / 2, heads per CTA): thread (j, y) owns the
+// pair (j, j + D/2) of head h = blockIdx.y * blockDim.y + y of token t = blockIdx.x. Heads
+// [0, Hq) are q, [Hq, Hq + Hkv) k (both rotated), the rest v (copied).
+//   qkv: [N, (Hq + 2 Hkv) * D] with row stride qkv_stride; positions int64 [N]; inv_freq fp32 [D/2]
+//   q_out: [N, Hq, D]. k_out, v_out: [rows, Hkv, D] with row = slots[t] (skipped when negative),
+//   or row = t when slots is nullptr.
+template <typename T>
+__global__ void RopeQkvKernel(const T* __restrict__ qkv, int64_t qkv_stride,
+                              const int64_t* __restrict__ positions,
+                              const float* __restrict__ inv_freq, int num_heads, int num_kv_heads,
+                              int head_dim, const int64_t* __restrict__ slots,
+                              T* __restrict__ q_out, T* __restrict__ k_out, T* __restrict__ v_out) {
+  const int64_t t = blockIdx.x;
+  const int h = blockIdx.y * blockDim.y + threadIdx.y;
+  const int j = threadIdx.x, half = head_dim / 2;
+  if (h >= num_heads + 2 * num_kv_heads) return;
+  const T* src = qkv + t * qkv_stride + static_cast<int64_t>(h) * head_dim;
+  float x1 = ToFloat(src[j]), x2 = ToFloat(src[j + half]);
+  T* dst;
+  if (h < num_heads) {
+    dst = q_out + (t * num_heads + h) * head_dim;
+  } else {
+    const int64_t row = slots != nullptr ? slots[t] : t;
+    if (row < 0) return;
+    const bool is_k = h < num_heads + num_kv_heads;
+    const int kv_head = h - num_heads - (is_k ? 0 : num_kv_heads);
+    dst = (is_k ? k_out : v_out) + (row * num_kv_heads + kv_head) * head_dim;
+  }
+  if (h < num_heads + num_kv_heads) {
+    // The model's cos/sin tables hold these values rounded to T; (q * cos) and
+    // (rotate_half(q) * sin) are rounded before the add, as separate ATen ops round them.
+    const float angle = static_cast<float>(positions[t]) * inv_freq[j];
+    const float c = Round<T>(cosf(angle)), s = Round<T>(sinf(angle));
+    const float y1 = Round<T>(x1 * c) + Round<T>(-x2 * s);
+    const float y2 = Round<T>(x2 * c) + Round<T>(x1 * s);
+    x1 = y1;
+    x2 = y2;
+  }
+  dst[j] = FromFloat<T>(x1);
+  dst[j + half] = FromFloat<T>(x2);
+}
+
+// SiLU and GELU (tanh approximation) in fp32, as ATen's CUDA kernels compute them.
+__device__ __forceinline__ float Silu(float x) {
+  return x / (1.f + expf(-x));
+}
+__device__ __forceinline__ float GeluTanh(float x) {
+  constexpr float kBeta = 0.7978845608028654f;  // sqrt(2 / pi)
+  constexpr float kKappa = 0.044715f;
+  const float inner = kBeta * (x + kKappa * x * x * x);
+  return 0.5f * x * (1.f + tanhf(inner));
+}
+
+// grid-stride over the N * I / kVec packs of the output: out[n, i] = act(gate[n, i]) * up[n, i],
+// act rounded before the product.
+//   gate_up: [N, 2 I] with row stride gu_stride (gate | up); out: [N, I] contiguous.
+template <typename T, GateActivation kAct, int kVec>
+__global__ void GatedActivationKernel(const T* __restrict__ gate_up, int64_t gu_stride,
+                                      int64_t inter, int64_t num_rows, T* __restrict__ out) {
+  using P = Pack<T, kVec>;
+  const int64_t packs_per_row = inter / kVec;
+  const int64_t total = num_rows * packs_per_row;
+  for (int64_t p = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; p < total;
+       p += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t n = p / packs_per_row, i = p % packs_per_row;
+    const T* row = gate_up + n * gu_stride;
+    const P g = reinterpret_cast<const P*>(row)[i];
+    const P u = reinterpret_cast<const P*>(row + inter)[i];
+    P y;
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) {
+      const float x = ToFloat(g.v[k]);
+      const float a = Round<T>(kAct == GateActivation::kSilu ? Silu(x) : GeluTanh(x));
+      y.v[k] = FromFloat<T>(a * ToFloat(u.v[k]));
+    }
+    reinterpret_cast<P*>(out)[p] = y;
+  }
+}
+
+// --- launchers -----------------------------------------------------------------------------------
+
+bool Aligned(const void* p, int64_t bytes) {
+  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
+
+// Threads for a row of `num_packs` packs: one pack each up to 1024, whole warps.
+int RowThreads(int64_t num_packs) {
+  return static_cast<int>(std::clamp<int64_t>((num_packs + 31) / 32 * 32, 32, 1024));
+}
+
+template <typename T, typename W>
+void LaunchAddRmsNorm(at::Tensor& residual, const at::Tensor& delta, const at::Tensor& weight,
+                      at::Tensor& out, float eps) {
+  const int64_t rows = residual.size(0), hidden = residual.size(1);
+  T* r = static_cast<T*>(residual.data_ptr());
+  const T* d = delta.defined() ? static_cast<const T*>(delta.data_ptr()) : nullptr;
+  const int64_t d_stride = delta.defined() ? delta.stride(0) : 0;
+  const W* w = static_cast<const W*>(weight.data_ptr());
+  T* o = static_cast<T*>(out.data_ptr());
+  constexpr int kVec = 16 / sizeof(T);
+  const bool vec = hidden % kVec == 0 && Aligned(r, 16) && Aligned(o, 16) &&
+                   (d == nullptr || (Aligned(d, 16) && (d_stride * sizeof(T)) % 16 == 0));
+  auto stream = at::cuda::getCurrentCUDAStream();
+  if (vec) {
+    AddRmsNormKernel<T, W, kVec>
+        <<<rows, RowThreads(hidden / kVec), 0, stream>>>(r, d, d_stride, w, o, hidden, eps);
+  } else {
+    AddRmsNormKernel<T, W, 1>
+        <<<rows, RowThreads(hidden), 0, stream>>>(r, d, d_stride, w, o, hidden, eps);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T>
+void LaunchRopeQkv(const at::Tensor& qkv, const QkvGeometry& geo, const at::Tensor& positions,
+                   const at::Tensor& inv_freq, const int64_t* slots, at::Tensor& q_out,
+                   at::Tensor& k_out, at::Tensor& v_out) {
+  const int64_t rows = qkv.size(0);
+  const int half = static_cast<int>(geo.head_dim / 2);
+  const int heads_per_cta = std::max(1, 256 / half);
+  const int64_t total_heads = geo.num_heads + 2 * geo.num_kv_heads;
+  const dim3 grid(static_cast<unsigned>(rows),
+                  static_cast<unsigned>((total_heads + heads_per_cta - 1) / heads_per_cta));
+  RopeQkvKernel<T><<<grid, dim3(half, heads_per_cta), 0, at::cuda::getCurrentCUDAStream()>>>(
+      static_cast<const T*>(qkv.data_ptr()), qkv.stride(0), positions.data_ptr<int64_t>(),
+      inv_freq.data_ptr<float>(), static_cast<int>(geo.num_heads),
+      static_cast<int>(geo.num_kv_heads), static_cast<int>(geo.head_dim), slots,
+      static_cast<T*>(q_out.data_ptr()), static_cast<T*>(k_out.data_ptr()),
+      static_cast<T*>(v_out.data_ptr()));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T, GateActivation kAct>
+void LaunchGatedActivation(const at::Tensor& gate_up, at::Tensor& out) {
+  const int64_t rows = gate_up.size(0), inter = out.size(1);
+  const T* gu = static_cast<const T*>(gate_up.data_ptr());
+  T* o = static_cast<T*>(out.data_ptr());
+  constexpr int kVec = 16 / sizeof(T);
+  const bool vec = inter % kVec == 0 && Aligned(gu, 16) && Aligned(o, 16) &&
+                   (gate_up.stride(0) * sizeof(T)) % 16 == 0;
+  const int vec_len = vec ? kVec : 1;
+  const int64_t total = rows * inter / vec_len;
+  constexpr int kThreads = 256;
+  // Enough CTAs to fill the chip a few times over; the loop covers the rest.
+  const int64_t max_ctas = int64_t{8} * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const auto ctas =
+      static_cast<unsigned>(std::clamp<int64_t>((total + kThreads - 1) / kThreads, 1, max_ctas));
+  auto stream = at::cuda::getCurrentCUDAStream();
+  if (vec) {
+    GatedActivationKernel<T, kAct, kVec>
+        <<<ctas, kThreads, 0, stream>>>(gu, gate_up.stride(0), inter, rows, o);
+  } else {
+    GatedActivationKernel<T, kAct, 1>
+        <<<ctas, kThreads, 0, stream>>>(gu, gate_up.stride(0), inter, rows, o);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Calls f with the CUDA element type of `dtype` as a value of that type (bf16, fp16, fp32).
+template <typename F>
+absl::Status DispatchDtype(at::ScalarType dtype, const char* op, F&& f) {
+  switch (dtype) {
+    case at::kBFloat16:
+      f(__nv_bfloat16{});
+      return absl::OkStatus();
+    case at::kHalf:
+      f(__half{});
+      return absl::OkStatus();
+    case at::kFloat:
+      f(float{});
+      return absl::OkStatus();
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat(op, ": dtype ", c10::toString(dtype), " is not bf16, fp16 or fp32"));
+  }
+}
+
+// --- entry-point checks --------------------------------------------------------------------------
+
+absl::Status CheckCuda(const at::Tensor& t, const char* name) {
+  if (!t.is_cuda()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ": fused ops take CUDA tensors, got one on ", t.device().str()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckDtype(const at::Tensor& t, const char* name, at::ScalarType want) {
+  if (t.scalar_type() != want) {
+    return absl::InvalidArgumentError(absl::StrCat(name, ": dtype ", c10::toString(t.scalar_type()),
+                                                   ", expected ", c10::toString(want)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckInnerContiguous(const at::Tensor& t, const char* name) {
+  if (t.stride(1) != 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ": the last dim must be contiguous, stride is ", t.stride(1)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckRope(const at::Tensor& qkv, const QkvGeometry& geo, const at::Tensor& positions,
+                       const at::Tensor& inv_freq) {
+  if (geo.head_dim <= 0 || geo.head_dim % 2 != 0 || geo.head_dim > 2048) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("RoPE: head_dim must be even and in [2, 2048], got ", geo.head_dim));
+  }
+  if (geo.num_heads <= 0 || geo.num_kv_heads <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("RoPE: heads must be > 0, got ", geo.num_heads, " / ", geo.num_kv_heads));
+  }
+  FUSED_RETURN_IF_ERROR(CheckCuda(qkv, "qkv"));
+  FUSED_RETURN_IF_ERROR(internal::CheckDim(qkv, "qkv", 2, "[N, (Hq + 2 Hkv) * D]"));
+  FUSED_RETURN_IF_ERROR(internal::CheckSize(
+      qkv, "qkv", 1, (geo.num_heads + 2 * geo.num_kv_heads) * geo.head_dim, "(Hq + 2 Hkv) * D"));
+  FUSED_RETURN_IF_ERROR(CheckInnerContiguous(qkv, "qkv"));
+  FUSED_RETURN_IF_ERROR(internal::CheckDim(positions, "positions", 1, "[N]"));
+  FUSED_RETURN_IF_ERROR(internal::CheckSize(positions, "positions", 0, qkv.size(0), "N"));
+  FUSED_RETURN_IF_ERROR(CheckDtype(positions, "positions", at::kLong));
+  FUSED_RETURN_IF_ERROR(internal::CheckDim(inv_freq, "inv_freq", 1, "[D / 2]"));
+  FUSED_RETURN_IF_ERROR(internal::CheckSize(inv_freq, "inv_freq", 0, geo.head_dim / 2, "D / 2"));
+  FUSED_RETURN_IF_ERROR(CheckDtype(inv_freq, "inv_freq", at::kFloat));
+  for (const auto* t : {&positions, &inv_freq}) {
+    if (t->device() != qkv.device() || !t->is_contiguous()) {
+      return absl::InvalidArgumentError(
+          "RoPE: positions and inv_freq must be contiguous and on qkv's device");
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+bool FusedOpsBuilt() {
+  return true;
+}
+
+absl::StatusOr<at::Tensor> AddRmsNorm(at::Tensor& residual, const at::Tensor& delta,
+                                      const at::Tensor& weight, double eps) {
+  FUSED_RETURN_IF_ERROR(CheckCuda(residual, "residual"));
+  FUSED_RETURN_IF_ERROR(internal::CheckDim(residual, "residual", 2, "[N, H]"));
+  if (!residual.is_contiguous())
+    return absl::InvalidArgumentError("residual: must be contiguous (it is updated in place)");
+  const int64_t hidden = residual.size(1);
+  if (delta.defined()) {
+    FUSED_RETURN_IF_ERROR(internal::CheckDim(delta, "delta", 2, "[N, H]"));
+    FUSED_RETURN_IF_ERROR(internal::CheckSize(delta, "delta", 0, residual.size(0), "N"));
+    FUSED_RETURN_IF_ERROR(internal::CheckSize(delta, "delta", 1, hidden, "H"));
+    FUSED_RETURN_IF_ERROR(CheckInnerContiguous(delta, "delta"));
+    FUSED_RETURN_IF_ERROR(CheckDtype(delta, "delta", residual.scalar_type()));
+    if (delta.device() != residual.device())
+      return absl::InvalidArgumentError("delta: not on residual's device");
+  }
+  FUSED_RETURN_IF_ERROR(internal::CheckDim(weight, "weight", 1, "[H]"));
+  FUSED_RETURN_IF_ERROR(internal::CheckSize(weight, "weight", 0, hidden, "H"));
+  if (weight.device() != residual.device() || !weight.is_contiguous())
+    return absl::InvalidArgumentError("weight: must be contiguous and on residual's device");
+  if (weight.scalar_type() != residual.scalar_type() && weight.scalar_type() != at::kFloat) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "weight: dtype ", c10::toString(weight.scalar_type()), ", expected residual's (",
+        c10::toString(residual.scalar_type()), ") or fp32"));
+  }
+  return internal::CatchTorch("AddRmsNorm(cuda)", [&]() -> absl::StatusOr<at::Tensor> {
+    c10::cuda::CUDAGuard guard(residual.device());
+    auto out = at::empty_like(residual);
+    if (residual.numel() == 0) return out;
+    const bool fp32_weight = weight.scalar_type() == at::kFloat;
+    const float e = static_cast<float>(eps);
+    FUSED_RETURN_IF_ERROR(DispatchDtype(residual.scalar_type(), "AddRmsNorm", [&](auto x) {
+      using T = decltype(x);
+      if (fp32_weight)
+        LaunchAddRmsNorm<T, float>(residual, delta, weight, out, e);
+      else
+        LaunchAddRmsNorm<T, T>(residual, delta, weight, out, e);
+    }));
+    return out;
+  });
+}
+
+absl::StatusOr<at::Tensor> RopeWriteKv(const at::Tensor& qkv, const QkvGeometry& geo,
+                                       const at::Tensor& positions, const at::Tensor& inv_freq,
+                                       at::Tensor& key_cache, at::Tensor& value_cache,
+                                       const at::Tensor& slots) {
+  FUSED_RETURN_IF_ERROR(CheckRope(qkv, geo, positions, inv_freq));
+  const std::pair<at::Tensor*, const char*> caches[] = {{&key_cache, "key_cache"},
+                                                        {&value_cache, "value_cache"}};
+  for (const auto& [t, name] : caches) {
+    FUSED_RETURN_IF_ERROR(internal::CheckDim(*t, name, 4, "[num_blocks, block_size, Hkv, D]"));
+    FUSED_RETURN_IF_ERROR(internal::CheckSize(*t, name, 2, geo.num_kv_heads, "Hkv"));
+    FUSED_RETURN_IF_ERROR(internal::CheckSize(*t, name, 3, geo.head_dim, "D"));
+    FUSED_RETURN_IF_ERROR(CheckDtype(*t, name, qkv.scalar_type()));
+    if (!t->is_contiguous() || t->device() != qkv.device())
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, ": must be contiguous, on qkv's device"));
+  }
+  FUSED_RETURN_IF_ERROR(internal::CheckDim(slots, "slots", 1, "[N]"));
+  FUSED_RETURN_IF_ERROR(internal::CheckSize(slots, "slots", 0, qkv.size(0), "N"));
+  FUSED_RETURN_IF_ERROR(CheckDtype(slots, "slots", at::kLong));
+  if (!slots.is_contiguous() || slots.device() != qkv.device())
+    return absl::InvalidArgumentError("slots: must be contiguous, on qkv's device");
+  return internal::CatchTorch("RopeWriteKv(cuda)", [&]() -> absl::StatusOr<at::Tensor> {
+    c10::cuda::CUDAGuard guard(qkv.device());
+    auto q = at::empty({qkv.size(0), geo.num_heads, geo.head_dim}, qkv.options());
+    if (qkv.size(0) == 0) return q;
+    FUSED_RETURN_IF_ERROR(DispatchDtype(qkv.scalar_type(), "RopeWriteKv", [&](auto x) {
+      LaunchRopeQkv<decltype(x)>(qkv, geo, positions, inv_freq, slots.data_ptr<int64_t>(), q,
+                                 key_cache, value_cache);
+    }));
+    return q;
+  });
+}
+
+absl::StatusOr<std::tuple<at::Tensor, at::Tensor, at::Tensor>> RopeSplitQkv(
+    const at::Tensor& qkv, const QkvGeometry& geo, const at::Tensor& positions,
+    const at::Tensor& inv_freq) {
+  FUSED_RETURN_IF_ERROR(CheckRope(qkv, geo, positions, inv_freq));
+  using Result = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+  return internal::CatchTorch("RopeSplitQkv(cuda)", [&]() -> absl::StatusOr<Result> {
+    c10::cuda::CUDAGuard guard(qkv.device());
+    const int64_t n = qkv.size(0);
+    auto q = at::empty({n, geo.num_heads, geo.head_dim}, qkv.options());
+    auto k = at::empty({n, geo.num_kv_heads, geo.head_dim}, qkv.options());
+    auto v = at::empty({n, geo.num_kv_heads, geo.head_dim}, qkv.options());
+    if (n == 0) return Result{q, k, v};
+    FUSED_RETURN_IF_ERROR(DispatchDtype(qkv.scalar_type(), "RopeSplitQkv", [&](auto x) {
+      LaunchRopeQkv<decltype(x)>(qkv, geo, positions, inv_freq, nullptr, q, k, v);
+    }));
+    return Result{q, k, v};
+  });
+}
+
+absl::StatusOr<at::Tensor> GatedActivation(const at::Tensor& gate_up, GateActivation act) {
+  FUSED_RETURN_IF_ERROR(CheckCuda(gate_up, "gate_up"));
+  FUSED_RETURN_IF_ERROR(internal::CheckDim(gate_up, "gate_up", 2, "[N, 2 I]"));
+  FUSED_RETURN_IF_ERROR(CheckInnerContiguous(gate_up, "gate_up"));
+  if (gate_up.size(1) % 2 != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("gate_up: dim 1 (2 I) must be even, got ", gate_up.size(1)));
+  }
+  return internal::CatchTorch("GatedActivation(cuda)", [&]() -> absl::StatusOr<at::Tensor> {
+    c10::cuda::CUDAGuard guard(gate_up.device());
+    auto out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+    if (out.numel() == 0) return out;
+    FUSED_RETURN_IF_ERROR(DispatchDtype(gate_up.scalar_type(), "GatedActivation", [&](auto x) {
+      using T = decltype(x);
+      if (act == GateActivation::kSilu)
+        LaunchGatedActivation<T, GateActivation::kSilu>(gate_up, out);
+      else
+        LaunchGatedActivation<T, GateActivation::kGeluTanh>(gate_up, out);
+    }));
+    return out;
+  });
+}
+
+}  // namespace dropkv::kernels
