@@ -32,20 +32,28 @@ constexpr int ScoreWarpMTiles(int rows_pad) {
   return rows_pad <= 16 ? 1 : rows_pad <= 32 ? 2 : 4;
 }
 
-// Warps per CTA of pass 3: 8 (one CTA of 221 KB per SM: 8 rings of 3 slabs and the rows) where
+// Warps per CTA of pass 3: 12 (one CTA of 221 KB per SM: 12 rings of 2 slabs and the rows) where
 // that fits, else 4. v9's first version had 4 warps of 122 KB per CTA, so one CTA and one warp
-// per scheduler per SM: 3.4 cycles per issued instruction, 49% of the DRAM bandwidth.
+// per scheduler per SM: 3.4 cycles per issued instruction, 49% of the DRAM bandwidth; v9c had 8
+// warps with 3-slab rings (69% of DRAM, 4.4 cycles per issued instruction).
 template <int D, int kMTiles>
 constexpr int ScoreWarpCtaWarps() {
-  return D <= 128 && kMTiles <= 2 ? 8 : 4;
+  return D <= 128 && kMTiles <= 2 ? 12 : 4;
+}
+// Ring stages per warp of pass 3: one slab in flight while one is scored where 12 warps run
+// (a slab's scoring, ~700 instructions per lane, outlasts the DRAM latency), else
+// ScoreWarpStages.
+template <int D, int kMTiles>
+constexpr int ScoreWarpPass3Stages() {
+  return D <= 128 && kMTiles <= 2 ? 2 : ScoreWarpStages<D>();
 }
 
 template <typename T, int D, int kMTiles>
 constexpr int ScoreWarpSmemBytes() {
   return 2 * 16 * kMTiles * (D + kTcPad) * 2  // Q, a rows (T)
          + 3 * 16 * kMTiles * 4               // lse, ||a||^2, pos
-         + ScoreWarpCtaWarps<D, kMTiles>() * ScoreWarpStages<D>() * 2 * kSlabKeys * (D + kTcPad) *
-               2;  // rings
+         + ScoreWarpCtaWarps<D, kMTiles>() * ScoreWarpPass3Stages<D, kMTiles>() * 2 * kSlabKeys *
+               (D + kTcPad) * 2;  // rings
 }
 
 __device__ __forceinline__ void LdMatrixX4(uint32_t (&r)[4], const void* smem_row) {
@@ -79,7 +87,7 @@ __device__ __forceinline__ void Mma16816(float (&d)[4], const uint32_t (&a)[4], 
 // Pass 3, warp-streaming. grid (B*Hkv, CTAs per head), 32 kWarps threads, persistent: warp w of
 // CTA (bh, y) scores the 16-key slabs y kWarps + w, + gridDim.y kWarps, ... of its head.
 // The CTA loads the head's packed rows once (Q, a rounded to the model dtype, lse, ||a||^2 of the
-// rounded a, positions; one barrier), then each warp runs alone: a ring of ScoreWarpStages slabs
+// rounded a, positions; one barrier), then each warp runs alone: a ring of ScoreWarpPass3Stages slabs
 // (K and V, cp.async, zero-filled past n) that only it fills and reads, __syncwarp only.
 // Per slab and group of two m-tiles: S = Q K^T and <a, v> = A V^T by mma.sync, with rows as M and
 // keys as N as in pass 1, and the same even / odd 16-column chains added at the end, so the
@@ -95,7 +103,7 @@ __global__ void __launch_bounds__(32 * ScoreWarpCtaWarps<D, kMTiles>(), 1)
   constexpr int kThreadsCta = 32 * kWarps;
   constexpr int kLd = D + kTcPad;  // row stride in elements: 16-byte pad, conflict-free ldmatrix
   constexpr int kRows = 16 * kMTiles;
-  constexpr int kStages = ScoreWarpStages<D>();
+  constexpr int kStages = ScoreWarpPass3Stages<D, kMTiles>();
   constexpr int kSlabElems = 2 * kSlabKeys * kLd;  // K rows then V rows
   constexpr int kMG = kMTiles < 2 ? kMTiles : 2;   // m-tiles per accumulator group
   constexpr int kVec = 8;                          // elements per 16-byte vector
