@@ -87,12 +87,12 @@ __device__ __forceinline__ void Mma16816(float (&d)[4], const uint32_t (&a)[4], 
 // Pass 3, warp-streaming. grid (B*Hkv, CTAs per head), 32 kWarps threads, persistent: warp w of
 // CTA (bh, y) scores the 16-key slabs y kWarps + w, + gridDim.y kWarps, ... of its head.
 // The CTA loads the head's packed rows once (Q, a rounded to the model dtype, lse, ||a||^2 of the
-// rounded a, positions; one barrier), then each warp runs alone: a ring of ScoreWarpPass3Stages slabs
-// (K and V, cp.async, zero-filled past n) that only it fills and reads, __syncwarp only.
-// Per slab and group of two m-tiles: S = Q K^T and <a, v> = A V^T by mma.sync, with rows as M and
-// keys as N as in pass 1, and the same even / odd 16-column chains added at the end, so the
-// logits equal pass 1's bit for bit (wmma m16n16k16 issues the same m16n8k16 products).
-// Epilogue in registers: lane l owns keys 2 (l % 4) + {0, 1} (+ 8) and rows l / 4 (+ 8, + 16,
+// rounded a, positions; one barrier), then each warp runs alone: a ring of ScoreWarpPass3Stages
+// slabs (K and V, cp.async, zero-filled past n) that only it fills and reads, __syncwarp only. Per
+// slab and group of two m-tiles: S = Q K^T and <a, v> = A V^T by mma.sync, with rows as M and keys
+// as N as in pass 1, and the same even / odd 16-column chains added at the end, so the logits equal
+// pass 1's bit for bit (wmma m16n16k16 issues the same m16n8k16 products). Epilogue in registers:
+// lane l owns keys 2 (l % 4) + {0, 1} (+ 8) and rows l / 4 (+ 8, + 16,
 // ...) of the C fragments; p = exp(logit - lse), w = (p / (1 - p + eps))^2, d2 = ||v||^2 -
 // 2 <a, v> + ||a||^2; the rows of a key are summed in the lane, then over the 8 lanes sharing the
 // key by xor shuffles, and lanes 0-3 write the 16 scores / g.
