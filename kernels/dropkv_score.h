@@ -40,6 +40,21 @@ struct DropKvParams {
 absl::StatusOr<at::Tensor> DropKvScores(const at::Tensor& q_window, const at::Tensor& k,
                                         const at::Tensor& v, const DropKvParams& params = {});
 
+// The score pass alone, for a caller whose prefill attention already produced the window rows'
+// outputs and log-sum-exp (flash attention's softmax_lse, SDPA's logsumexp): K and V are read
+// once instead of twice. Same scores as DropKvScores up to the caller's attention precision.
+//   q_window, k, v: as DropKvScores (dense batch).
+//   attn_out:       [B, Hq, W, D], row i = softmax(scale q_i k_j^T over j <= n - W + i) V; any
+//                   float dtype (used as fp32; the CUDA tensor-core path rounds it to the model
+//                   dtype, as DropKvScores does with its own a_t).
+//   lse:            [B, Hq, W], natural-log log-sum-exp of the scaled logits of those rows.
+//   returns         fp32 [B, Hkv, n] (fp64 for fp64 inputs, CPU only).
+absl::StatusOr<at::Tensor> DropKvScoresFromAttention(const at::Tensor& q_window,
+                                                     const at::Tensor& k, const at::Tensor& v,
+                                                     const at::Tensor& attn_out,
+                                                     const at::Tensor& lse,
+                                                     const DropKvParams& params = {});
+
 // Ragged batch with cumulative offsets (sequences packed along the token axis).
 //   q_window:   [B, Hq, W, D]; sequence b's keys are rows cu_seqlens[b] .. cu_seqlens[b+1]-1 of
 //   k, v:       [total_n, Hkv, D]

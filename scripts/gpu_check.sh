@@ -3,11 +3,12 @@
 # folder made by scripts/gpu_deps.sh carried as .gpu):
 #   scripts/gpu_check.sh [TARGET ...]     default: kernels_gpu_test dropkv-bench-score
 # Env: BENCH_ARGS (extra args of dropkv-bench-score), SKIP_MEMCHECK=1, SKIP_BENCH=1,
+#   SKIP_BENCH_JSON=1, MEMCHECK_FILTER (gtest filter of the memcheck run, default '-*Bf16*'),
 #   PREBUILT=DIR: skip unpack/configure/build and run DIR/bin/{kernels_gpu_test,dropkv-bench-score}
 #     with DIR/lib first on LD_LIBRARY_PATH (built here, same torch wheel; carry DIR, e.g.
 #     .gpu/kern made by `scripts/gpu_check.sh --pack BUILD_DIR` on the dev machine),
 #   NCU=1: hardware counters (ncu --clock-control none) of one launch of each hot kernel at 128K
-#     and of the paged decode kernel at 8K, into ncu.txt.
+#     and of the paged decode kernel at 8K, into ncu.txt (NCU=score: the scoring kernels only).
 # `scripts/gpu_check.sh --pack BUILD_DIR` (dev machine): strips kernels_gpu_test and
 #   dropkv-bench-score of BUILD_DIR (configured for sm_90) with their non-system, non-torch
 #   libraries into .gpu/kern (git-ignored).
@@ -96,24 +97,28 @@ if [[ -x build-gpu/tests/kernels_gpu_test ]]; then
   if [[ -z "${SKIP_MEMCHECK:-}" ]]; then
     # Memcheck on the kernel tests (smaller cases: the bf16 8K overlap test is skipped for time).
     step memcheck memcheck.log timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 \
-      build-gpu/tests/kernels_gpu_test --gtest_color=no --gtest_filter='-*Bf16*'
+      build-gpu/tests/kernels_gpu_test --gtest_color=no --gtest_filter="${MEMCHECK_FILTER:--*Bf16*}"
     grep -E "ERROR SUMMARY|Invalid|PASSED|FAILED" "$OUT/memcheck.log" | head -20
   fi
 fi
 if [[ -x build-gpu/bin/dropkv-bench-score && -z "${SKIP_BENCH:-}" ]]; then
   step bench bench.txt build-gpu/bin/dropkv-bench-score ${BENCH_ARGS:-}
-  step bench_json bench.json build-gpu/bin/dropkv-bench-score --json --n 4096 --runs 5
+  [[ -z "${SKIP_BENCH_JSON:-}" ]] &&
+    step bench_json bench.json build-gpu/bin/dropkv-bench-score --json --n 4096 --runs 5
 fi
 
 if [[ -n "${NCU:-}" && -x build-gpu/bin/dropkv-bench-score ]]; then
   ncu_run() {
     timeout 200 ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
       --section WarpStateStats --section Occupancy "$@" build-gpu/bin/dropkv-bench-score \
-      --n 131072 --runs 1
+      --n 131072 --runs 1 ${NCU_BENCH_ARGS:-}
   }
-  step ncu ncu.txt bash -c "$(declare -f ncu_run); \
-    ncu_run --kernel-name regex:'PartialAttnTcKernel|ScoreTcKernel' --launch-skip 2 --launch-count 2 && \
-    ncu_run --kernel-name regex:PagedDecodeKernel --launch-skip 40 --launch-count 1"
+  # The first launches of the fused call are warm-up; the score pass is ScoreWarpKernel (v9) or
+  # ScoreTcKernel (rows > 64).
+  ncu_cmd="ncu_run --kernel-name regex:'PartialAttnTcKernel|PartialAttnWarpKernel|ScoreWarpKernel|ScoreTcKernel' --launch-skip 2 --launch-count 2"
+  [[ "$NCU" == score ]] && export NCU_BENCH_ARGS=--no-decode
+  [[ "$NCU" != score ]] && ncu_cmd+=" && ncu_run --kernel-name regex:PagedDecodeKernel --launch-skip 40 --launch-count 1"
+  step ncu ncu.txt bash -c "$(declare -f ncu_run); $ncu_cmd"
 fi
 
 echo "==================== gpu_check summary ===================="

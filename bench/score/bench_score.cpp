@@ -1,10 +1,12 @@
-// dropkv-bench-score [--n N ...] [--runs R] [--json]
+// dropkv-bench-score [--n N ...] [--runs R] [--json] [--no-decode]
 // One layer of Llama-3.1-8B geometry (Hq 32, Hkv 8, D 128), W = 8, bf16:
 //  - fused DropKV scoring (kernels/dropkv_score.h) vs a naive LibTorch version that materialises
 //    the window attention and the differences a_t - v_j, as a PyTorch user would write it;
 //  - scratch bytes of each (peak allocated beyond inputs and output, caching-allocator stats);
 //  - fraction of the HBM roofline: (K twice + V once) / device-to-device copy bandwidth measured
 //    in the same run (bytes read + written);
+//  - the score pass alone (DropKvScoresFromAttention: the window rows' attention output and LSE
+//    given, as the prefill attention would hand them over), against the same roofline;
 //  - selection: pool + protect + top-k (keep 10%) + gather of K and V;
 //  - paged decode attention, batch 1, 8K context, all 32 layers (one call per layer), and
 //    batch 16 x 2K.
@@ -99,9 +101,24 @@ at::Tensor NaiveScores(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   return (w * d2).sum(2).view({1, kHkv, g, n}).sum(2) / double(g);  // [1, Hkv, n]
 }
 
+// The window rows' attention output [1, Hq, W, D] and LSE [1, Hq, W] in fp32 (what a prefill
+// attention kernel returns for the last W rows), computed per KV head group.
+std::pair<at::Tensor, at::Tensor> WindowAttention(const at::Tensor& q, const at::Tensor& k,
+                                                  const at::Tensor& v) {
+  const int64_t n = k.size(2), g = kHq / kHkv;
+  auto qf = q.to(at::kFloat).view({1, kHkv, g * kW, kD});
+  auto logits = at::matmul(qf, k.to(at::kFloat).transpose(2, 3)) / std::sqrt(double(kD));
+  auto rows = (at::arange(g * kW, q.options().dtype(at::kLong)) % kW).unsqueeze(1) + (n - kW);
+  auto cols = at::arange(n, q.options().dtype(at::kLong)).unsqueeze(0);
+  logits = logits.masked_fill(cols > rows, -std::numeric_limits<float>::infinity());
+  auto lse = at::logsumexp(logits, -1);                            // [1, Hkv, g*W]
+  auto a = at::matmul(at::softmax(logits, -1), v.to(at::kFloat));  // [1, Hkv, g*W, D]
+  return {a.view({1, kHq, kW, kD}), lse.view({1, kHq, kW})};
+}
+
 struct ScoreRow {
   int64_t n;
-  double fused_ms, naive_ms, roofline_frac, select_ms, cuda_core_ms;
+  double fused_ms, naive_ms, roofline_frac, select_ms, cuda_core_ms, pass3_ms, pass3_frac;
   int64_t fused_scratch, naive_scratch;
   bool naive_run;
 };
@@ -121,7 +138,7 @@ std::string Human(int64_t bytes) {
 int main(int argc, char** argv) {
   std::vector<int64_t> ns;
   int runs = 20;
-  bool json = false;
+  bool json = false, decode = true;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--n") && i + 1 < argc) {
       while (i + 1 < argc && argv[i + 1][0] != '-') ns.push_back(std::atoll(argv[++i]));
@@ -129,8 +146,10 @@ int main(int argc, char** argv) {
       runs = std::max(1, std::atoi(argv[++i]));
     } else if (!std::strcmp(argv[i], "--json")) {
       json = true;
+    } else if (!std::strcmp(argv[i], "--no-decode")) {
+      decode = false;
     } else {
-      std::printf("usage: %s [--n N ...] [--runs R (20)] [--json]\n", argv[0]);
+      std::printf("usage: %s [--n N ...] [--runs R (20)] [--json] [--no-decode]\n", argv[0]);
       return std::strcmp(argv[i], "--help") ? 2 : 0;
     }
   }
@@ -156,7 +175,7 @@ int main(int argc, char** argv) {
       auto v = at::randn({1, kHkv, n, kD}, bf16);
       DropKvParams params;
       params.p_round_dtype = at::kBFloat16;
-      ScoreRow row{n, 0, -1, 0, 0, 0, 0, -1, false};
+      ScoreRow row{n, 0, -1, 0, 0, 0, 0, 0, 0, -1, false};
       at::Tensor scores;
       row.fused_ms =
           TimeMs([&] { scores = *dropkv::kernels::DropKvScores(q, k, v, params); }, runs);
@@ -168,6 +187,13 @@ int main(int argc, char** argv) {
           ScratchBytes([&] { return *dropkv::kernels::DropKvScores(q, k, v, params); });
       const double bytes = 3.0 * k.nbytes();  // K twice + V once
       row.roofline_frac = (bytes / (copy_gbs * 1e9) * 1e3) / row.fused_ms;
+      {
+        auto [attn, lse] = WindowAttention(q, k, v);
+        row.pass3_ms = TimeMs(
+            [&] { (void)*dropkv::kernels::DropKvScoresFromAttention(q, k, v, attn, lse, params); },
+            runs);
+        row.pass3_frac = (bytes / (copy_gbs * 1e9) * 1e3) / row.pass3_ms;
+      }
       const int64_t keep = dropkv::kernels::KeepCount(n, 0.1, kW);
       row.select_ms = TimeMs(
           [&] {
@@ -195,6 +221,17 @@ int main(int argc, char** argv) {
       c10::cuda::CUDACachingAllocator::emptyCache();
     }
 
+    if (!decode) {
+      std::printf("device %s; d2d copy %.0f GB/s; median of %d runs\n", props->name, copy_gbs,
+                  runs);
+      std::printf("%8s %10s %9s %12s %9s %10s\n", "n", "fused ms", "roofline", "pass3 ms",
+                  "roofline", "naive ms");
+      for (const auto& r : rows) {
+        std::printf("%8lld %10.4f %8.1f%% %12.4f %8.1f%% %10.4f\n", static_cast<long long>(r.n),
+                    r.fused_ms, 100 * r.roofline_frac, r.pass3_ms, 100 * r.pass3_frac, r.naive_ms);
+      }
+      return 0;
+    }
     // Paged decode: batch 1, context 8192 (and 819 = keep 10%), 32 layers, block size 16.
     const int64_t layers = 32, block_size = 16, ctx = 8192;
     const int64_t blocks_per_layer = ctx / block_size;
@@ -308,10 +345,12 @@ int main(int argc, char** argv) {
         std::printf(
             "%s{\"n\":%lld,\"fused_ms\":%.4f,\"naive_ms\":%.4f,\"speedup\":%.2f,"
             "\"fused_scratch_bytes\":%lld,\"naive_scratch_bytes\":%lld,"
-            "\"roofline_frac\":%.3f,\"select_ms\":%.4f,\"cuda_core_ms\":%.4f}",
+            "\"roofline_frac\":%.3f,\"select_ms\":%.4f,\"cuda_core_ms\":%.4f,"
+            "\"pass3_only_ms\":%.4f,\"pass3_only_roofline_frac\":%.3f}",
             i ? "," : "", static_cast<long long>(r.n), r.fused_ms, r.naive_ms,
             r.naive_run ? r.naive_ms / r.fused_ms : -1.0, static_cast<long long>(r.fused_scratch),
-            static_cast<long long>(r.naive_scratch), r.roofline_frac, r.select_ms, r.cuda_core_ms);
+            static_cast<long long>(r.naive_scratch), r.roofline_frac, r.select_ms, r.cuda_core_ms,
+            r.pass3_ms, r.pass3_frac);
       }
       std::printf(
           "],\"decode\":{\"ctx\":%lld,\"layers\":%lld,\"paged_ms\":%.4f,\"paged_keep10_ms\":%.4f,"
@@ -324,15 +363,17 @@ int main(int argc, char** argv) {
     } else {
       std::printf("device %s, %d SMs; d2d copy %.0f GB/s (read + write); median of %d runs\n",
                   props->name, props->multiProcessorCount, copy_gbs, runs);
-      std::printf("%8s %10s %10s %8s %12s %12s %9s %10s %10s\n", "n", "fused ms", "naive ms",
-                  "speedup", "fused scr", "naive scr", "roofline", "select ms", "v1 cc ms");
+      std::printf("%8s %10s %10s %8s %12s %12s %9s %10s %10s %10s %9s\n", "n", "fused ms",
+                  "naive ms", "speedup", "fused scr", "naive scr", "roofline", "select ms",
+                  "v1 cc ms", "pass3 ms", "roofline");
       for (const auto& r : rows) {
-        std::printf("%8lld %10.4f %10s %8s %12s %12s %8.1f%% %10.4f %10.4f\n",
+        std::printf("%8lld %10.4f %10s %8s %12s %12s %8.1f%% %10.4f %10.4f %10.4f %8.1f%%\n",
                     static_cast<long long>(r.n), r.fused_ms,
                     r.naive_run ? std::to_string(r.naive_ms).c_str() : "skipped",
                     r.naive_run ? std::to_string(r.naive_ms / r.fused_ms).c_str() : "-",
                     Human(r.fused_scratch).c_str(), Human(r.naive_scratch).c_str(),
-                    100 * r.roofline_frac, r.select_ms, r.cuda_core_ms);
+                    100 * r.roofline_frac, r.select_ms, r.cuda_core_ms, r.pass3_ms,
+                    100 * r.pass3_frac);
       }
       std::printf(
           "paged decode, batch 1, %lld layers: ctx %lld %.4f ms/token, ctx %lld (keep 10%%) "

@@ -16,6 +16,11 @@ absl::StatusOr<at::Tensor> DropKvScores(const at::Tensor&, const at::Tensor&, co
                                         const std::optional<at::Tensor>&, const DropKvParams&) {
   return NotBuilt();
 }
+absl::StatusOr<at::Tensor> DropKvScoresFromAttention(const at::Tensor&, const at::Tensor&,
+                                                     const at::Tensor&, const at::Tensor&,
+                                                     const at::Tensor&, const DropKvParams&) {
+  return NotBuilt();
+}
 absl::Status WriteKv(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&,
                      const at::Tensor&) {
   return NotBuilt();

@@ -60,8 +60,11 @@ at::Tensor CausalWindowMask(int64_t w, int64_t n, const at::Device& device) {
 }
 
 // One sequence. q [Hq, W, D], k/v [Hkv, n, D] -> [Hkv, n] in the accumulation dtype.
+// given_a [Hq, W, D] and given_lse [Hq, W] (both or neither): the window rows' attention output
+// and log-sum-exp from the caller instead of the softmax here.
 at::Tensor DropKvOneSequence(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                             const DropKvParams& params) {
+                             const DropKvParams& params, const at::Tensor* given_a = nullptr,
+                             const at::Tensor* given_lse = nullptr) {
   const int64_t hq = q.size(0), w = q.size(1), d = q.size(2);
   const int64_t hkv = k.size(0), n = k.size(1);
   const int64_t g = hq / hkv;
@@ -79,8 +82,17 @@ at::Tensor DropKvOneSequence(const at::Tensor& q, const at::Tensor& k, const at:
     auto vh = v[h].to(acc);                            // [n, D]
     auto logits = at::matmul(qg, kh.t()).mul_(scale);  // [rows, n]
     logits.masked_fill_(mask.logical_not(), -std::numeric_limits<double>::infinity());
-    auto p = at::softmax(logits, -1);  // [rows, n]
-    auto a = at::matmul(p, vh);        // [rows, D]
+    at::Tensor p, a;  // [rows, n], [rows, D]
+    if (given_a != nullptr) {
+      auto rows_of = [&](const at::Tensor& t) {  // this head group's rows, in q's row order
+        return t.slice(0, h * g, (h + 1) * g).slice(1, first_row).to(acc);
+      };
+      a = rows_of(*given_a).reshape({-1, d});
+      p = (logits - rows_of(*given_lse).reshape({-1, 1})).exp_();
+    } else {
+      p = at::softmax(logits, -1);
+      a = at::matmul(p, vh);
+    }
     auto pw = params.p_round_dtype ? p.to(*params.p_round_dtype).to(acc) : p;
     auto wgt = (pw / (1.0 - pw + params.eps)).square_();                             // [rows, n]
     auto vn2 = vh.square().sum(-1);                                                  // [n]
@@ -113,6 +125,34 @@ absl::StatusOr<at::Tensor> DropKvScores(const at::Tensor& q_window, const at::Te
     auto out = at::empty({b, k.size(1), k.size(2)}, k.options().dtype(AccType(q_window)));
     for (int64_t i = 0; i < b; ++i) {
       out[i].copy_(DropKvOneSequence(q_window[i], k[i], v[i], params));
+    }
+    return out;
+  });
+}
+
+absl::StatusOr<at::Tensor> DropKvScoresFromAttention(const at::Tensor& q_window,
+                                                     const at::Tensor& k, const at::Tensor& v,
+                                                     const at::Tensor& attn_out,
+                                                     const at::Tensor& lse,
+                                                     const DropKvParams& params) {
+  if (auto s = CheckQkv(q_window, k, &v, "q_window"); !s.ok()) return s;
+  if (auto s = CheckParams(params); !s.ok()) return s;
+  if (attn_out.sizes() != q_window.sizes()) {
+    return absl::InvalidArgumentError(absl::StrCat("attn_out: shape ", internal::ShapeStr(attn_out),
+                                                   " differs from q_window's ",
+                                                   internal::ShapeStr(q_window)));
+  }
+  if (auto s = CheckDim(lse, "lse", 3, "[B, Hq, W]"); !s.ok()) return s;
+  for (int64_t i = 0; i < 3; ++i) {
+    if (auto s = CheckSize(lse, "lse", i, q_window.size(i), "q_window's"); !s.ok()) return s;
+  }
+  if (k.is_cuda()) return cuda::DropKvScoresFromAttention(q_window, k, v, attn_out, lse, params);
+  return CatchTorch("DropKvScoresFromAttention", [&]() -> absl::StatusOr<at::Tensor> {
+    const int64_t b = q_window.size(0);
+    auto out = at::empty({b, k.size(1), k.size(2)}, k.options().dtype(AccType(q_window)));
+    for (int64_t i = 0; i < b; ++i) {
+      auto a_i = attn_out[i], lse_i = lse[i];
+      out[i].copy_(DropKvOneSequence(q_window[i], k[i], v[i], params, &a_i, &lse_i));
     }
     return out;
   });

@@ -6,6 +6,8 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -13,6 +15,7 @@
 #include "kernels/check.h"
 #include "kernels/cuda/dropkv_score_kernels.cuh"
 #include "kernels/cuda/dropkv_score_tc.cuh"
+#include "kernels/cuda/dropkv_score_warp.cuh"
 #include "kernels/cuda/launchers.h"
 
 namespace dropkv::kernels::cuda {
@@ -54,12 +57,113 @@ int ChooseSplits(int64_t num_heads_total, int64_t num_row_chunks, int64_t max_n,
   return static_cast<int>(std::clamp<int64_t>(want, 1, max_splits));
 }
 
+// The window rows' attention from the caller (DropKvScoresFromAttention): fp32, contiguous,
+// a [B*Hkv, g*W, D] and lse [B*Hkv, g*W] (views of [B, Hq, W, D] / [B, Hq, W]).
+struct GivenAttention {
+  const at::Tensor* a = nullptr;
+  const at::Tensor* lse = nullptr;
+};
+
+// DROPKV_SCORE_KERNELS=v7 selects the CTA-tiled tensor-core passes of v7b instead of the
+// warp-streaming ones (v9 / v10): an A/B switch for benchmarks and tests in one process run.
+bool UseV7Kernels() {
+  static const bool v7 = [] {
+    const char* env = std::getenv("DROPKV_SCORE_KERNELS");
+    return env != nullptr && std::strcmp(env, "v7") == 0;
+  }();
+  return v7;
+}
+
+// Split count of the warp-streaming pass 1 (v10): `requested` if set, else one wave of resident
+// CTAs spread over the heads; at most one slab per warp and kMaxSplits.
+template <typename T, int D>
+int WarpPass1Splits(int64_t bh, int64_t max_n, int requested) {
+  static const int occupancy = [] {
+    if constexpr (sizeof(T) == 2 && D <= 128) {
+      constexpr int smem = PartialAttnWarpSmemBytes<T, D>();
+      for (auto kernel : {PartialAttnWarpKernel<T, D, 1>, PartialAttnWarpKernel<T, D, 2>}) {
+        C10_CUDA_CHECK(
+            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+      }
+      int blocks = 0;
+      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+          &blocks, PartialAttnWarpKernel<T, D, 2>, kScoreWarpThreads, smem));
+      return std::max(1, blocks);
+    }
+    return 1;
+  }();
+  const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int64_t num_slabs = (max_n + kSlabKeys - 1) / kSlabKeys;
+  const int64_t want = requested > 0 ? int64_t{requested} : int64_t{occupancy} * num_sms / bh;
+  return static_cast<int>(std::clamp<int64_t>(
+      want, 1, std::min<int64_t>(kMaxSplits, (num_slabs + kScoreWarpWarps - 1) / kScoreWarpWarps)));
+}
+
+// Pass 3, warp-streaming (v9): one wave of CTAs spread over the heads (rounded down: v9's first
+// measurement rounded up, 400 CTAs for 396 slots, and the 4 of the second wave doubled the
+// time), at most one slab per warp.
+template <typename T, int D, int kMTiles>
+void LaunchScoreWarp(const ScoreParams& sp, int64_t bh, int64_t max_n, int num_sms,
+                     cudaStream_t stream) {
+  auto kernel = ScoreWarpKernel<T, D, kMTiles>;
+  constexpr int smem = ScoreWarpSmemBytes<T, D, kMTiles>();
+  constexpr int kWarps = ScoreWarpCtaWarps<D, kMTiles>(), kThreadsCta = 32 * kWarps;
+  static_assert(smem <= 227 * 1024, "pass 3 shared memory over the sm_90 per-CTA limit");
+  static const int occupancy = [&] {
+    // The attribute first: occupancy of more than 48 KB of dynamic shared memory needs it.
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    int blocks = 0;
+    C10_CUDA_CHECK(
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreadsCta, smem));
+    return std::max(1, blocks);
+  }();
+  const int64_t num_slabs = (max_n + kSlabKeys - 1) / kSlabKeys;
+  const int64_t ctas_per_head =
+      std::clamp<int64_t>(int64_t{occupancy} * num_sms / bh, 1, (num_slabs + kWarps - 1) / kWarps);
+  kernel<<<dim3(bh, ctas_per_head), kThreadsCta, smem, stream>>>(sp);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Pass 3 on tensor cores: the warp-streaming kernel for up to kScoreWarpMaxRows packed rows per
+// KV head, the CTA-tiled one (v7b) above that.
+template <typename T, int D>
+void LaunchScoreTc(const ScoreParams& sp, int64_t bh, int64_t max_n, cudaStream_t stream) {
+  const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  if (sp.rows_pad <= kScoreWarpMaxRows && !UseV7Kernels()) {
+    switch (ScoreWarpMTiles(sp.rows_pad)) {
+      case 1:
+        return LaunchScoreWarp<T, D, 1>(sp, bh, max_n, num_sms, stream);
+      case 2:
+        return LaunchScoreWarp<T, D, 2>(sp, bh, max_n, num_sms, stream);
+      default:
+        return LaunchScoreWarp<T, D, 4>(sp, bh, max_n, num_sms, stream);
+    }
+  }
+  auto kernel = ScoreTcKernel<T, D>;
+  constexpr int smem = ScoreTcSmemBytes<T, D>();
+  static const cudaError_t attr =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  C10_CUDA_CHECK(attr);
+  // Persistent: as many CTAs as fit at once, spread over the heads.
+  static const int occupancy = [&] {
+    int blocks = 0;
+    const cudaError_t st =
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kScoreTcThreads, smem);
+    return st == cudaSuccess ? std::max(1, blocks) : 1;
+  }();
+  const int64_t num_tiles = (max_n + kTcKeys - 1) / kTcKeys;
+  const int64_t ctas_per_head =
+      std::clamp<int64_t>((int64_t{occupancy} * num_sms + bh - 1) / bh, 1, num_tiles);
+  kernel<<<dim3(bh, ctas_per_head), kScoreTcThreads, smem, stream>>>(sp);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 template <typename T, int D>
 absl::Status Launch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                     const at::Tensor& kv_offset, const at::Tensor& seq_lens,
                     const at::Tensor& out_offset, int64_t out_stride_head, int64_t max_n,
                     int64_t stride_tok, int64_t stride_head, at::Tensor& out,
-                    const DropKvParams& params) {
+                    const DropKvParams& params, const GivenAttention& given) {
   const int64_t batch = q.size(0), hq = q.size(1), w = q.size(2);
   const int64_t hkv = k.size(1);  // dense [B, Hkv, n, D] and varlen [total, Hkv, D] alike
   const int64_t g = hq / hkv, rows = g * w;
@@ -88,69 +192,92 @@ absl::Status Launch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   }
   // The tensor-core pass 1 takes kAttnTcChunks row chunks per CTA.
   const int64_t chunk_ctas = tc ? (num_chunks + kAttnTcChunks - 1) / kAttnTcChunks : num_chunks;
-  const int splits = ChooseSplits(bh, chunk_ctas, max_n, params.num_splits, key_tile, ctas_per_sm);
-  const int64_t split_len = ((max_n + splits - 1) / splits + key_tile - 1) / key_tile * key_tile;
-  auto f32 = q.options().dtype(at::kFloat);
-  // Scratch: partials (S x rows x (D + 2)) + merged a and lse: O(n) through S only.
-  auto part_acc = at::empty({bh, splits, rows_pad, D}, f32);
-  auto part_ml = at::empty({2, bh, splits, rows_pad}, f32);
-  auto a = at::empty({bh, rows_pad, D}, f32);
-  auto lse = at::empty({bh, rows_pad}, f32);
   const float scale =
       static_cast<float>(params.scale > 0 ? params.scale : 1.0 / std::sqrt(double(D)));
   auto stream = at::cuda::getCurrentCUDAStream();
+  at::Tensor a, lse;  // [B*Hkv, a_rows, D], [B*Hkv, a_rows]
+  int64_t a_rows = rows_pad;
+  if (given.a != nullptr) {
+    a = *given.a;
+    lse = *given.lse;
+    a_rows = rows;
+  } else {
+    // v10: warp-streaming pass 1 when every row's accumulator fits in registers; one split per
+    // CTA of 4 warps, one wave of resident CTAs over the heads.
+    const bool warp_pass1 =
+        kHalfType && tc && D <= 128 && rows_pad <= kAttnWarpMaxRows && !UseV7Kernels();
+    const int splits =
+        warp_pass1 ? WarpPass1Splits<T, D>(bh, max_n, params.num_splits)
+                   : ChooseSplits(bh, chunk_ctas, max_n, params.num_splits, key_tile, ctas_per_sm);
+    const int64_t split_len = ((max_n + splits - 1) / splits + key_tile - 1) / key_tile * key_tile;
+    auto f32 = q.options().dtype(at::kFloat);
+    // Scratch: partials (S x rows x (D + 2)) + merged a and lse: O(n) through S only.
+    auto part_acc = at::empty({bh, splits, rows_pad, D}, f32);
+    auto part_ml = at::empty({2, bh, splits, rows_pad}, f32);
+    a = at::empty({bh, rows_pad, D}, f32);
+    lse = at::empty({bh, rows_pad}, f32);
 
-  PartialAttnParams<T> pa{};
-  pa.q = reinterpret_cast<const T*>(q.data_ptr());
-  pa.k = reinterpret_cast<const T*>(k.data_ptr());
-  pa.v = reinterpret_cast<const T*>(v.data_ptr());
-  pa.kv_offset = kv_offset.data_ptr<int64_t>();
-  pa.seq_lens = seq_lens.data_ptr<int32_t>();
-  pa.stride_tok = stride_tok;
-  pa.stride_head = stride_head;
-  pa.num_kv_heads = static_cast<int32_t>(hkv);
-  pa.window = static_cast<int32_t>(w);
-  pa.num_rows = static_cast<int32_t>(rows);
-  pa.rows_pad = static_cast<int32_t>(rows_pad);
-  pa.min_pos = 1;
-  pa.num_splits = splits;
-  pa.split_len = static_cast<int32_t>(split_len);
-  pa.scale = scale;
-  pa.part_m = part_ml[0].data_ptr<float>();
-  pa.part_l = part_ml[1].data_ptr<float>();
-  pa.part_acc = part_acc.data_ptr<float>();
-  if constexpr (kHalfType) {
-    if (tc) {
-      static_assert(RC == kTcRows, "tensor-core kernels use 16-row chunks");
-      auto kernel = PartialAttnTcKernel<T, D>;
-      constexpr int smem = PartialAttnTcSmemBytes<T, D>();
+    PartialAttnParams<T> pa{};
+    pa.q = reinterpret_cast<const T*>(q.data_ptr());
+    pa.k = reinterpret_cast<const T*>(k.data_ptr());
+    pa.v = reinterpret_cast<const T*>(v.data_ptr());
+    pa.kv_offset = kv_offset.data_ptr<int64_t>();
+    pa.seq_lens = seq_lens.data_ptr<int32_t>();
+    pa.stride_tok = stride_tok;
+    pa.stride_head = stride_head;
+    pa.num_kv_heads = static_cast<int32_t>(hkv);
+    pa.window = static_cast<int32_t>(w);
+    pa.num_rows = static_cast<int32_t>(rows);
+    pa.rows_pad = static_cast<int32_t>(rows_pad);
+    pa.min_pos = 1;
+    pa.num_splits = splits;
+    pa.split_len = static_cast<int32_t>(split_len);
+    pa.scale = scale;
+    pa.part_m = part_ml[0].data_ptr<float>();
+    pa.part_l = part_ml[1].data_ptr<float>();
+    pa.part_acc = part_acc.data_ptr<float>();
+    if constexpr (kHalfType && D <= 128) {
+      if (warp_pass1) {
+        auto kernel =
+            rows_pad <= 16 ? PartialAttnWarpKernel<T, D, 1> : PartialAttnWarpKernel<T, D, 2>;
+        constexpr int smem = PartialAttnWarpSmemBytes<T, D>();
+        kernel<<<dim3(splits, bh), kScoreWarpThreads, smem, stream>>>(pa);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
+    }
+    if constexpr (kHalfType) {
+      if (tc && !warp_pass1) {
+        static_assert(RC == kTcRows, "tensor-core kernels use 16-row chunks");
+        auto kernel = PartialAttnTcKernel<T, D>;
+        constexpr int smem = PartialAttnTcSmemBytes<T, D>();
+        static const cudaError_t attr =
+            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+        C10_CUDA_CHECK(attr);
+        kernel<<<dim3(chunk_ctas, splits, bh), kAttnTcThreads, smem, stream>>>(pa);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
+    }
+    if (!tc) {
+      auto kernel = PartialAttnKernel<T, D, RC, false>;
+      constexpr int smem = PartialAttnSmemFloats<D, RC>() * sizeof(float);
       static const cudaError_t attr =
           cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
       C10_CUDA_CHECK(attr);
-      kernel<<<dim3(chunk_ctas, splits, bh), kAttnTcThreads, smem, stream>>>(pa);
+      kernel<<<dim3(bh, splits, num_chunks), kThreads, smem, stream>>>(pa);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
-  }
-  if (!tc) {
-    auto kernel = PartialAttnKernel<T, D, RC, false>;
-    constexpr int smem = PartialAttnSmemFloats<D, RC>() * sizeof(float);
-    static const cudaError_t attr =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    C10_CUDA_CHECK(attr);
-    kernel<<<dim3(bh, splits, num_chunks), kThreads, smem, stream>>>(pa);
+    MergeKernel<float, D><<<dim3(bh, rows_pad), D, 0, stream>>>(
+        pa.part_m, pa.part_l, pa.part_acc, pa.num_splits, static_cast<int>(rows_pad),
+        static_cast<int>(rows_pad), a.data_ptr<float>(), lse.data_ptr<float>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  MergeKernel<float, D><<<dim3(bh, rows_pad), D, 0, stream>>>(
-      pa.part_m, pa.part_l, pa.part_acc, splits, static_cast<int>(rows_pad),
-      static_cast<int>(rows_pad), a.data_ptr<float>(), lse.data_ptr<float>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 
   ScoreParams sp{};
   sp.q = q.data_ptr();
   sp.k = k.data_ptr();
   sp.v = v.data_ptr();
-  sp.kv_offset = pa.kv_offset;
-  sp.seq_lens = pa.seq_lens;
+  sp.kv_offset = kv_offset.data_ptr<int64_t>();
+  sp.seq_lens = seq_lens.data_ptr<int32_t>();
   sp.a = a.data_ptr<float>();
   sp.lse = lse.data_ptr<float>();
   sp.out = out.data_ptr<float>();
@@ -158,12 +285,13 @@ absl::Status Launch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   sp.out_stride_head = out_stride_head;
   sp.stride_tok = stride_tok;
   sp.stride_head = stride_head;
-  sp.num_kv_heads = pa.num_kv_heads;
+  sp.num_kv_heads = static_cast<int32_t>(hkv);
   sp.group = static_cast<int32_t>(g);
-  sp.window = pa.window;
-  sp.num_rows = pa.num_rows;
-  sp.rows_pad = pa.rows_pad;
+  sp.window = static_cast<int32_t>(w);
+  sp.num_rows = static_cast<int32_t>(rows);
+  sp.rows_pad = static_cast<int32_t>(rows_pad);
   sp.min_pos = 1;
+  sp.a_rows = static_cast<int32_t>(a_rows);
   sp.scale = scale;
   sp.eps = static_cast<float>(params.eps);
   sp.round_mode = !params.p_round_dtype                    ? 0
@@ -171,26 +299,7 @@ absl::Status Launch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
                   : *params.p_round_dtype == at::kHalf     ? 2
                                                            : 0;
   if constexpr (kHalfType) {
-    if (tc) {
-      auto kernel = ScoreTcKernel<T, D>;
-      constexpr int smem = ScoreTcSmemBytes<T, D>();
-      static const cudaError_t attr =
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-      C10_CUDA_CHECK(attr);
-      // Persistent: as many CTAs as fit at once, spread over the heads.
-      static const int occupancy = [&] {
-        int blocks = 0;
-        const cudaError_t st =
-            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kScoreTcThreads, smem);
-        return st == cudaSuccess ? std::max(1, blocks) : 1;
-      }();
-      const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-      const int64_t num_tiles = (max_n + kTcKeys - 1) / kTcKeys;
-      const int64_t ctas_per_head =
-          std::clamp<int64_t>((int64_t{occupancy} * num_sms + bh - 1) / bh, 1, num_tiles);
-      kernel<<<dim3(bh, ctas_per_head), kScoreTcThreads, smem, stream>>>(sp);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    }
+    if (tc) LaunchScoreTc<T, D>(sp, bh, max_n, stream);
   }
   if (!tc) {
     auto kernel = ScoreKernel<T, D, RC>;
@@ -219,12 +328,11 @@ absl::Status DispatchHeadDim(int64_t d, Args&&... args) {
   }
 }
 
-}  // namespace
-
-absl::StatusOr<at::Tensor> DropKvScores(const at::Tensor& q_window, const at::Tensor& k_in,
-                                        const at::Tensor& v_in,
-                                        const std::optional<at::Tensor>& cu_seqlens,
-                                        const DropKvParams& params) {
+// DropKvScores, or its pass 3 alone when `given` holds the window rows' attention.
+absl::StatusOr<at::Tensor> Scores(const at::Tensor& q_window, const at::Tensor& k_in,
+                                  const at::Tensor& v_in,
+                                  const std::optional<at::Tensor>& cu_seqlens,
+                                  const DropKvParams& params, const GivenAttention& given) {
   const auto dtype = k_in.scalar_type();
   if (dtype != at::kFloat && dtype != at::kHalf && dtype != at::kBFloat16) {
     return absl::InvalidArgumentError(
@@ -305,7 +413,7 @@ absl::StatusOr<at::Tensor> DropKvScores(const at::Tensor& q_window, const at::Te
     auto launch = [&](auto type_tag) {
       using T = decltype(type_tag);
       return DispatchHeadDim<T>(d, q, k, v, kv_off_t, lens_t, out_off_t, out_stride_head, max_n,
-                                stride_tok, stride_head, out, params);
+                                stride_tok, stride_head, out, params, given);
     };
     const absl::Status st = dtype == at::kFloat  ? launch(float{})
                             : dtype == at::kHalf ? launch(__half{})
@@ -313,6 +421,36 @@ absl::StatusOr<at::Tensor> DropKvScores(const at::Tensor& q_window, const at::Te
     if (!st.ok()) return st;
     return out;
   });
+}
+
+}  // namespace
+
+absl::StatusOr<at::Tensor> DropKvScores(const at::Tensor& q_window, const at::Tensor& k,
+                                        const at::Tensor& v,
+                                        const std::optional<at::Tensor>& cu_seqlens,
+                                        const DropKvParams& params) {
+  return Scores(q_window, k, v, cu_seqlens, params, GivenAttention{});
+}
+
+absl::StatusOr<at::Tensor> DropKvScoresFromAttention(const at::Tensor& q_window,
+                                                     const at::Tensor& k, const at::Tensor& v,
+                                                     const at::Tensor& attn_out,
+                                                     const at::Tensor& lse,
+                                                     const DropKvParams& params) {
+  if (!attn_out.is_cuda() || !lse.is_cuda() || attn_out.device() != k.device() ||
+      lse.device() != k.device()) {
+    return absl::InvalidArgumentError(
+        "DropKvScoresFromAttention on CUDA: attn_out and lse must be on k's device");
+  }
+  return internal::CatchTorch(
+      "DropKvScoresFromAttention(cuda)", [&]() -> absl::StatusOr<at::Tensor> {
+        c10::cuda::CUDAGuard guard(k.device());
+        // [B, Hq, W, D] -> [B*Hkv, g*W, D]: query head h*g + i, window row w is packed row i*W + w.
+        const int64_t bh = k.size(0) * k.size(1);
+        auto a = attn_out.to(at::kFloat).contiguous().view({bh, -1, attn_out.size(3)});
+        auto l = lse.to(at::kFloat).contiguous().view({bh, -1});
+        return Scores(q_window, k, v, std::nullopt, params, GivenAttention{&a, &l});
+      });
 }
 
 }  // namespace dropkv::kernels::cuda

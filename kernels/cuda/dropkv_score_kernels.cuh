@@ -11,13 +11,16 @@ struct ScoreParams {
   const void* v;
   const int64_t* kv_offset;   // [B]
   const int32_t* seq_lens;    // [B]
-  const float* a;             // [B*Hkv, rows_pad, D] merged attention outputs (fp32)
-  const float* lse;           // [B*Hkv, rows_pad]
+  const float* a;             // [B*Hkv, a_rows, D] window rows' attention outputs (fp32)
+  const float* lse;           // [B*Hkv, a_rows] their log-sum-exp (natural log, scaled logits)
   float* out;                 // scores: out + out_offset[b] + h * out_stride_head + j
   const int64_t* out_offset;  // [B]
   int64_t out_stride_head;
   int64_t stride_tok, stride_head;
   int32_t num_kv_heads, group, window, num_rows, rows_pad, min_pos;
+  // Rows per KV head in a and lse: rows_pad for the merge's scratch, num_rows for a caller's
+  // [B, Hq, W, D] / [B, Hq, W] (DropKvScoresFromAttention).
+  int32_t a_rows;
   float scale, eps;
   int32_t round_mode;  // 0: none, 1: round p to bf16, 2: to fp16 (p_round_dtype)
 };
@@ -67,7 +70,7 @@ __global__ void __launch_bounds__(kThreads) ScoreKernel(const ScoreParams p) {
 
   float score = 0.f;  // this thread's partial sum for key `lane` over its rows
   const T* q_all = static_cast<const T*>(p.q) + static_cast<int64_t>(bh) * p.num_rows * D;
-  const float* a_all = p.a + static_cast<int64_t>(bh) * p.rows_pad * D;
+  const float* a_all = p.a + static_cast<int64_t>(bh) * p.a_rows * D;
   for (int row0 = 0; row0 < p.num_rows; row0 += RC) {
     __syncthreads();  // previous chunk's q_s / a_s consumed
     for (int idx = tid; idx < RC * D; idx += kThreads) {
@@ -80,7 +83,7 @@ __global__ void __launch_bounds__(kThreads) ScoreKernel(const ScoreParams p) {
       const int pos = n - p.window + m % p.window;
       const bool ok = m < p.num_rows && pos >= p.min_pos;
       pos_s[tid] = ok ? pos : -1;
-      lse_s[tid] = ok ? p.lse[static_cast<int64_t>(bh) * p.rows_pad + m] : 0.f;
+      lse_s[tid] = ok ? p.lse[static_cast<int64_t>(bh) * p.a_rows + m] : 0.f;
     }
     __syncthreads();
     if (tid < RC) {

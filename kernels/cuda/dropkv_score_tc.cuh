@@ -363,7 +363,7 @@ __global__ void __launch_bounds__(kScoreTcThreads, D <= 128 ? 2 : 1)
   const T* k_ptr = static_cast<const T*>(p.k) + p.kv_offset[b] + h * p.stride_head;
   const T* v_ptr = static_cast<const T*>(p.v) + p.kv_offset[b] + h * p.stride_head;
   const T* q_all = static_cast<const T*>(p.q) + static_cast<int64_t>(bh) * p.num_rows * D;
-  const float* a_all = p.a + static_cast<int64_t>(bh) * p.rows_pad * D;
+  const float* a_all = p.a + static_cast<int64_t>(bh) * p.a_rows * D;
   const int num_chunks = p.rows_pad / kTcRows;
   const bool resident = num_chunks <= kTcResidentChunks;
 
@@ -385,7 +385,7 @@ __global__ void __launch_bounds__(kScoreTcThreads, D <= 128 ? 2 : 1)
       const int pos = n - p.window + m % p.window;
       const bool ok = tid < num_slots && m < p.num_rows && pos >= p.min_pos;
       pos_s[tid] = ok ? pos : -1;
-      lse_s[tid] = ok ? p.lse[static_cast<int64_t>(bh) * p.rows_pad + m] : 0.f;
+      lse_s[tid] = ok ? p.lse[static_cast<int64_t>(bh) * p.a_rows + m] : 0.f;
     }
     __syncthreads();
     const int r = tid / kThreadsPerRow, c0_col = (tid % kThreadsPerRow) * (D / kThreadsPerRow);

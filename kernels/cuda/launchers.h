@@ -23,6 +23,14 @@ absl::StatusOr<at::Tensor> DropKvScores(const at::Tensor& q_window, const at::Te
                                         const std::optional<at::Tensor>& cu_seqlens,
                                         const DropKvParams& params);
 
+// Pass 3 alone with the window rows' attention from the caller (dense only): attn_out
+// [B, Hq, W, D], lse fp32 [B, Hq, W], both on k's device (shapes checked by the caller).
+absl::StatusOr<at::Tensor> DropKvScoresFromAttention(const at::Tensor& q_window,
+                                                     const at::Tensor& k, const at::Tensor& v,
+                                                     const at::Tensor& attn_out,
+                                                     const at::Tensor& lse,
+                                                     const DropKvParams& params);
+
 absl::Status WriteKv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k_new,
                      const at::Tensor& v_new, const at::Tensor& slot_mapping);
 absl::Status WriteKeptKv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k,

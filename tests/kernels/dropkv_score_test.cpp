@@ -11,6 +11,8 @@
 #include <cstdio>
 #include <numeric>
 #include <random>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 namespace dropkv::kernels {
@@ -179,6 +181,45 @@ TEST(DropKvScoreTest, VarlenMatchesPerSequence) {
     EXPECT_LT(MaxRelErr(got->slice(1, cu[b], cu[b + 1]), BruteForce(q[b], kb, vb, 1e-6)), 1e-9)
         << "sequence " << b;
   }
+}
+
+// The window rows' attention (output and LSE) in fp64, as a prefill attention would return it:
+// q [B, Hq, W, D], k/v [B, Hkv, n, D] -> a [B, Hq, W, D], lse [B, Hq, W].
+std::pair<at::Tensor, at::Tensor> WindowAttention(const at::Tensor& q, const at::Tensor& k,
+                                                  const at::Tensor& v) {
+  const int64_t b = q.size(0), hq = q.size(1), w = q.size(2), d = q.size(3), n = k.size(2);
+  const int64_t g = hq / k.size(1);
+  auto kr = k.repeat_interleave(g, 1), vr = v.repeat_interleave(g, 1);  // [B, Hq, n, D]
+  auto logits = at::matmul(q, kr.transpose(2, 3)) / std::sqrt(static_cast<double>(d));
+  auto rows = at::arange(w, at::kLong).unsqueeze(1) + (n - w);
+  auto cols = at::arange(n, at::kLong).unsqueeze(0);
+  logits = logits.masked_fill(cols > rows, -INFINITY);
+  (void)b;
+  return {at::matmul(at::softmax(logits, -1), vr), at::logsumexp(logits, -1)};
+}
+
+TEST(DropKvScoreTest, FromAttentionMatchesTheFullScores) {
+  for (const auto [g, w, n] : {std::tuple{4, 8, 300}, std::tuple{1, 3, 57}, std::tuple{7, 5, 40}}) {
+    const int64_t hkv = 2, d = 16;
+    auto q = at::randn({2, hkv * g, w, d}, at::kDouble);
+    auto k = at::randn({2, hkv, n, d}, at::kDouble);
+    auto v = at::randn({2, hkv, n, d}, at::kDouble);
+    auto [a, lse] = WindowAttention(q, k, v);
+    DropKvParams params;
+    auto want = DropKvScores(q, k, v, params);
+    auto got = DropKvScoresFromAttention(q, k, v, a, lse, params);
+    ASSERT_TRUE(want.ok() && got.ok()) << want.status() << got.status();
+    const double rel = ((*got - *want).abs().max() / want->abs().max()).item<double>();
+    EXPECT_LT(rel, 1e-9) << "g=" << g << " W=" << w << " n=" << n;
+  }
+  auto q = at::randn({1, 4, 8, 16}), k = at::randn({1, 2, 30, 16}), v = at::randn({1, 2, 30, 16});
+  auto st =
+      DropKvScoresFromAttention(q, k, v, at::zeros({1, 4, 7, 16}), at::zeros({1, 4, 8})).status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("attn_out: shape"), std::string::npos) << st;
+  st = DropKvScoresFromAttention(q, k, v, at::zeros({1, 4, 8, 16}), at::zeros({1, 4, 9})).status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("lse: dim 2"), std::string::npos) << st;
 }
 
 TEST(DropKvScoreTest, BadInputsNameTheField) {
