@@ -199,7 +199,8 @@ std::pair<at::Tensor, at::Tensor> WindowAttention(const at::Tensor& q, const at:
 }
 
 TEST(DropKvScoreTest, FromAttentionMatchesTheFullScores) {
-  for (const auto [g, w, n] : {std::tuple{4, 8, 300}, std::tuple{1, 3, 57}, std::tuple{7, 5, 40}}) {
+  for (const auto& [g, w, n] :
+       {std::tuple{4, 8, 300}, std::tuple{1, 3, 57}, std::tuple{7, 5, 40}}) {
     const int64_t hkv = 2, d = 16;
     auto q = at::randn({2, hkv * g, w, d}, at::kDouble);
     auto k = at::randn({2, hkv, n, d}, at::kDouble);
