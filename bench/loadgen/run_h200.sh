@@ -45,13 +45,13 @@ for mode in ${MODES:-none dropkv:0.1}; do
     echo "loadgen $mode concurrency $conc: rc=$? ($(date +%T))"
     # The cancelled streams leave the server before the next point starts.
     for _ in $(seq 60); do
-      metrics | grep -qE '^dropkv_requests_running 0' && break
+      metrics | grep -qE '^dropkv_requests_running(\{[^}]*\})? 0(\.0+)?$' && break
       sleep 0.5
     done
   done
 done
 # Every block is back after thousands of requests and hundreds of client cancellations.
-metrics | grep -E '^dropkv_(kv_blocks_(used|total)|requests_(running|waiting)|preemptions_total) '
+metrics | grep -E '^dropkv_(kv_blocks_(used|total)|requests_(running|waiting)|preemptions_total)[{ ]'
 kill -TERM "$server"
 wait "$server"
 echo "==================== dropkv-loadgen steady state (H200, Llama-3.1-8B geometry) ===================="
