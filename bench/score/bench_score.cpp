@@ -7,7 +7,8 @@
 //    in the same run (bytes read + written);
 //  - the score pass alone (DropKvScoresFromAttention: the window rows' attention output and LSE
 //    given, as the prefill attention would hand them over), against the same roofline;
-//  - selection: pool + protect + top-k (keep 10%) + gather of K and V;
+//  - selection: pool + protect + top-k (keep 10%) + gather of K and V, the indices alone, and the
+//    previous ATen path (topk + sort) as the peer in the same run;
 //  - paged decode attention, batch 1, 8K context, all 32 layers (one call per layer), and
 //    batch 16 x 2K.
 // Median of `runs` timed runs with CUDA events after warm-up, L2 flushed (256 MiB memset) before
@@ -121,6 +122,7 @@ struct ScoreRow {
   double fused_ms, naive_ms, roofline_frac, select_ms, cuda_core_ms, pass3_ms, pass3_frac;
   int64_t fused_scratch, naive_scratch;
   bool naive_run;
+  double select_idx_ms = 0, select_aten_ms = 0, select_aten_idx_ms = 0;  // indices; ATen peer
 };
 
 std::string Human(int64_t bytes) {
@@ -198,6 +200,23 @@ int main(int argc, char** argv) {
       row.select_ms = TimeMs(
           [&] {
             auto idx = *dropkv::kernels::SelectTopK(scores, keep);
+            auto kk = *dropkv::kernels::GatherKept(k, idx);
+            auto vv = *dropkv::kernels::GatherKept(v, idx);
+          },
+          runs);
+      row.select_idx_ms = TimeMs([&] { (void)*dropkv::kernels::SelectTopK(scores, keep); }, runs);
+      // The previous path (ATen topk + sort of the indices) after the same pool + protect.
+      auto aten_indices = [&] {
+        auto pooled =
+            *dropkv::kernels::PoolScores(scores, dropkv::kernels::PoolType::kPoolTypeMax, 11);
+        (void)dropkv::kernels::ProtectScores(pooled, kW, 0);
+        auto idx = std::get<1>(at::topk(pooled, keep, -1, /*largest=*/true, /*sorted=*/false));
+        return std::get<0>(idx.sort(-1));
+      };
+      row.select_aten_idx_ms = TimeMs([&] { (void)aten_indices(); }, runs);
+      row.select_aten_ms = TimeMs(
+          [&] {
+            auto idx = aten_indices();
             auto kk = *dropkv::kernels::GatherKept(k, idx);
             auto vv = *dropkv::kernels::GatherKept(v, idx);
           },
@@ -346,11 +365,12 @@ int main(int argc, char** argv) {
             "%s{\"n\":%lld,\"fused_ms\":%.4f,\"naive_ms\":%.4f,\"speedup\":%.2f,"
             "\"fused_scratch_bytes\":%lld,\"naive_scratch_bytes\":%lld,"
             "\"roofline_frac\":%.3f,\"select_ms\":%.4f,\"cuda_core_ms\":%.4f,"
-            "\"pass3_only_ms\":%.4f,\"pass3_only_roofline_frac\":%.3f}",
+            "\"pass3_only_ms\":%.4f,\"pass3_only_roofline_frac\":%.3f,\"select_idx_ms\":%.4f,"
+            "\"select_aten_ms\":%.4f,\"select_aten_idx_ms\":%.4f}",
             i ? "," : "", static_cast<long long>(r.n), r.fused_ms, r.naive_ms,
             r.naive_run ? r.naive_ms / r.fused_ms : -1.0, static_cast<long long>(r.fused_scratch),
             static_cast<long long>(r.naive_scratch), r.roofline_frac, r.select_ms, r.cuda_core_ms,
-            r.pass3_ms, r.pass3_frac);
+            r.pass3_ms, r.pass3_frac, r.select_idx_ms, r.select_aten_ms, r.select_aten_idx_ms);
       }
       std::printf(
           "],\"decode\":{\"ctx\":%lld,\"layers\":%lld,\"paged_ms\":%.4f,\"paged_keep10_ms\":%.4f,"
@@ -374,6 +394,13 @@ int main(int argc, char** argv) {
                     Human(r.fused_scratch).c_str(), Human(r.naive_scratch).c_str(),
                     100 * r.roofline_frac, r.select_ms, r.cuda_core_ms, r.pass3_ms,
                     100 * r.pass3_frac);
+      }
+      for (const auto& r : rows) {
+        std::printf(
+            "selection n %lld: %.4f ms (indices %.4f ms); ATen topk + sort peer %.4f ms "
+            "(indices %.4f ms)\n",
+            static_cast<long long>(r.n), r.select_ms, r.select_idx_ms, r.select_aten_ms,
+            r.select_aten_idx_ms);
       }
       std::printf(
           "paged decode, batch 1, %lld layers: ctx %lld %.4f ms/token, ctx %lld (keep 10%%) "
