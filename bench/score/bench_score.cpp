@@ -125,6 +125,16 @@ struct ScoreRow {
   double select_idx_ms = 0, select_aten_ms = 0, select_aten_idx_ms = 0;  // indices; ATen peer
 };
 
+void PrintSelection(const std::vector<ScoreRow>& rows) {
+  for (const auto& r : rows) {
+    std::printf(
+        "selection n %lld: %.4f ms (indices %.4f ms); ATen topk + sort peer %.4f ms (indices "
+        "%.4f ms)\n",
+        static_cast<long long>(r.n), r.select_ms, r.select_idx_ms, r.select_aten_ms,
+        r.select_aten_idx_ms);
+  }
+}
+
 std::string Human(int64_t bytes) {
   char buf[32];
   if (bytes < 0) return "-";
@@ -249,6 +259,7 @@ int main(int argc, char** argv) {
         std::printf("%8lld %10.4f %8.1f%% %12.4f %8.1f%% %10.4f\n", static_cast<long long>(r.n),
                     r.fused_ms, 100 * r.roofline_frac, r.pass3_ms, 100 * r.pass3_frac, r.naive_ms);
       }
+      PrintSelection(rows);
       return 0;
     }
     // Paged decode: batch 1, context 8192 (and 819 = keep 10%), 32 layers, block size 16.
@@ -395,13 +406,7 @@ int main(int argc, char** argv) {
                     100 * r.roofline_frac, r.select_ms, r.cuda_core_ms, r.pass3_ms,
                     100 * r.pass3_frac);
       }
-      for (const auto& r : rows) {
-        std::printf(
-            "selection n %lld: %.4f ms (indices %.4f ms); ATen topk + sort peer %.4f ms "
-            "(indices %.4f ms)\n",
-            static_cast<long long>(r.n), r.select_ms, r.select_idx_ms, r.select_aten_ms,
-            r.select_aten_idx_ms);
-      }
+      PrintSelection(rows);
       std::printf(
           "paged decode, batch 1, %lld layers: ctx %lld %.4f ms/token, ctx %lld (keep 10%%) "
           "%.4f ms/token; CUDA graph of the 32 calls (ctx %lld) %.4f ms; dense SDPA peer %.4f ms; "
