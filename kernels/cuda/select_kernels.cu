@@ -23,6 +23,7 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kBins = 256;
 constexpr int kPerThread = 32;                 // scores per thread per chunk, loads in flight
 constexpr int kChunk = kThreads * kPerThread;  // 8192 scores per CTA
+static_assert(kThreads == kBins, "HistogramKernel and PickBinKernel map one thread to one bin");
 
 // Larger float -> larger key; -0 and +0 map to the same key (they compare equal).
 __device__ __forceinline__ uint32_t OrderedKey(float x) {
