@@ -32,8 +32,11 @@ absl::Status ProtectScores(at::Tensor& scores, int32_t window, int32_t num_sinks
 // keep = min(n, max(floor(keep_ratio * n), window, 1)) (uniform budget of the spec).
 int64_t KeepCount(int64_t n, double keep_ratio, int32_t window);
 
-// Pool, protect, top-k per row, sort ascending.
-//   scores: fp32 [B, Hkv, n] (not modified); keep in [1, n] -> int64 [B, Hkv, keep]
+// Pool, protect, top-k per row, positions ascending.
+//   scores: fp32 [B, Hkv, n] (not modified, finite); keep in [1, n] -> int64 [B, Hkv, keep]
+// Tie rule (the same on CPU and CUDA, deterministic): with t the row's keep-th largest pooled
+// score, every position scoring > t is kept, then the positions scoring == t in ascending order
+// until `keep` (ties go to the lower position; -0 == +0). Max pooling makes such plateaus common.
 absl::StatusOr<at::Tensor> SelectTopK(const at::Tensor& scores, int64_t keep,
                                       const SelectParams& params = {});
 

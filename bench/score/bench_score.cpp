@@ -7,7 +7,8 @@
 //    in the same run (bytes read + written);
 //  - the score pass alone (DropKvScoresFromAttention: the window rows' attention output and LSE
 //    given, as the prefill attention would hand them over), against the same roofline;
-//  - selection: pool + protect + top-k (keep 10%) + gather of K and V;
+//  - selection: pool + protect + top-k (keep 10%) + gather of K and V, the indices alone, and the
+//    previous ATen path (topk + sort) as the peer in the same run;
 //  - paged decode attention, batch 1, 8K context, all 32 layers (one call per layer), and
 //    batch 16 x 2K.
 // Median of `runs` timed runs with CUDA events after warm-up, L2 flushed (256 MiB memset) before
@@ -121,7 +122,18 @@ struct ScoreRow {
   double fused_ms, naive_ms, roofline_frac, select_ms, cuda_core_ms, pass3_ms, pass3_frac;
   int64_t fused_scratch, naive_scratch;
   bool naive_run;
+  double select_idx_ms = 0, select_aten_ms = 0, select_aten_idx_ms = 0;  // indices; ATen peer
 };
+
+void PrintSelection(const std::vector<ScoreRow>& rows) {
+  for (const auto& r : rows) {
+    std::printf(
+        "selection n %lld: %.4f ms (indices %.4f ms); ATen topk + sort peer %.4f ms (indices "
+        "%.4f ms)\n",
+        static_cast<long long>(r.n), r.select_ms, r.select_idx_ms, r.select_aten_ms,
+        r.select_aten_idx_ms);
+  }
+}
 
 std::string Human(int64_t bytes) {
   char buf[32];
@@ -202,6 +214,23 @@ int main(int argc, char** argv) {
             auto vv = *dropkv::kernels::GatherKept(v, idx);
           },
           runs);
+      row.select_idx_ms = TimeMs([&] { (void)*dropkv::kernels::SelectTopK(scores, keep); }, runs);
+      // The previous path (ATen topk + sort of the indices) after the same pool + protect.
+      auto aten_indices = [&] {
+        auto pooled =
+            *dropkv::kernels::PoolScores(scores, dropkv::kernels::PoolType::kPoolTypeMax, 11);
+        (void)dropkv::kernels::ProtectScores(pooled, kW, 0);
+        auto idx = std::get<1>(at::topk(pooled, keep, -1, /*largest=*/true, /*sorted=*/false));
+        return std::get<0>(idx.sort(-1));
+      };
+      row.select_aten_idx_ms = TimeMs([&] { (void)aten_indices(); }, runs);
+      row.select_aten_ms = TimeMs(
+          [&] {
+            auto idx = aten_indices();
+            auto kk = *dropkv::kernels::GatherKept(k, idx);
+            auto vv = *dropkv::kernels::GatherKept(v, idx);
+          },
+          runs);
       // Naive: fp32 K/V repeated over the group (2 x Hq n D), the differences (Hq W n D) and a
       // few [Hq, W, n] temporaries; run it when that fits in 80% of the free memory.
       size_t free_b = 0, total_b = 0;
@@ -230,6 +259,7 @@ int main(int argc, char** argv) {
         std::printf("%8lld %10.4f %8.1f%% %12.4f %8.1f%% %10.4f\n", static_cast<long long>(r.n),
                     r.fused_ms, 100 * r.roofline_frac, r.pass3_ms, 100 * r.pass3_frac, r.naive_ms);
       }
+      PrintSelection(rows);
       return 0;
     }
     // Paged decode: batch 1, context 8192 (and 819 = keep 10%), 32 layers, block size 16.
@@ -346,11 +376,12 @@ int main(int argc, char** argv) {
             "%s{\"n\":%lld,\"fused_ms\":%.4f,\"naive_ms\":%.4f,\"speedup\":%.2f,"
             "\"fused_scratch_bytes\":%lld,\"naive_scratch_bytes\":%lld,"
             "\"roofline_frac\":%.3f,\"select_ms\":%.4f,\"cuda_core_ms\":%.4f,"
-            "\"pass3_only_ms\":%.4f,\"pass3_only_roofline_frac\":%.3f}",
+            "\"pass3_only_ms\":%.4f,\"pass3_only_roofline_frac\":%.3f,\"select_idx_ms\":%.4f,"
+            "\"select_aten_ms\":%.4f,\"select_aten_idx_ms\":%.4f}",
             i ? "," : "", static_cast<long long>(r.n), r.fused_ms, r.naive_ms,
             r.naive_run ? r.naive_ms / r.fused_ms : -1.0, static_cast<long long>(r.fused_scratch),
             static_cast<long long>(r.naive_scratch), r.roofline_frac, r.select_ms, r.cuda_core_ms,
-            r.pass3_ms, r.pass3_frac);
+            r.pass3_ms, r.pass3_frac, r.select_idx_ms, r.select_aten_ms, r.select_aten_idx_ms);
       }
       std::printf(
           "],\"decode\":{\"ctx\":%lld,\"layers\":%lld,\"paged_ms\":%.4f,\"paged_keep10_ms\":%.4f,"
@@ -375,6 +406,7 @@ int main(int argc, char** argv) {
                     100 * r.roofline_frac, r.select_ms, r.cuda_core_ms, r.pass3_ms,
                     100 * r.pass3_frac);
       }
+      PrintSelection(rows);
       std::printf(
           "paged decode, batch 1, %lld layers: ctx %lld %.4f ms/token, ctx %lld (keep 10%%) "
           "%.4f ms/token; CUDA graph of the 32 calls (ctx %lld) %.4f ms; dense SDPA peer %.4f ms; "

@@ -1,5 +1,6 @@
-// Selection (selection.h): ATen ops on the scores' device, so one implementation serves CPU and
-// CUDA (top-k and sort run on the device; no host sync).
+// Selection (selection.h): pooling, protection and the gathers are ATen ops on the scores' device;
+// the top-k is kernels/cuda/select_kernels.cu on CUDA (radix select + ordered compaction, no sort,
+// no host sync) and the ATen threshold + mask below on the CPU, both with the same tie rule.
 #include <ATen/ATen.h>
 
 #include <cmath>
@@ -9,8 +10,31 @@
 #include "kernels/selection.h"
 
 namespace dropkv::kernels {
+#ifdef DROPKV_CUDA_ENABLED
+namespace cuda {
+// kernels/cuda/select_kernels.cu: CUDA fp32 [rows, n] contiguous -> int64 [rows, keep] ascending.
+absl::StatusOr<at::Tensor> SelectKeptAscending(const at::Tensor& scores, int64_t keep);
+}  // namespace cuda
+#endif
 
 using internal::CatchTorch;
+
+namespace {
+
+// The top-k with selection.h's tie rule in ATen ops (the CPU path; nonzero syncs on CUDA): the k-th
+// largest value t of each row (topk's values), then every score > t and the first (keep - count(>
+// t)) scores == t in ascending position. Each row keeps exactly `keep`, so nonzero's row-major
+// order reshapes to [rows, keep] ascending.
+at::Tensor SelectKeptAscendingAten(const at::Tensor& scores, int64_t keep) {
+  auto kth = std::get<0>(at::topk(scores, keep, -1, /*largest=*/true, /*sorted=*/false))
+                 .amin(-1, /*keepdim=*/true);
+  auto above = scores > kth, equal = scores == kth;
+  auto ties_taken = keep - above.sum(-1, /*keepdim=*/true);
+  auto kept = above.logical_or(equal.logical_and(equal.cumsum(-1) <= ties_taken));
+  return at::nonzero(kept).select(1, 1).reshape({scores.size(0), keep}).contiguous();
+}
+
+}  // namespace
 
 absl::StatusOr<at::Tensor> PoolScores(const at::Tensor& scores, PoolType pool, int32_t kernel) {
   if (!scores.defined() || scores.dim() < 1) {
@@ -69,10 +93,23 @@ absl::StatusOr<at::Tensor> SelectTopK(const at::Tensor& scores, int64_t keep,
   auto pooled = PoolScores(scores.to(at::kFloat), params.pool, params.pool_kernel);
   if (!pooled.ok()) return pooled.status();
   if (auto s = ProtectScores(*pooled, params.window, params.num_sinks); !s.ok()) return s;
-  return CatchTorch("SelectTopK", [&]() -> absl::StatusOr<at::Tensor> {
-    auto idx = std::get<1>(at::topk(*pooled, keep, -1, /*largest=*/true, /*sorted=*/false));
-    return std::get<0>(idx.sort(-1));  // ascending positions
+  auto rows = CatchTorch("SelectTopK", [&]() -> absl::StatusOr<at::Tensor> {
+    return pooled->reshape({-1, n}).contiguous();
   });
+  if (!rows.ok()) return rows.status();
+  absl::StatusOr<at::Tensor> idx;
+#ifdef DROPKV_CUDA_ENABLED
+  if (rows->is_cuda()) {
+    idx = cuda::SelectKeptAscending(*rows, keep);
+  } else
+#endif
+  {
+    idx = CatchTorch("SelectTopK", [&]() -> absl::StatusOr<at::Tensor> {
+      return SelectKeptAscendingAten(*rows, keep);
+    });
+  }
+  if (!idx.ok()) return idx.status();
+  return idx->view({scores.size(0), scores.size(1), keep});
 }
 
 absl::StatusOr<at::Tensor> GatherKept(const at::Tensor& x, const at::Tensor& idx) {

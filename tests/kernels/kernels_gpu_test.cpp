@@ -389,5 +389,42 @@ TEST_F(KernelsGpuTest, CacheOpsAndSelectionMatchCpu) {
   EXPECT_TRUE(at::equal(kc, kc_gpu.cpu()) && at::equal(vc, vc_gpu.cpu()));
 }
 
+// The CUDA top-k (radix select + ordered compaction) against the CPU path: the same indices,
+// ties included (selection.h's rule), with pooling, protection, B > 1 and several (n, keep).
+TEST_F(KernelsGpuTest, SelectionMatchesCpuWithTies) {
+  at::manual_seed(31);
+  struct Case {
+    int64_t b, hkv, n;
+    double ratio;
+    PoolType pool;
+    int32_t sinks;
+    bool coarse;  // rounded scores: ties across the whole row
+  };
+  const Case cases[] = {
+      {1, 1, 1, 0.1, PoolType::kPoolTypeMax, 0, false},
+      {2, 3, 7, 0.5, PoolType::kPoolTypeNone, 1, true},
+      {1, 8, 1000, 0.1, PoolType::kPoolTypeMax, 4, false},
+      {3, 2, 4099, 0.3, PoolType::kPoolTypeAvg, 0, true},
+      {2, 8, 131072, 0.1, PoolType::kPoolTypeMax, 4, false},
+      {1, 8, 131072, 0.1, PoolType::kPoolTypeNone, 0, true},
+      {1, 2, 65537, 1.0, PoolType::kPoolTypeMax, 0, true},
+      {1, 2, 5000, 0.0, PoolType::kPoolTypeMax, 0, false},
+  };
+  for (const Case& c : cases) {
+    auto s = at::randn({c.b, c.hkv, c.n});
+    if (c.coarse) s = at::round(s * 3.0);
+    s.select(2, 0).fill_(-0.0);  // -0 ties with +0
+    SelectParams params;
+    params.pool = c.pool;
+    params.num_sinks = c.sinks;
+    const int64_t keep = KeepCount(c.n, c.ratio, params.window);
+    auto idx = SelectTopK(s, keep, params);
+    auto idx_gpu = SelectTopK(s.to(at::kCUDA), keep, params);
+    ASSERT_TRUE(idx.ok() && idx_gpu.ok()) << idx.status() << idx_gpu.status();
+    EXPECT_TRUE(at::equal(*idx, idx_gpu->cpu()))
+        << "b " << c.b << " hkv " << c.hkv << " n " << c.n << " keep " << keep;
+  }
+}
+
 }  // namespace
 }  // namespace dropkv::kernels

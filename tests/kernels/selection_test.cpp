@@ -87,5 +87,72 @@ TEST(SelectionTest, TopKSortedAscendingAndGather) {
   EXPECT_EQ(SelectTopK(s, n + 1).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+// selection.h's tie rule as a loop: a stable descending sort keeps equal scores in ascending
+// position, so its first `keep` entries are the kept set; then ascending positions.
+std::vector<int64_t> KeptByStableSort(const float* row, int64_t n, int64_t keep) {
+  std::vector<int64_t> order(n);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t x, int64_t y) { return row[x] > row[y]; });
+  order.resize(keep);
+  std::sort(order.begin(), order.end());
+  return order;
+}
+
+TEST(SelectionTest, TiesGoToLowerPositions) {
+  auto s = at::tensor({5.f, 3.f, 1.f, 3.f, 3.f, 0.f, -0.f, 3.f}).view({1, 1, 8});
+  SelectParams params;
+  params.pool = PoolType::kPoolTypeNone;
+  params.window = 0;
+  auto three = SelectTopK(s, 3, params), seven = SelectTopK(s, 7, params);
+  ASSERT_TRUE(three.ok() && seven.ok()) << three.status() << seven.status();
+  EXPECT_TRUE(at::equal(*three, at::tensor({0, 1, 3}, at::kLong).view({1, 1, 3})));
+  // -0 == +0: the tie goes to position 5.
+  EXPECT_TRUE(at::equal(*seven, at::tensor({0, 1, 2, 3, 4, 5, 7}, at::kLong).view({1, 1, 7})));
+}
+
+// Coarse scores (many ties), max pooling (plateaus), window and sinks against the loop.
+TEST(SelectionTest, TieRuleMatchesStableSortReference) {
+  at::manual_seed(23);
+  for (int64_t n : {1, 9, 64, 1000}) {
+    for (double ratio : {0.0, 0.1, 0.5, 1.0}) {
+      auto s = at::round(at::randn({2, 3, n}) * 2.0);
+      SelectParams params;
+      params.num_sinks = 2;
+      const int64_t keep = KeepCount(n, ratio, params.window);
+      auto idx = SelectTopK(s, keep, params);
+      ASSERT_TRUE(idx.ok()) << idx.status();
+      auto pooled = PoolScores(s, params.pool, params.pool_kernel);
+      ASSERT_TRUE(pooled.ok());
+      ASSERT_TRUE(ProtectScores(*pooled, params.window, params.num_sinks).ok());
+      for (int64_t b = 0; b < 2; ++b)
+        for (int64_t h = 0; h < 3; ++h) {
+          auto row = (*pooled)[b][h].contiguous();
+          auto got = (*idx)[b][h].contiguous();
+          EXPECT_EQ(std::vector<int64_t>(got.data_ptr<int64_t>(), got.data_ptr<int64_t>() + keep),
+                    KeptByStableSort(row.data_ptr<float>(), n, keep))
+              << "n " << n << " keep " << keep << " row " << b << "," << h;
+        }
+    }
+  }
+}
+
+// Without ties the kept set is the one of the previous path (ATen topk + sort).
+TEST(SelectionTest, SameSetAsTopKWithoutTies) {
+  at::manual_seed(24);
+  for (int64_t n : {17, 500, 4096}) {
+    auto s = at::randn({2, 4, n});
+    SelectParams params;
+    params.pool = PoolType::kPoolTypeNone;
+    params.window = 0;
+    for (int64_t keep : {int64_t{1}, n / 10, n / 2, n}) {
+      auto idx = SelectTopK(s, keep, params);
+      ASSERT_TRUE(idx.ok()) << idx.status();
+      auto want = std::get<0>(std::get<1>(at::topk(s, keep, -1)).sort(-1));
+      EXPECT_TRUE(at::equal(*idx, want)) << "n " << n << " keep " << keep;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace dropkv::kernels
