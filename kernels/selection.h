@@ -14,7 +14,18 @@ namespace dropkv::kernels {
 
 enum class PoolType { kPoolTypeNone, kPoolTypeMax, kPoolTypeAvg };
 
+// Which of the positions tied at a row's keep-th largest pooled score t are kept (max pooling
+// makes such plateaus common: one high score spreads over `pool_kernel` positions).
+enum class TieOrder {
+  // CPU: kTorchTopk (bit-exact with the Python references, which call torch.topk on the CPU);
+  // CUDA: kLowerPosition (the sort-free kernel; torch's CUDA topk order is unspecified anyway).
+  kDeviceDefault,
+  kLowerPosition,  // every position > t, then those == t from the lowest position up; -0 == +0
+  kTorchTopk,      // at::topk's order on the scores' device, then sorted ascending
+};
+
 struct SelectParams {
+  TieOrder ties = TieOrder::kDeviceDefault;
   PoolType pool = PoolType::kPoolTypeMax;  // DropKV evaluation path: max; its cache: avg
   int32_t pool_kernel = 11;                // odd; stride 1, padding kernel / 2
   int32_t window = 8;                      // last `window` positions protected (0 = none)
@@ -34,9 +45,8 @@ int64_t KeepCount(int64_t n, double keep_ratio, int32_t window);
 
 // Pool, protect, top-k per row, positions ascending.
 //   scores: fp32 [B, Hkv, n] (not modified, finite); keep in [1, n] -> int64 [B, Hkv, keep]
-// Tie rule (the same on CPU and CUDA, deterministic): with t the row's keep-th largest pooled
-// score, every position scoring > t is kept, then the positions scoring == t in ascending order
-// until `keep` (ties go to the lower position; -0 == +0). Max pooling makes such plateaus common.
+// Ties: SelectParams::ties. CUDA with kLowerPosition: radix select + ordered compaction (no sort,
+// no host sync).
 absl::StatusOr<at::Tensor> SelectTopK(const at::Tensor& scores, int64_t keep,
                                       const SelectParams& params = {});
 

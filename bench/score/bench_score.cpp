@@ -216,13 +216,9 @@ int main(int argc, char** argv) {
           runs);
       row.select_idx_ms = TimeMs([&] { (void)*dropkv::kernels::SelectTopK(scores, keep); }, runs);
       // The previous path (ATen topk + sort of the indices) after the same pool + protect.
-      auto aten_indices = [&] {
-        auto pooled =
-            *dropkv::kernels::PoolScores(scores, dropkv::kernels::PoolType::kPoolTypeMax, 11);
-        (void)dropkv::kernels::ProtectScores(pooled, kW, 0);
-        auto idx = std::get<1>(at::topk(pooled, keep, -1, /*largest=*/true, /*sorted=*/false));
-        return std::get<0>(idx.sort(-1));
-      };
+      dropkv::kernels::SelectParams topk_order;
+      topk_order.ties = dropkv::kernels::TieOrder::kTorchTopk;
+      auto aten_indices = [&] { return *dropkv::kernels::SelectTopK(scores, keep, topk_order); };
       row.select_aten_idx_ms = TimeMs([&] { (void)aten_indices(); }, runs);
       row.select_aten_ms = TimeMs(
           [&] {

@@ -1,6 +1,7 @@
 // Selection (selection.h): pooling, protection and the gathers are ATen ops on the scores' device;
-// the top-k is kernels/cuda/select_kernels.cu on CUDA (radix select + ordered compaction, no sort,
-// no host sync) and the ATen threshold + mask below on the CPU, both with the same tie rule.
+// the top-k keeps the ties by SelectParams::ties: lower positions (kernels/cuda/select_kernels.cu
+// on CUDA: radix select + ordered compaction, no sort, no host sync; the ATen threshold + mask
+// below on the CPU) or at::topk's order (then sorted).
 #include <ATen/ATen.h>
 
 #include <cmath>
@@ -97,15 +98,20 @@ absl::StatusOr<at::Tensor> SelectTopK(const at::Tensor& scores, int64_t keep,
     return pooled->reshape({-1, n}).contiguous();
   });
   if (!rows.ok()) return rows.status();
+  TieOrder ties = params.ties;
+  if (ties == TieOrder::kDeviceDefault)
+    ties = rows->is_cuda() ? TieOrder::kLowerPosition : TieOrder::kTorchTopk;
   absl::StatusOr<at::Tensor> idx;
 #ifdef DROPKV_CUDA_ENABLED
-  if (rows->is_cuda()) {
+  if (ties == TieOrder::kLowerPosition && rows->is_cuda()) {
     idx = cuda::SelectKeptAscending(*rows, keep);
   } else
 #endif
   {
     idx = CatchTorch("SelectTopK", [&]() -> absl::StatusOr<at::Tensor> {
-      return SelectKeptAscendingAten(*rows, keep);
+      if (ties == TieOrder::kLowerPosition) return SelectKeptAscendingAten(*rows, keep);
+      auto top = std::get<1>(at::topk(*rows, keep, -1, /*largest=*/true, /*sorted=*/false));
+      return std::get<0>(top.sort(-1));
     });
   }
   if (!idx.ok()) return idx.status();

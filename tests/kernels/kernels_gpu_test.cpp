@@ -389,8 +389,9 @@ TEST_F(KernelsGpuTest, CacheOpsAndSelectionMatchCpu) {
   EXPECT_TRUE(at::equal(kc, kc_gpu.cpu()) && at::equal(vc, vc_gpu.cpu()));
 }
 
-// The CUDA top-k (radix select + ordered compaction) against the CPU path: the same indices,
-// ties included (selection.h's rule), with pooling, protection, B > 1 and several (n, keep).
+// The CUDA top-k (radix select + ordered compaction, the CUDA default) against the CPU path with
+// the same tie order (lower positions): the same indices, ties included, with pooling, protection,
+// B > 1 and several (n, keep).
 TEST_F(KernelsGpuTest, SelectionMatchesCpuWithTies) {
   at::manual_seed(31);
   struct Case {
@@ -418,8 +419,9 @@ TEST_F(KernelsGpuTest, SelectionMatchesCpuWithTies) {
     params.pool = c.pool;
     params.num_sinks = c.sinks;
     const int64_t keep = KeepCount(c.n, c.ratio, params.window);
+    auto idx_gpu = SelectTopK(s.to(at::kCUDA), keep, params);  // kDeviceDefault
+    params.ties = TieOrder::kLowerPosition;
     auto idx = SelectTopK(s, keep, params);
-    auto idx_gpu = SelectTopK(s.to(at::kCUDA), keep, params);
     ASSERT_TRUE(idx.ok() && idx_gpu.ok()) << idx.status() << idx_gpu.status();
     EXPECT_TRUE(at::equal(*idx, idx_gpu->cpu()))
         << "b " << c.b << " hkv " << c.hkv << " n " << c.n << " keep " << keep;

@@ -102,6 +102,7 @@ std::vector<int64_t> KeptByStableSort(const float* row, int64_t n, int64_t keep)
 TEST(SelectionTest, TiesGoToLowerPositions) {
   auto s = at::tensor({5.f, 3.f, 1.f, 3.f, 3.f, 0.f, -0.f, 3.f}).view({1, 1, 8});
   SelectParams params;
+  params.ties = TieOrder::kLowerPosition;
   params.pool = PoolType::kPoolTypeNone;
   params.window = 0;
   auto three = SelectTopK(s, 3, params), seven = SelectTopK(s, 7, params);
@@ -118,6 +119,7 @@ TEST(SelectionTest, TieRuleMatchesStableSortReference) {
     for (double ratio : {0.0, 0.1, 0.5, 1.0}) {
       auto s = at::round(at::randn({2, 3, n}) * 2.0);
       SelectParams params;
+      params.ties = TieOrder::kLowerPosition;
       params.num_sinks = 2;
       const int64_t keep = KeepCount(n, ratio, params.window);
       auto idx = SelectTopK(s, keep, params);
@@ -137,19 +139,29 @@ TEST(SelectionTest, TieRuleMatchesStableSortReference) {
   }
 }
 
-// Without ties the kept set is the one of the previous path (ATen topk + sort).
-TEST(SelectionTest, SameSetAsTopKWithoutTies) {
+// Without ties both orders keep the same set, the one of ATen topk + sort; the CPU default is
+// at::topk's order (the references' torch.topk), ties included.
+TEST(SelectionTest, TieOrdersAgreeWithoutTiesAndCpuDefaultIsTopk) {
   at::manual_seed(24);
   for (int64_t n : {17, 500, 4096}) {
     auto s = at::randn({2, 4, n});
+    auto coarse = at::round(s * 2.0);  // ties everywhere
     SelectParams params;
     params.pool = PoolType::kPoolTypeNone;
     params.window = 0;
     for (int64_t keep : {int64_t{1}, n / 10, n / 2, n}) {
-      auto idx = SelectTopK(s, keep, params);
-      ASSERT_TRUE(idx.ok()) << idx.status();
       auto want = std::get<0>(std::get<1>(at::topk(s, keep, -1)).sort(-1));
-      EXPECT_TRUE(at::equal(*idx, want)) << "n " << n << " keep " << keep;
+      for (TieOrder ties : {TieOrder::kLowerPosition, TieOrder::kTorchTopk}) {
+        params.ties = ties;
+        auto idx = SelectTopK(s, keep, params);
+        ASSERT_TRUE(idx.ok()) << idx.status();
+        EXPECT_TRUE(at::equal(*idx, want)) << "n " << n << " keep " << keep;
+      }
+      params.ties = TieOrder::kDeviceDefault;
+      auto idx = SelectTopK(coarse, keep, params);
+      ASSERT_TRUE(idx.ok()) << idx.status();
+      EXPECT_TRUE(at::equal(*idx, std::get<0>(std::get<1>(at::topk(coarse, keep, -1)).sort(-1))))
+          << "n " << n << " keep " << keep;
     }
   }
 }
