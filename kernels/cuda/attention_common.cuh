@@ -15,35 +15,13 @@
 
 #include <cstdint>
 
+#include "kernels/cuda/dtype_convert.cuh"
+
 namespace dropkv::kernels::cuda {
 
 constexpr int kThreads = 128;  // 4 warps per CTA
 constexpr int kWarps = kThreads / 32;
 constexpr int kKeyTile = 32;  // keys per tile: one per lane in the logit mapping
-
-__device__ __forceinline__ float ToFloat(float x) {
-  return x;
-}
-__device__ __forceinline__ float ToFloat(__half x) {
-  return __half2float(x);
-}
-__device__ __forceinline__ float ToFloat(__nv_bfloat16 x) {
-  return __bfloat162float(x);
-}
-template <typename T>
-__device__ __forceinline__ T FromFloat(float x);
-template <>
-__device__ __forceinline__ float FromFloat<float>(float x) {
-  return x;
-}
-template <>
-__device__ __forceinline__ __half FromFloat<__half>(float x) {
-  return __float2half_rn(x);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
 
 __device__ __forceinline__ float WarpMax(float x) {
 #pragma unroll

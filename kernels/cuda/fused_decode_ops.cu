@@ -17,6 +17,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/check.h"
+#include "kernels/cuda/dtype_convert.cuh"
 #include "kernels/fused_ops.h"
 
 // Returns a failed status from the enclosing function (kernels/ does not depend on engine/'s
@@ -32,30 +33,8 @@ namespace {
 
 // --- device code ---------------------------------------------------------------------------------
 
-__device__ __forceinline__ float ToFloat(float x) {
-  return x;
-}
-__device__ __forceinline__ float ToFloat(__nv_bfloat16 x) {
-  return __bfloat162float(x);
-}
-__device__ __forceinline__ float ToFloat(__half x) {
-  return __half2float(x);
-}
-
-template <typename T>
-__device__ __forceinline__ T FromFloat(float x);
-template <>
-__device__ __forceinline__ float FromFloat<float>(float x) {
-  return x;
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
-template <>
-__device__ __forceinline__ __half FromFloat<__half>(float x) {
-  return __float2half_rn(x);
-}
+using cuda::FromFloat;
+using cuda::ToFloat;
 
 // x rounded to T and back: what an ATen op on T tensors stores between two ops.
 template <typename T>
