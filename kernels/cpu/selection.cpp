@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #include "kernels/check.h"
@@ -103,7 +104,10 @@ absl::StatusOr<at::Tensor> SelectTopK(const at::Tensor& scores, int64_t keep,
     ties = rows->is_cuda() ? TieOrder::kLowerPosition : TieOrder::kTorchTopk;
   absl::StatusOr<at::Tensor> idx;
 #ifdef DROPKV_CUDA_ENABLED
-  if (ties == TieOrder::kLowerPosition && rows->is_cuda()) {
+  // The kernel's grid holds up to 65535 rows and int32 positions; beyond, the ATen path below
+  // (same rule; its nonzero syncs with the host).
+  if (ties == TieOrder::kLowerPosition && rows->is_cuda() && rows->size(0) <= 65535 &&
+      n <= std::numeric_limits<int32_t>::max() / 2) {
     idx = cuda::SelectKeptAscending(*rows, keep);
   } else
 #endif
