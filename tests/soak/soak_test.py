@@ -54,7 +54,9 @@ def start_server(args, model_dir):
     proc = subprocess.Popen(
         [args.server, "--model", model_dir, "--host", "127.0.0.1", "--port", "0",
          "--metrics-port", "0", "--device", "cpu", "--max-batch", "16", "--kv-blocks", "320", "--block-size", "16",
-         "--shutdown-grace-seconds", "2"],
+         # A small step budget: prompts over 128 tokens are prefilled in chunks between decode
+         # steps (compressed ones under last_chunk), under preemption and cancellation.
+         "--prefill-tokens-per-step", "128", "--shutdown-grace-seconds", "2"],
         stdout=subprocess.PIPE, stderr=log_file, text=True)
     deadline = time.time() + 120
     port = None
