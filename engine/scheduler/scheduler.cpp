@@ -4,6 +4,7 @@
 #include <condition_variable>
 #include <deque>
 #include <limits>
+#include <optional>
 #include <random>
 #include <utility>
 
@@ -47,8 +48,7 @@ struct Sequence {
   int64_t blocks_needed = 0;      // BlocksForPrompt at admission
   // What the runner sees: the request's compression, plus the scheduler's chunking of a long
   // compressed prompt that has no chunk size (set at the first admission, kept after preemption).
-  CompressionParams prefill_params;
-  bool prefill_params_set = false;
+  std::optional<CompressionParams> prefill_params;
   std::unique_ptr<SamplerState> sampler;  // RNG + history; survives preemption
   // Output state.
   size_t num_tokens_sent = 0;
@@ -331,12 +331,10 @@ struct Scheduler::Impl {
             std::min<int64_t>(
                 options.decode_reserve_tokens,
                 std::max<int64_t>(0, head.request.sampling.max_new_tokens - num_replay));
-        if (!head.prefill_params_set) {
+        if (!head.prefill_params)
           head.prefill_params = PrefillParams(head.request, counts.num_total, reserve);
-          head.prefill_params_set = true;
-        }
         head.blocks_needed = runner.BlocksForPrompt(
-            static_cast<int64_t>(head.request.prompt_ids.size()), head.prefill_params, reserve);
+            static_cast<int64_t>(head.request.prompt_ids.size()), *head.prefill_params, reserve);
         if (head.blocks_needed > counts.num_total) {
           seq = std::move(waiting.front());
           waiting.pop_front();
@@ -400,7 +398,7 @@ struct Scheduler::Impl {
   int64_t NextChunkLen(const Sequence& seq) const {
     const int64_t prompt_len = static_cast<int64_t>(seq.request.prompt_ids.size());
     const int64_t remaining = prompt_len - seq.num_prefilled;
-    const CompressionParams& c = seq.prefill_params;
+    const CompressionParams& c = *seq.prefill_params;
     if (c.chunk_size > 0) {
       int64_t len = std::min<int64_t>(remaining, c.chunk_size);
       // The scheduler's own chunking of a compressed prompt leaves the last chunk at least W
@@ -431,7 +429,7 @@ struct Scheduler::Impl {
       const bool is_last = seq.num_prefilled + chunk_len == prompt_len;
       std::span<const int32_t> chunk(seq.request.prompt_ids.data() + seq.num_prefilled,
                                      static_cast<size_t>(chunk_len));
-      auto logits_or = runner.Prefill(seq.seq_id, chunk, is_last, seq.prefill_params);
+      auto logits_or = runner.Prefill(seq.seq_id, chunk, is_last, *seq.prefill_params);
       if (!logits_or.ok()) {
         if (absl::IsResourceExhausted(logits_or.status()) && running.size() > 1) {
           // Make room: the newest sequence goes back to waiting (it may be this one).
