@@ -2,10 +2,16 @@
 
 #include <ATen/ATen.h>
 
+#include <cstdlib>
+#include <cstring>
+
 namespace dropkv {
 
-at::Tensor PrefillAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            double scale) {
+namespace {
+
+// The pre-flash path (kept for CPU, fp32 and odd head dims, and as the A/B baseline).
+at::Tensor SdpaPrefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       double scale) {
   const int64_t t_len = q.size(0);
   const int64_t n = k.size(1);
   auto qh = q.transpose(0, 1).unsqueeze(0);  // [1, Hq, T, D]
@@ -16,12 +22,62 @@ at::Tensor PrefillAttention(const at::Tensor& q, const at::Tensor& k, const at::
     out = at::scaled_dot_product_attention(qh, kh, vh, {}, 0.0, /*is_causal=*/true, scale,
                                            /*enable_gqa=*/true);
   } else {
-    // [T, n]: every earlier entry is visible; the chunk part is lower-triangular.
+    // [T, n]: every earlier entry is visible; the chunk part is lower-triangular. (SDPA's
+    // is_causal is top-left aligned when T < n, so it cannot express this.)
     auto mask = at::ones({t_len, n}, at::TensorOptions().dtype(at::kBool).device(q.device()));
     mask.narrow(1, n - t_len, t_len).tril_();
     out = at::scaled_dot_product_attention(qh, kh, vh, mask, 0.0, false, scale, true);
   }
   return out.squeeze(0).transpose(0, 1).contiguous();  // [T, Hq, D]
+}
+
+PrefillAttentionOutput FlashPrefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                    double scale) {
+  const int64_t t_len = q.size(0);
+  // The op takes [B, H, L, D] and runs on its [B, L, H, D] transpose: q [T, Hq, D] is that
+  // already (no copy), k / v need only a contiguous last dim. Hkv < Hq is native GQA (head h
+  // reads KV head h / (Hq / Hkv)). is_causal is aligned bottom-right in FA2: row i sees keys
+  // j <= n - T + i, which is exactly "every earlier entry + causal inside the chunk"
+  // (torch/nn/attention/bias.py calls it the same way for its lower-right causal bias).
+  auto result = at::_scaled_dot_product_flash_attention(
+      q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), /*dropout_p=*/0.0,
+      /*is_causal=*/true, /*return_debug_mask=*/false, scale);
+  const at::Tensor& out = std::get<0>(result);  // [1, Hq, T, D], a view of [1, T, Hq, D]
+  const at::Tensor& lse = std::get<1>(result);  // fp32 [1, Hq, T]
+  return {out.squeeze(0).transpose(0, 1).contiguous(), lse.squeeze(0).narrow(1, 0, t_len)};
+}
+
+bool FlashApplies(const at::Tensor& q, const at::Tensor& k) {
+  const int64_t d = q.size(-1);
+  const auto dtype = q.scalar_type();
+  return q.is_cuda() && (dtype == at::kBFloat16 || dtype == at::kHalf) &&
+         k.scalar_type() == dtype && d % 8 == 0 && d <= 256 && k.size(1) >= q.size(0);
+}
+
+bool SdpaForcedByEnv() {
+  static const bool forced = [] {
+    const char* env = std::getenv("DROPKV_PREFILL_ATTENTION");
+    return env != nullptr && std::strcmp(env, "sdpa") == 0;
+  }();
+  return forced;
+}
+
+}  // namespace
+
+PrefillAttentionOutput PrefillAttentionWithLse(const at::Tensor& q, const at::Tensor& k,
+                                               const at::Tensor& v, double scale,
+                                               PrefillAttentionImpl impl) {
+  if (impl == PrefillAttentionImpl::kAuto) {
+    impl = !SdpaForcedByEnv() && FlashApplies(q, k) ? PrefillAttentionImpl::kFlash
+                                                    : PrefillAttentionImpl::kSdpa;
+  }
+  if (impl == PrefillAttentionImpl::kFlash) return FlashPrefill(q, k, v, scale);
+  return {SdpaPrefill(q, k, v, scale), at::Tensor()};
+}
+
+at::Tensor PrefillAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            double scale) {
+  return PrefillAttentionWithLse(q, k, v, scale).out;
 }
 
 at::Tensor ContiguousDecodeAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

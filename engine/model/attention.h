@@ -10,8 +10,36 @@ namespace dropkv {
 // k, v: [Hkv, n, D], n >= T: the first n - T entries are earlier tokens that every query sees
 // (stored cache, possibly compressed), the last T are the chunk itself, seen causally.
 // GQA: query head h reads KV head h / (Hq / Hkv). Returns [T, Hq, D] in q's dtype.
+// On CUDA (bf16 / fp16, D % 8 == 0, D <= 256) it runs flash attention (PrefillAttentionWithLse);
+// elsewhere, or with DROPKV_PREFILL_ATTENTION=sdpa, the SDPA path with an explicit mask.
 at::Tensor PrefillAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             double scale);
+
+// Which implementation PrefillAttentionWithLse runs.
+enum class PrefillAttentionImpl {
+  // kFlash where it applies, else kSdpa; DROPKV_PREFILL_ATTENTION=sdpa (read once) forces kSdpa,
+  // =flash is the default (an A/B switch for benchmarks).
+  kAuto,
+  // at::scaled_dot_product_attention: is_causal for a first chunk, else a [T, n] bool mask. Any
+  // device and dtype; gives no LSE.
+  kSdpa,
+  // ATen's flash attention op (FA2) called directly: GQA without expanding K/V, causal aligned
+  // bottom-right when T < n (the chunked-prefill mask without building it), and the LSE.
+  // CUDA, bf16 / fp16, D % 8 == 0, D <= 256 (ATen checks; an unsupported input throws).
+  kFlash,
+};
+
+struct PrefillAttentionOutput {
+  at::Tensor out;  // [T, Hq, D] in q's dtype
+  // fp32 [Hq, T]: natural log of sum_j exp(scale * q_i . k_j) over the keys row i sees.
+  // Undefined when the implementation gives none (kSdpa).
+  at::Tensor lse;
+};
+
+// PrefillAttention with the choice of implementation; arguments as PrefillAttention.
+PrefillAttentionOutput PrefillAttentionWithLse(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+    PrefillAttentionImpl impl = PrefillAttentionImpl::kAuto);
 
 // Decode attention of one query per sequence over a contiguous cache. q: [Hq, D];
 // k, v: [Hkv, n, D]. Softmax in fp32. Returns [Hq, D] in q's dtype.
