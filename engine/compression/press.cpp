@@ -49,6 +49,11 @@ class Press final : public KvSelector {
         profile_(std::move(profile)),
         layers_(model.num_layers) {}
 
+  // DropKV scores from the prefill attention's window rows when the runner has them.
+  int64_t num_attention_rows() const override {
+    return params_.method == ScoreMethod::kDropKV ? params_.window : 0;
+  }
+
   absl::StatusOr<std::optional<at::Tensor>> Select(const LayerKvView& view) override {
     try {
       return SelectImpl(view);
@@ -192,6 +197,14 @@ class Press final : public KvSelector {
         // bf16/fp16 runs round p like the reference (algorithms.md section 1); fp32 does not.
         if (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf) {
           dp.p_round_dtype = q.scalar_type();
+        }
+        // The runner's window rows cover ours when given (it slices min(W, chunk_len) <= n).
+        const at::Tensor& attn = v.window_attn_out;
+        if (attn.defined() && v.window_lse.defined() && attn.size(1) >= num_window) {
+          const int64_t skip = attn.size(1) - num_window;
+          return kernels::DropKvScoresFromAttention(
+              q_window, k, val, attn.narrow(1, skip, num_window).unsqueeze(0),
+              v.window_lse.narrow(1, skip, num_window).unsqueeze(0), dp);
         }
         return kernels::DropKvScores(q_window, k, val, dp);
       }

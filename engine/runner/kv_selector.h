@@ -26,6 +26,14 @@ struct LayerKvView {
   at::Tensor values;
   at::Tensor positions;  // int64 [Hkv, n]
   bool is_last_chunk = true;
+  // Optional, set only when the selector asks for them (KvSelector::num_attention_rows) and the
+  // prefill attention produced an LSE (CUDA flash path): the chunk's last w = min(asked,
+  // chunk_len) rows of this layer's attention output, [Hq, w, D] in the model dtype (a view,
+  // strided), and their log-sum-exp, fp32 [Hq, w] (natural log of the scaled logits' exp-sum).
+  // Row i is the query at logical position logical_len - w + i, which saw all n entries up to
+  // itself. Lets DropKV score with K/V read once (kernels::DropKvScoresFromAttention).
+  at::Tensor window_attn_out;
+  at::Tensor window_lse;
 };
 
 class KvSelector {
@@ -34,6 +42,9 @@ class KvSelector {
   // Kept entries per KV head: int64 [Hkv, k] (indices into the n entries of `view`), sorted
   // ascending, the same k for every head of the layer; std::nullopt keeps everything.
   virtual absl::StatusOr<std::optional<at::Tensor>> Select(const LayerKvView& view) = 0;
+  // How many of the chunk's last attention rows (output + LSE) Select can use; 0 = none, and the
+  // runner then slices nothing.
+  virtual int64_t num_attention_rows() const { return 0; }
 };
 
 }  // namespace dropkv

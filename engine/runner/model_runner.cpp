@@ -649,7 +649,8 @@ absl::StatusOr<at::Tensor> PrefillBackend::Attend(int32_t layer_idx, const at::T
     all_k = at::cat({old_k, chunk_k}, 1);  // [Hkv, S + T, D]
     all_v = at::cat({old_v, chunk_v}, 1);
   }
-  at::Tensor out = PrefillAttention(q, all_k, all_v, runner_.scale());  // [T, Hq, D]
+  // [T, Hq, D]; lse fp32 [Hq, T] on the CUDA flash path, else undefined.
+  auto [out, lse] = PrefillAttentionWithLse(q, all_k, all_v, runner_.scale());
   const int64_t hkv = k.size(1);
   auto chunk_pos = at::arange(start_pos_, start_pos_ + t_len,
                               at::TensorOptions().dtype(at::kLong).device(k.device()))
@@ -669,6 +670,11 @@ absl::StatusOr<at::Tensor> PrefillBackend::Attend(int32_t layer_idx, const at::T
     view.values = all_v;
     view.positions = all_pos;
     view.is_last_chunk = is_last_chunk_;
+    if (const int64_t rows = std::min(selector_->num_attention_rows(), t_len);
+        rows > 0 && lse.defined()) {
+      view.window_attn_out = out.narrow(0, t_len - rows, rows).transpose(0, 1);  // [Hq, w, D]
+      view.window_lse = lse.narrow(1, t_len - rows, rows);                       // [Hq, w]
+    }
     if (q.is_cuda() && !device_timer_) {
       if (auto timer = CreateCudaTimer(); timer.ok()) device_timer_ = std::move(*timer);
     }

@@ -6,6 +6,7 @@
 
 #include <ATen/ATen.h>
 
+#include <cmath>
 #include <numeric>
 #include <optional>
 
@@ -58,8 +59,29 @@ struct ChunkFailure {
 // Chunked prefill of `in` through `selector` (chunk_len 0 = one pass). Memory in tokens per KV
 // head: while layer l runs, the other layers hold their stored entries and layer l holds
 // stored + chunk (only one layer's uncompressed K/V is alive at a time).
+// The runner's CUDA flash path in fp32 math: the last `rows` rows of the chunk's attention over
+// the view's n entries (row i sees entries j <= n - rows + i) and their LSE; [Hq, rows, D] and
+// [Hq, rows]; scale 1/sqrt(D) as the press's scorer uses.
+void AddWindowAttention(LayerKvView& view, int64_t rows) {
+  const int64_t hq = view.queries.size(0), chunk = view.queries.size(1);
+  const int64_t n = view.keys.size(1), d = view.keys.size(2);
+  rows = std::min(rows, chunk);
+  if (rows <= 0) return;
+  const int64_t g = hq / view.keys.size(0);
+  auto q = view.queries.slice(1, chunk - rows, chunk);  // [Hq, w, D]
+  auto k = view.keys.repeat_interleave(g, 0);           // [Hq, n, D]: head h reads h / g
+  auto v = view.values.repeat_interleave(g, 0);
+  auto logits = at::bmm(q, k.transpose(1, 2)) / std::sqrt(static_cast<double>(d));
+  auto row = at::arange(rows, at::kLong).unsqueeze(1);
+  auto col = at::arange(n, at::kLong).unsqueeze(0);
+  logits.masked_fill_((col > row + (n - rows)).unsqueeze(0), -INFINITY);
+  view.window_lse = at::logsumexp(logits, -1);                 // [Hq, w]
+  view.window_attn_out = at::bmm(at::softmax(logits, -1), v);  // [Hq, w, D]
+}
+
 SimResult Simulate(KvSelector& selector, const Geometry& g, const LayerInputs& in, int64_t n,
-                   int64_t chunk_len, const ChunkFailure& failure = {}) {
+                   int64_t chunk_len, const ChunkFailure& failure = {},
+                   bool with_attention = false) {
   if (chunk_len <= 0) chunk_len = n;
   std::vector<at::Tensor> k(g.num_layers), v(g.num_layers), pos(g.num_layers);
   for (int32_t l = 0; l < g.num_layers; ++l) {
@@ -78,6 +100,7 @@ SimResult Simulate(KvSelector& selector, const Geometry& g, const LayerInputs& i
     view.positions = at::cat(
         {pos[l], at::arange(start, end, at::kLong).expand({g.num_kv_heads, end - start})}, 1);
     view.is_last_chunk = end == n;
+    if (with_attention) AddWindowAttention(view, selector.num_attention_rows());
     return view;
   };
   SimResult r;
@@ -294,6 +317,51 @@ TEST(Press, FailedChunkIsReplayedWithoutDoubleCounting) {
   for (int32_t l = 0; l < g.num_layers; ++l) {
     EXPECT_TRUE(at::equal(single.positions[l], replayed.positions[l])) << "layer " << l;
   }
+}
+
+// DropKV scored from the runner's window attention (DropKvScoresFromAttention) selects what
+// DropKvScores selects from q, K, V alone: single pass and chunked, GQA 2, window < chunk and
+// window > a short last chunk.
+TEST(Press, DropKvFromPrefillAttentionEqualsScoresFromQkv) {
+  Geometry g;
+  const int64_t n = 203;
+  LayerInputs in = RandomInputs(g, n, 11);
+  for (ChunkPolicy policy : {ChunkPolicy::kLastChunk, ChunkPolicy::kEveryChunk}) {
+    for (int64_t chunk : {int64_t{0}, int64_t{64}, int64_t{100}}) {
+      CompressionParams p;
+      p.method = ScoreMethod::kDropKV;
+      p.keep_ratio = 0.2;
+      p.window = 8;
+      p.chunk_policy = policy;
+      if (chunk > 0) p.chunk_size = chunk;
+      SCOPED_TRACE(absl::StrCat("policy ", static_cast<int>(policy), " chunk ", chunk));
+      SimResult from_qkv = Simulate(*MakeSelector(p, g), g, in, n, chunk);
+      SimResult from_attn = Simulate(*MakeSelector(p, g), g, in, n, chunk, {}, true);
+      for (int32_t l = 0; l < g.num_layers; ++l) {
+        EXPECT_TRUE(at::equal(from_qkv.positions[l], from_attn.positions[l])) << "layer " << l;
+      }
+    }
+  }
+  // Only DropKV asks for the rows; a malformed LSE is an error, so the path above was taken.
+  CompressionParams p;
+  p.method = ScoreMethod::kSnapKV;
+  EXPECT_EQ(MakeSelector(p, g)->num_attention_rows(), 0);
+  p.method = ScoreMethod::kDropKV;
+  p.keep_ratio = 0.2;
+  auto sel = MakeSelector(p, g);
+  EXPECT_EQ(sel->num_attention_rows(), p.window);
+  LayerKvView view;
+  view.num_layers = g.num_layers;
+  view.logical_len = n;
+  view.queries = in.q[0];
+  view.keys = in.k[0];
+  view.values = in.v[0];
+  view.positions = at::arange(n, at::kLong).expand({g.num_kv_heads, n});
+  AddWindowAttention(view, p.window);
+  view.window_lse = view.window_lse.unsqueeze(-1);  // [Hq, w, 1]
+  auto bad = sel->Select(view);
+  EXPECT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("lse"), std::string::npos) << bad.status();
 }
 
 TEST(Press, RandomIsSeededAndNoneKeepsEverything) {
