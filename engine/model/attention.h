@@ -10,15 +10,16 @@ namespace dropkv {
 // k, v: [Hkv, n, D], n >= T: the first n - T entries are earlier tokens that every query sees
 // (stored cache, possibly compressed), the last T are the chunk itself, seen causally.
 // GQA: query head h reads KV head h / (Hq / Hkv). Returns [T, Hq, D] in q's dtype.
-// On CUDA (bf16 / fp16, D % 8 == 0, D <= 256) it runs flash attention (PrefillAttentionWithLse);
-// elsewhere, or with DROPKV_PREFILL_ATTENTION=sdpa, the SDPA path with an explicit mask.
+// On CUDA (bf16 / fp16, D % 8 == 0, D <= 256) it runs ATen's fused kernels directly
+// (PrefillAttentionWithLse, kAuto); elsewhere the SDPA path.
 at::Tensor PrefillAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             double scale);
 
 // Which implementation PrefillAttentionWithLse runs.
 enum class PrefillAttentionImpl {
-  // kFlash where it applies, else kSdpa; DROPKV_PREFILL_ATTENTION=sdpa (read once) forces kSdpa,
-  // =flash is the default (an A/B switch for benchmarks).
+  // Where kFlash applies: kCudnn for first chunks of >= 8192 tokens (faster there), else
+  // kFlash; DROPKV_PREFILL_ATTENTION=sdpa|flash|cudnn (read once) forces one instead (an A/B
+  // switch for benchmarks). Elsewhere (CPU, fp32, other head dims) kSdpa.
   kAuto,
   // at::scaled_dot_product_attention: is_causal for a first chunk, else a [T, n] bool mask. Any
   // device and dtype; gives no LSE.
@@ -27,6 +28,9 @@ enum class PrefillAttentionImpl {
   // bottom-right when T < n (the chunked-prefill mask without building it), and the LSE.
   // CUDA, bf16 / fp16, D % 8 == 0, D <= 256 (ATen checks; an unsupported input throws).
   kFlash,
+  // cuDNN's fused attention for a first chunk (T == n; its causal mask is top-left aligned),
+  // kFlash for later chunks. Same inputs as kFlash.
+  kCudnn,
 };
 
 struct PrefillAttentionOutput {

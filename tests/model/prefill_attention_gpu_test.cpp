@@ -1,13 +1,16 @@
 // The CUDA flash prefill path (PrefillAttentionWithLse, kFlash) against the SDPA path it replaces
 // and against fp64 / fp32 math: output and log-sum-exp, first chunks (T = n) and later chunks
 // (T < n, the bottom-right causal mask), GQA ratios 1 and 4, head dims 64 / 128 / 256, bf16 and
-// fp16, odd lengths. Label gpu: skipped without a CUDA device.
+// fp16, odd lengths; the cuDNN option (kCudnn) on first chunks too. Label gpu: skipped without a
+// CUDA device.
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <exception>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -72,8 +75,11 @@ TEST(PrefillAttentionGpu, FlashMatchesSdpaAndMathWithLse) {
     EXPECT_EQ(flash.out.scalar_type(), c.dtype);
     EXPECT_EQ(flash.lse.scalar_type(), at::kFloat);
     EXPECT_TRUE(flash.out.is_contiguous());
-    // kAuto runs the flash path here (unless DROPKV_PREFILL_ATTENTION=sdpa forces the old one).
-    EXPECT_TRUE(at::equal(autosel.out, autosel.lse.defined() ? flash.out : sdpa.out));
+    // kAuto runs flash below 8192 tokens (unless DROPKV_PREFILL_ATTENTION forces another).
+    if (std::getenv("DROPKV_PREFILL_ATTENTION") == nullptr) {
+      EXPECT_TRUE(at::equal(autosel.out, flash.out));
+      EXPECT_TRUE(at::equal(autosel.lse, flash.lse));
+    }
 
     auto [ref_out, ref_lse] = MathReference(q, k, v, scale);
     // Both are the model dtype rounded once at the end after fp32 accumulation, but flash rounds
@@ -94,6 +100,62 @@ TEST(PrefillAttentionGpu, FlashMatchesSdpaAndMathWithLse) {
                 c.hq, c.hkv, c.d, c.stored, c.t_len, c10::toString(c.dtype), vs_sdpa, vs_math,
                 lse_err);
   }
+}
+
+// cuDNN (kCudnn) on first chunks, GQA 4 and MHA; later chunks go to flash (same as kFlash).
+TEST(PrefillAttentionGpu, CudnnFirstChunkMatchesMathWithLse) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  for (const Case& c : std::vector<Case>{{32, 8, 128, 0, 300, at::kBFloat16},
+                                         {8, 8, 64, 0, 77, at::kBFloat16},
+                                         {16, 16, 256, 0, 200, at::kBFloat16},
+                                         {32, 8, 128, 100, 50, at::kBFloat16}}) {
+    SCOPED_TRACE(absl::StrCat("Hq ", c.hq, " Hkv ", c.hkv, " D ", c.d, " stored ", c.stored, " T ",
+                              c.t_len));
+    at::manual_seed(c.d + c.t_len);
+    const int64_t n = c.stored + c.t_len;
+    auto opt = at::TensorOptions().dtype(c.dtype).device(at::kCUDA);
+    auto q = at::randn({c.t_len, c.hq, c.d}, opt) * 1.5;
+    auto k = at::randn({c.hkv, n, c.d}, opt);
+    auto v = at::randn({c.hkv, n, c.d}, opt);
+    const double scale = 1.0 / std::sqrt(static_cast<double>(c.d));
+    PrefillAttentionOutput r;
+    try {
+      r = PrefillAttentionWithLse(q, k, v, scale, PrefillAttentionImpl::kCudnn);
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "cuDNN: " << e.what();
+      continue;
+    }
+    ASSERT_TRUE(r.lse.defined());
+    ASSERT_EQ(r.out.sizes(), q.sizes());
+    ASSERT_EQ(r.lse.sizes(), (at::IntArrayRef{c.hq, c.t_len}));
+    auto [ref_out, ref_lse] = MathReference(q, k, v, scale);
+    const double out_err = (r.out.to(at::kCPU, at::kDouble) - ref_out).abs().max().item<double>();
+    const double lse_err = (r.lse.to(at::kCPU, at::kDouble) - ref_lse).abs().max().item<double>();
+    EXPECT_LT(out_err, 3e-2);
+    EXPECT_LT(lse_err, 1e-3);
+    std::printf("cudnn Hq %ld Hkv %ld D %ld stored %ld T %ld: out-math %.3g lse %.3g\n", c.hq,
+                c.hkv, c.d, c.stored, c.t_len, out_err, lse_err);
+  }
+}
+
+// kAuto's rule at a long first chunk: cuDNN (bit for bit), within bf16 tolerance of flash.
+TEST(PrefillAttentionGpu, AutoTakesCudnnForLongFirstChunks) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  if (std::getenv("DROPKV_PREFILL_ATTENTION") != nullptr) GTEST_SKIP() << "impl forced by env";
+  at::manual_seed(2);
+  auto opt = at::TensorOptions().dtype(at::kBFloat16).device(at::kCUDA);
+  const int64_t n = 8192;
+  auto q = at::randn({n, 8, 128}, opt);
+  auto k = at::randn({2, n, 128}, opt);
+  auto v = at::randn({2, n, 128}, opt);
+  const double scale = 1.0 / std::sqrt(128.0);
+  auto autosel = PrefillAttentionWithLse(q, k, v, scale);
+  auto cudnn = PrefillAttentionWithLse(q, k, v, scale, PrefillAttentionImpl::kCudnn);
+  auto flash = PrefillAttentionWithLse(q, k, v, scale, PrefillAttentionImpl::kFlash);
+  EXPECT_TRUE(at::equal(autosel.out, cudnn.out));
+  EXPECT_TRUE(at::equal(autosel.lse, cudnn.lse));
+  EXPECT_LT((cudnn.out.to(at::kFloat) - flash.out.to(at::kFloat)).abs().max().item<double>(), 3e-2);
+  EXPECT_LT((cudnn.lse - flash.lse).abs().max().item<double>(), 1e-3);
 }
 
 TEST(PrefillAttentionGpu, AutoKeepsSdpaWhereFlashDoesNotApply) {
