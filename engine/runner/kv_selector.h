@@ -27,7 +27,7 @@ struct LayerKvView {
   at::Tensor positions;  // int64 [Hkv, n]
   bool is_last_chunk = true;
   // Optional, set only when the selector asks for them (KvSelector::num_attention_rows) and the
-  // prefill attention produced an LSE (CUDA flash path): the chunk's last w = min(asked,
+  // prefill attention produced an LSE (CUDA: cuDNN or FA2): the chunk's last w = min(asked,
   // chunk_len) rows of this layer's attention output, [Hq, w, D] in the model dtype (a view,
   // strided), and their log-sum-exp, fp32 [Hq, w] (natural log of the scaled logits' exp-sum).
   // Row i is the query at logical position logical_len - w + i, which saw all n entries up to

@@ -649,7 +649,7 @@ absl::StatusOr<at::Tensor> PrefillBackend::Attend(int32_t layer_idx, const at::T
     all_k = at::cat({old_k, chunk_k}, 1);  // [Hkv, S + T, D]
     all_v = at::cat({old_v, chunk_v}, 1);
   }
-  // [T, Hq, D]; lse fp32 [Hq, T] on the CUDA flash path, else undefined.
+  // [T, Hq, D]; lse fp32 [Hq, T] from the CUDA fused ops, undefined on the SDPA fallback.
   auto [out, lse] = PrefillAttentionWithLse(q, all_k, all_v, runner_.scale());
   const int64_t hkv = k.size(1);
   auto chunk_pos = at::arange(start_pos_, start_pos_ + t_len,
