@@ -335,10 +335,32 @@ int main(int argc, char** argv) {
     const double graph_nohint_ms = graph_time(step(1, ctx, hint(0)));
     const double decode16_ms = TimeMs(step(batch16, ctx16, hint(ctx16)), runs);
     const double graph16_ms = graph_time(step(batch16, ctx16, hint(ctx16)));
+    // Diagnostic: the same bytes and grid as batch 1 x 8K with 8 KV heads, but 8 sequences of one
+    // KV head (the pool viewed as [blocks * 8, 16, 1, D]): every head row of a block is adjacent
+    // (4 KB runs) instead of 256 bytes every 2 KB. What the pool layout costs the kernel.
+    double graph_contig_ms = -1;
+    {
+      auto k1 = k_pool.view({-1, block_size, 1, kD}), v1 = v_pool.view({-1, block_size, 1, kD});
+      auto perm1 = at::randperm(k1.size(0), bf16.dtype(at::kInt));
+      std::vector<at::Tensor> tables1;
+      for (int64_t l = 0; l < layers; ++l) {
+        tables1.push_back(
+            perm1.slice(0, l * kHkv * blocks_per_layer, (l + 1) * kHkv * blocks_per_layer)
+                .view({kHkv, blocks_per_layer})
+                .contiguous());
+      }
+      auto q8 = at::randn({kHkv, kHq / kHkv, kD}, bf16);
+      auto lens8 = at::full({kHkv}, ctx, bf16.dtype(at::kInt));
+      const auto pr = hint(ctx);
+      graph_contig_ms = graph_time([&] {
+        for (int64_t l = 0; l < layers; ++l)
+          (void)*dropkv::kernels::PagedDecodeAttention(q8, k1, v1, tables1[l], lens8, pr);
+      });
+    }
     // Split-count sweeps of the graphs (the default picks about 2 CTAs per SM): where the merge
     // and the per-CTA prologue stop paying for more parallel streams.
     std::vector<std::pair<int, double>> sweep8k, sweep819;
-    for (int splits : {8, 16, 24, 33, 48, 66, 96, 128})
+    for (int splits : {8, 12, 16, 20, 24, 33, 48, 66})
       sweep8k.emplace_back(splits, graph_time(step(1, ctx, hint(ctx, splits))));
     for (int splits : {2, 4, 7, 13, 20, 26})
       sweep819.emplace_back(splits, graph_time(step(1, lens[1], hint(lens[1], splits))));
@@ -410,6 +432,8 @@ int main(int argc, char** argv) {
                   decode_graph_ms[1], roofline_ms / 10);
       std::printf("  %-28s %9.4f %9.4f %9.4f\n", "batch 16, ctx 2048", decode16_ms, graph16_ms,
                   roofline16_ms);
+      std::printf("  %-28s %9s %9.4f %9.4f\n", "8 seqs x 1 KV head, ctx 8192", "-", graph_contig_ms,
+                  roofline_ms);
       std::printf("  dense SDPA peer (ctx 8192, GQA expanded, eager): %.4f ms\n", sdpa_ms);
       std::printf("  graph by num_splits, ctx 8192:");
       for (const auto& [splits, ms] : sweep8k) std::printf(" %d: %.4f;", splits, ms);

@@ -88,20 +88,31 @@ struct DecodeArgs {
 struct SplitPlan {
   int64_t max_len, splits, split_len, table_len;
 };
-SplitPlan PlanSplits(const DecodeArgs& a, int64_t ctas_per_split, int occupancy) {
+// Default split counts. CUDA cores (v7b, v11): about 2 CTAs per SM and >= 64 keys per split; 4
+// (all resident slots, v6) measured slower at 8K x 32 layers (0.86 vs 0.79 ms: twice the
+// partials to merge, no faster partial kernel). Tensor cores (v12, kTensorCores): one CTA per SM
+// when that still gives every KV head 2 splits, and >= 128 keys per split; measured 2026-12-01,
+// graphs of 32 layers: batch 1 x 8K 16 splits 0.506 ms vs 0.556 at 33 (2 per SM) and 0.569 at 20
+// (a second CTA on some SMs only); 819 keys: 7 splits 0.242 ms vs 0.261 at 13. More heads (batch
+// 16 x 2K: 3 splits, 1.46 ms) keep the CUDA-core rule: not swept.
+enum class SplitRule { kCudaCores, kTensorCores };
+SplitPlan PlanSplits(const DecodeArgs& a, int64_t ctas_per_split, int occupancy, SplitRule rule) {
   const int64_t block_size = a.k_cache.size(1);
   const int64_t capacity = a.block_tables.size(1) * block_size;
   SplitPlan plan{};
   plan.max_len =
       std::max<int64_t>(1, a.max_len_hint > 0 ? std::min(a.max_len_hint, capacity) : capacity);
-  constexpr int64_t kMinSplitKeys = 64;  // below this the per-CTA prologue and merge dominate
   int64_t splits = a.requested_splits;
   if (splits <= 0) {
-    // About 2 CTAs per SM: 4 (all resident slots, v6) measured slower at 8K x 32 layers (0.86
-    // vs 0.79 ms: twice the partials to merge, no faster partial kernel).
-    const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-    splits = (int64_t{std::min(occupancy, 2)} * num_sms + ctas_per_split - 1) / ctas_per_split;
-    splits = std::min<int64_t>(splits, (plan.max_len + kMinSplitKeys - 1) / kMinSplitKeys);
+    const int64_t num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    int64_t min_split_keys = 64;  // below this the per-CTA prologue and merge dominate
+    if (rule == SplitRule::kTensorCores && 2 * ctas_per_split <= num_sms) {
+      splits = num_sms / ctas_per_split;
+      min_split_keys = 128;
+    } else {
+      splits = (int64_t{std::min(occupancy, 2)} * num_sms + ctas_per_split - 1) / ctas_per_split;
+    }
+    splits = std::min<int64_t>(splits, (plan.max_len + min_split_keys - 1) / min_split_keys);
   }
   plan.splits = std::clamp<int64_t>(splits, 1, std::min<int64_t>(kMaxSplits, plan.max_len));
   plan.split_len = ((plan.max_len + plan.splits - 1) / plan.splits + 15) / 16 * 16;
@@ -169,7 +180,7 @@ void LaunchCudaCores(const DecodeArgs& a) {
   constexpr int base_smem = PagedDecodeSmemBytes<T, D, RC>();
   static const int occupancy =
       Occupancy(kernel, kDecThreads, base_smem + 1024, base_smem + kDecMaxTableEntries * 4);
-  const SplitPlan plan = PlanSplits(a, bh * num_chunks, occupancy);
+  const SplitPlan plan = PlanSplits(a, bh * num_chunks, occupancy, SplitRule::kCudaCores);
   at::Tensor part;
   const PagedDecodeParams<T> pa = BaseParams<T>(a, rows_pad, num_chunks, plan, kFused, part);
   auto stream = at::cuda::getCurrentCUDAStream();
@@ -191,7 +202,7 @@ void LaunchMma(const DecodeArgs& a) {
   constexpr int base_smem = PagedDecodeMmaSmemBytes<T, D>();
   static const int occupancy =
       Occupancy(kernel, kDecMmaThreads, base_smem + 1024, base_smem + kDecMaxTableEntries * 4);
-  const SplitPlan plan = PlanSplits(a, bh, occupancy);
+  const SplitPlan plan = PlanSplits(a, bh, occupancy, SplitRule::kTensorCores);
   at::Tensor part;
   const PagedDecodeParams<T> pa = BaseParams<T>(a, g, 1, plan, true, part);
   const int smem = base_smem + pa.table_len * 4;

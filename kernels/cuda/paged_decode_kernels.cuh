@@ -81,12 +81,16 @@ __device__ __forceinline__ int ActiveSplits(int n, int split_len, int num_splits
 // 0 with no memset) and merges the partials into `out`, always in split order with the same
 // arithmetic: which CTA arrives last does not change a bit of the result.
 // Ordering: each thread's partial stores, then its fence, then the CTA barrier, then thread 0's
-// atomic (release); the last CTA's thread 0 fences after its atomic (acquire) and everyone reads
-// the partials from L2 (__ldcg), never from a possibly stale L1 line.
-// smem: rows * kMaxSplits floats of scratch (the caller's ring, unused by now).
+// atomic; the last CTA's thread 0 fences after its atomic and everyone reads the partials from
+// L2 (__ldcg), never from a possibly stale L1 line.
+// The merge: each thread owns 4 columns of a row and walks the splits in order, kMergeChunk at a
+// time with a running max (every load of a chunk is independent: one L2 round trip per chunk; a
+// first version computed the split weights in shared memory first, two more round trips and a
+// barrier on the critical path of the last CTA).
+constexpr int kMergeChunk = 8;
 template <typename T, int D, int kThreads>
 __device__ __forceinline__ void MergeSplitsIfLast(const PagedDecodeParams<T>& p, int bh, int chunk,
-                                                  int row0, int rows, int num_active, float* smem) {
+                                                  int row0, int rows, int num_active) {
   __shared__ int last_s;
   __threadfence();
   __syncthreads();
@@ -101,50 +105,51 @@ __device__ __forceinline__ void MergeSplitsIfLast(const PagedDecodeParams<T>& p,
   __syncthreads();
   if (!last_s) return;
 
-  // Split weights exp2(m_s - m_max) / l per row, one warp per row (lanes over splits).
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int64_t base = static_cast<int64_t>(bh) * p.num_splits * p.rows_pad + row0;
-  float* w_s = smem;  // [rows][kMaxSplits]
-  for (int r = warp; r < rows; r += kThreads / 32) {
-    float m_max = -INFINITY;
-    for (int s = lane; s < num_active; s += 32)
-      m_max = fmaxf(m_max, __ldcg(p.part_m + base + static_cast<int64_t>(s) * p.rows_pad + r));
-    m_max = WarpMax(m_max);
-    float l = 0.f;
-    for (int s = lane; s < num_active; s += 32) {
-      const int64_t i = base + static_cast<int64_t>(s) * p.rows_pad + r;
-      const float m = __ldcg(p.part_m + i);
-      const float f = m == -INFINITY ? 0.f : FastExp2(m - m_max);
-      w_s[r * kMaxSplits + s] = f;
-      l = fmaf(__ldcg(p.part_l + i), f, l);
-    }
-    l = WarpSum(l);
-    const float inv_l = l > 0.f ? 1.f / l : 0.f;
-    for (int s = lane; s < num_active; s += 32) w_s[r * kMaxSplits + s] *= inv_l;
-  }
-  __syncthreads();
-  // Columns in float4s: 4 independent 16-byte L2 loads per split and thread.
   constexpr int kQuads = D / 4;
+  const int64_t base = static_cast<int64_t>(bh) * p.num_splits * p.rows_pad + row0;
   T* out = p.out + (static_cast<int64_t>(bh) * p.group + row0) * D;
   for (int idx = threadIdx.x; idx < rows * kQuads; idx += kThreads) {
     const int r = idx / kQuads, c = (idx % kQuads) * 4;
-    const float4* src = reinterpret_cast<const float4*>(p.part_acc + (base + r) * D + c);
-    const int64_t split_stride = static_cast<int64_t>(p.rows_pad) * D / 4;  // in float4s
-    float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 8
-    for (int s = 0; s < num_active; ++s) {
-      const float4 v = __ldcg(src + s * split_stride);
-      const float w = w_s[r * kMaxSplits + s];
-      a.x = fmaf(v.x, w, a.x);
-      a.y = fmaf(v.y, w, a.y);
-      a.z = fmaf(v.z, w, a.z);
-      a.w = fmaf(v.w, w, a.w);
+    float m_run = -INFINITY, l_run = 0.f;
+    float4 a_run = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int s0 = 0; s0 < num_active; s0 += kMergeChunk) {
+      float m[kMergeChunk], l[kMergeChunk];
+      float4 v[kMergeChunk];
+#pragma unroll
+      for (int i = 0; i < kMergeChunk; ++i) {
+        const int64_t i_part = base + static_cast<int64_t>(s0 + i) * p.rows_pad + r;
+        const bool ok = s0 + i < num_active;
+        m[i] = ok ? __ldcg(p.part_m + i_part) : -INFINITY;
+        l[i] = ok ? __ldcg(p.part_l + i_part) : 0.f;
+        v[i] = ok ? __ldcg(reinterpret_cast<const float4*>(p.part_acc + i_part * D + c))
+                  : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+      float m_new = m_run;
+#pragma unroll
+      for (int i = 0; i < kMergeChunk; ++i) m_new = fmaxf(m_new, m[i]);
+      const float alpha = m_run == -INFINITY ? 0.f : FastExp2(m_run - m_new);
+      l_run *= alpha;
+      a_run.x *= alpha;
+      a_run.y *= alpha;
+      a_run.z *= alpha;
+      a_run.w *= alpha;
+#pragma unroll
+      for (int i = 0; i < kMergeChunk; ++i) {
+        const float f = m[i] == -INFINITY ? 0.f : FastExp2(m[i] - m_new);
+        l_run = fmaf(l[i], f, l_run);
+        a_run.x = fmaf(v[i].x, f, a_run.x);
+        a_run.y = fmaf(v[i].y, f, a_run.y);
+        a_run.z = fmaf(v[i].z, f, a_run.z);
+        a_run.w = fmaf(v[i].w, f, a_run.w);
+      }
+      m_run = m_new;
     }
+    const float inv_l = l_run > 0.f ? 1.f / l_run : 0.f;
     T* o = out + r * D + c;
-    o[0] = FromFloat<T>(a.x);
-    o[1] = FromFloat<T>(a.y);
-    o[2] = FromFloat<T>(a.z);
-    o[3] = FromFloat<T>(a.w);
+    o[0] = FromFloat<T>(a_run.x * inv_l);
+    o[1] = FromFloat<T>(a_run.y * inv_l);
+    o[2] = FromFloat<T>(a_run.z * inv_l);
+    o[3] = FromFloat<T>(a_run.w * inv_l);
   }
 }
 
@@ -459,8 +464,7 @@ __global__ void __launch_bounds__(kDecThreads, RC <= 4 ? 4 : 2)
   }
   if constexpr (kFused) {
     if (num_active > 1) {
-      MergeSplitsIfLast<T, D, kDecThreads>(p, bh, chunk, row0, rows, num_active,
-                                           reinterpret_cast<float*>(smem_raw));
+      MergeSplitsIfLast<T, D, kDecThreads>(p, bh, chunk, row0, rows, num_active);
     }
   }
 }
@@ -472,18 +476,18 @@ __global__ void __launch_bounds__(kDecThreads, RC <= 4 ? 4 : 2)
 // FMAs, lane-group shuffles and the softmax every lane of a group repeats).
 constexpr int kDecMmaWarps = 4;
 constexpr int kDecMmaThreads = 32 * kDecMmaWarps;
-constexpr int kDecMmaStages = 3;  // ring slabs per warp: 2 in flight while one is used
+// Ring slabs per warp: 2 in flight while one is used. 4 (a 143 KB CTA, one per SM) measured the
+// same at the best split count and slower at 2 CTAs per SM (2026-12-01).
+constexpr int kDecMmaStages = 3;
 
 // Shared memory of PagedDecodeMmaKernel<T, D> in bytes, without the block-id cache: Q rows, then
-// the warps' rings (reused by the warp merge and the split merge at the end).
+// the warps' rings (reused by the warp merge at the end).
 template <typename T, int D>
 constexpr int PagedDecodeMmaSmemBytes() {
   constexpr int q = 16 * (D + kTcPad) * 2;
   constexpr int ring = kDecMmaWarps * kDecMmaStages * 2 * kSlabKeys * (D + kTcPad) * 2;
   constexpr int merge = kDecMmaWarps * 16 * (D + 2) * 4;
-  constexpr int split_merge = 16 * kMaxSplits * 4;
-  constexpr int tail = merge > split_merge ? merge : split_merge;
-  return q + (ring > tail ? ring : tail);
+  return q + (ring > merge ? ring : merge);
 }
 
 // grid (B*Hkv, S), kDecMmaThreads threads, bf16 / fp16, D 64 or 128 (the accumulators of the 16
@@ -499,6 +503,7 @@ constexpr int PagedDecodeMmaSmemBytes() {
 template <typename T, int D, bool kHigh>
 __global__ void __launch_bounds__(kDecMmaThreads, 3)
     PagedDecodeMmaKernel(const PagedDecodeParams<T> p) {
+  constexpr int kStages = kDecMmaStages;
   constexpr int kLd = D + kTcPad;                  // row stride in elements: conflict-free ldmatrix
   constexpr int kSlabElems = 2 * kSlabKeys * kLd;  // K rows, then V rows
   constexpr int kVecsPerRow = D / 8;               // 16-byte pieces of a key row
@@ -551,7 +556,7 @@ __global__ void __launch_bounds__(kDecMmaThreads, 3)
   // kKeysPerCopy (each warp-wide copy covers whole rows: coalesced). Lane j < 16 looks up the
   // slot of key j of the slab once; the copies take it by shuffle. Slots fit in 32 bits: a pool
   // of 2^32 slots would not fit in device memory.
-  T* ring = ring_all + warp * kDecMmaStages * kSlabElems;
+  T* ring = ring_all + warp * kStages * kSlabElems;
   const int c_lane = (lane % kVecsPerRow) * 8;
   const int key_lane = lane / kVecsPerRow;
   const T* k_head = p.k + static_cast<int64_t>(h) * D + c_lane;
@@ -580,7 +585,7 @@ __global__ void __launch_bounds__(kDecMmaThreads, 3)
   };
   int slab = warp;
 #pragma unroll
-  for (int s = 0; s < kDecMmaStages - 1; ++s) {
+  for (int s = 0; s < kStages - 1; ++s) {
     if (slab + s * kDecMmaWarps < num_slabs) issue(slab + s * kDecMmaWarps, s);
     CpAsyncCommit();
   }
@@ -602,12 +607,12 @@ __global__ void __launch_bounds__(kDecMmaThreads, 3)
   m_row[0] = m_row[1] = -INFINITY;
   l_part[0] = l_part[1] = 0.f;
 
-  for (int stage = 0, fill = kDecMmaStages - 1; slab < num_slabs; slab += kDecMmaWarps) {
-    const int ahead = slab + (kDecMmaStages - 1) * kDecMmaWarps;
+  for (int stage = 0, fill = kStages - 1; slab < num_slabs; slab += kDecMmaWarps) {
+    const int ahead = slab + (kStages - 1) * kDecMmaWarps;
     if (ahead < num_slabs) issue(ahead, fill);
     CpAsyncCommit();
-    CpAsyncWait<kDecMmaStages - 1>();  // this lane's copies of `stage` have landed
-    __syncwarp();                      // and every other lane's
+    CpAsyncWait<kStages - 1>();  // this lane's copies of `stage` have landed
+    __syncwarp();                // and every other lane's
     const T* k_s = ring + stage * kSlabElems;
     const T* v_s = k_s + kSlabKeys * kLd;
     const int key0 = key_begin + slab * kSlabKeys;
@@ -679,8 +684,8 @@ __global__ void __launch_bounds__(kDecMmaThreads, 3)
       Mma16816<T>(acc[2 * dp + 1], pa, vb[2], vb[3]);
     }
     __syncwarp();  // every lane is done with `stage` before it is refilled
-    stage = stage + 1 == kDecMmaStages ? 0 : stage + 1;
-    fill = fill + 1 == kDecMmaStages ? 0 : fill + 1;
+    stage = stage + 1 == kStages ? 0 : stage + 1;
+    fill = fill + 1 == kStages ? 0 : fill + 1;
   }
   CpAsyncWait<0>();
   __syncthreads();  // every warp is done with its ring: the merge area reuses it
@@ -732,8 +737,7 @@ __global__ void __launch_bounds__(kDecMmaThreads, 3)
     }
   }
   if (num_active > 1) {
-    MergeSplitsIfLast<T, D, kDecMmaThreads>(p, bh, 0, 0, g, num_active,
-                                            reinterpret_cast<float*>(ring_all));
+    MergeSplitsIfLast<T, D, kDecMmaThreads>(p, bh, 0, 0, g, num_active);
   }
 }
 
