@@ -1,7 +1,10 @@
 // Decode attention over the paged KV cache: one new query per sequence against that sequence's
 // stored K/V of one layer (lengths differ per sequence and per layer under DepthKV budgets).
 // CPU reference in ATen; CUDA: split-K (flash-decoding) kernel, the g query heads of a KV head
-// in one CTA, LSE merge, one launch for the batch.
+// in one CTA (tensor cores for bf16 / fp16 with head_dim 64 / 128), the LSE merge folded in: one
+// launch for the batch. The merge counts CTAs on a small per-stream buffer that every launch
+// leaves at zero, so calls on one stream and replays of CUDA graphs captured on it must not
+// overlap (a graph replayed on another stream must be ordered after the capture stream's calls).
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -1,4 +1,4 @@
-// dropkv-bench-score [--n N ...] [--runs R] [--json] [--no-decode]
+// dropkv-bench-score [--n N ...] [--runs R] [--json] [--no-decode] [--decode-only]
 // One layer of Llama-3.1-8B geometry (Hq 32, Hkv 8, D 128), W = 8, bf16:
 //  - fused DropKV scoring (kernels/dropkv_score.h) vs a naive LibTorch version that materialises
 //    the window attention and the differences a_t - v_j, as a PyTorch user would write it;
@@ -10,7 +10,8 @@
 //  - selection: pool + protect + top-k (keep 10%) + gather of K and V, the indices alone, and the
 //    previous ATen path (topk + sort) as the peer in the same run;
 //  - paged decode attention, batch 1, 8K context, all 32 layers (one call per layer), and
-//    batch 16 x 2K.
+//    batch 16 x 2K, eager and as a CUDA graph of the 32 calls; split-count sweeps of the graphs
+//    (DROPKV_DECODE_KERNELS=v7 / v11 selects an older kernel for an A/B run).
 // Median of `runs` timed runs with CUDA events after warm-up, L2 flushed (256 MiB memset) before
 // each run.
 #include <ATen/ATen.h>
@@ -150,7 +151,7 @@ std::string Human(int64_t bytes) {
 int main(int argc, char** argv) {
   std::vector<int64_t> ns;
   int runs = 20;
-  bool json = false, decode = true;
+  bool json = false, decode = true, score = true;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--n") && i + 1 < argc) {
       while (i + 1 < argc && argv[i + 1][0] != '-') ns.push_back(std::atoll(argv[++i]));
@@ -160,12 +161,16 @@ int main(int argc, char** argv) {
       json = true;
     } else if (!std::strcmp(argv[i], "--no-decode")) {
       decode = false;
+    } else if (!std::strcmp(argv[i], "--decode-only")) {
+      score = false;
     } else {
-      std::printf("usage: %s [--n N ...] [--runs R (20)] [--json] [--no-decode]\n", argv[0]);
+      std::printf("usage: %s [--n N ...] [--runs R (20)] [--json] [--no-decode] [--decode-only]\n",
+                  argv[0]);
       return std::strcmp(argv[i], "--help") ? 2 : 0;
     }
   }
   if (ns.empty()) ns = {4096, 16384, 32768, 65536, 131072, 524288};
+  if (!score) ns.clear();
   if (!at::hasCUDA()) {
     std::fprintf(stderr, "dropkv-bench-score: no CUDA device\n");
     return 1;
@@ -271,67 +276,6 @@ int main(int argc, char** argv) {
                            .view({1, -1})
                            .contiguous());
     }
-    double decode_ms[2];
-    const int64_t lens[2] = {ctx, ctx / 10};
-    for (int c = 0; c < 2; ++c) {
-      auto seq_lens = at::full({1}, lens[c], bf16.dtype(at::kInt));
-      dropkv::kernels::PagedAttentionParams hint;  // the runner knows its lengths on the host
-      hint.max_seq_len = static_cast<int32_t>(lens[c]);
-      decode_ms[c] = TimeMs(
-          [&] {
-            for (int64_t l = 0; l < layers; ++l) {
-              (void)*dropkv::kernels::PagedDecodeAttention(q1, k_pool, v_pool, tables[l], seq_lens,
-                                                           hint);
-            }
-          },
-          runs);
-    }
-    // Split-count sweep at 8K (the default picks about 2 CTAs per SM): where the merge and the
-    // per-CTA prologue stop paying for more parallel streams.
-    std::vector<std::pair<int, double>> split_sweep;
-    {
-      auto seq_lens = at::full({1}, ctx, bf16.dtype(at::kInt));
-      for (int splits : {8, 16, 24, 33, 48, 66, 128}) {
-        dropkv::kernels::PagedAttentionParams params;
-        params.max_seq_len = static_cast<int32_t>(ctx);
-        params.num_splits = splits;
-        split_sweep.emplace_back(splits, TimeMs(
-                                             [&] {
-                                               for (int64_t l = 0; l < layers; ++l) {
-                                                 (void)*dropkv::kernels::PagedDecodeAttention(
-                                                     q1, k_pool, v_pool, tables[l], seq_lens,
-                                                     params);
-                                               }
-                                             },
-                                             runs));
-      }
-    }
-    // The same 32 calls captured in a CUDA graph (how a decode step would replay them): full
-    // context without a hint (the tables' capacity sizes the grid), and keep 10% with the hint.
-    auto graph_time = [&](int64_t len, int32_t hint_len) {
-      try {
-        auto seq_lens = at::full({1}, len, bf16.dtype(at::kInt));
-        dropkv::kernels::PagedAttentionParams params;
-        params.max_seq_len = hint_len;
-        at::cuda::CUDAGraph graph;
-        auto side = at::cuda::getStreamFromPool();
-        {
-          c10::cuda::CUDAStreamGuard guard(side);
-          graph.capture_begin();
-          for (int64_t l = 0; l < layers; ++l) {
-            (void)*dropkv::kernels::PagedDecodeAttention(q1, k_pool, v_pool, tables[l], seq_lens,
-                                                         params);
-          }
-          graph.capture_end();
-        }
-        return TimeMs([&] { graph.replay(); }, runs);
-      } catch (const std::exception& e) {
-        std::fprintf(stderr, "graph capture failed: %s\n", e.what());
-        return -1.0;
-      }
-    };
-    const double graph_ms = graph_time(ctx, 0);
-    const double graph10_ms = graph_time(lens[1], static_cast<int32_t>(lens[1]));
     // Batch 16 x 2K context (the issue-8 HF comparison's decode row), 32 layer calls cycling over
     // 8 disjoint sets of block tables (each layer's 134 MB of K/V is past the L2 anyway).
     const int64_t batch16 = 16, ctx16 = 2048, blocks16 = ctx16 / block_size;
@@ -342,17 +286,84 @@ int main(int argc, char** argv) {
                              .contiguous());
     }
     auto q16 = at::randn({batch16, kHq, kD}, bf16);
-    auto lens16 = at::full({batch16}, ctx16, bf16.dtype(at::kInt));
-    dropkv::kernels::PagedAttentionParams hint16;
-    hint16.max_seq_len = static_cast<int32_t>(ctx16);
-    const double decode16_ms = TimeMs(
-        [&] {
-          for (int64_t l = 0; l < layers; ++l) {
-            (void)*dropkv::kernels::PagedDecodeAttention(q16, k_pool, v_pool, tables16[l % 8],
-                                                         lens16, hint16);
+    // The 32 layer calls of one decode step: batch 1 (lengths `len`) or batch 16 x 2K.
+    auto step = [&](int64_t batch, int64_t len, const dropkv::kernels::PagedAttentionParams& pr) {
+      auto lens = at::full({batch}, len, bf16.dtype(at::kInt));
+      return [&, batch, lens, pr] {
+        for (int64_t l = 0; l < layers; ++l) {
+          if (batch == 1) {
+            (void)*dropkv::kernels::PagedDecodeAttention(q1, k_pool, v_pool, tables[l], lens, pr);
+          } else {
+            (void)*dropkv::kernels::PagedDecodeAttention(q16, k_pool, v_pool, tables16[l % 8], lens,
+                                                         pr);
           }
-        },
-        runs);
+        }
+      };
+    };
+    // The same 32 calls captured in a CUDA graph (how a decode step replays them), after one
+    // eager step (lazy initialisation stays out of the capture, as in the runner).
+    auto graph_time = [&](const std::function<void()>& fn) {
+      try {
+        fn();
+        at::cuda::CUDAGraph graph;
+        auto side = at::cuda::getStreamFromPool();
+        {
+          c10::cuda::CUDAStreamGuard guard(side);
+          graph.capture_begin();
+          fn();
+          graph.capture_end();
+        }
+        return TimeMs([&] { graph.replay(); }, runs);
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "graph capture failed: %s\n", e.what());
+        return -1.0;
+      }
+    };
+    auto hint = [](int64_t len, int splits = 0) {
+      dropkv::kernels::PagedAttentionParams pr;  // the runner knows its lengths on the host
+      pr.max_seq_len = static_cast<int32_t>(len);
+      pr.num_splits = splits;
+      return pr;
+    };
+    double decode_ms[2], decode_graph_ms[2];
+    const int64_t lens[2] = {ctx, ctx / 10};
+    for (int c = 0; c < 2; ++c) {
+      decode_ms[c] = TimeMs(step(1, lens[c], hint(lens[c])), runs);
+      decode_graph_ms[c] = graph_time(step(1, lens[c], hint(lens[c])));
+    }
+    // 8K without a hint: the tables' capacity (here equal) sizes the grid.
+    const double graph_nohint_ms = graph_time(step(1, ctx, hint(0)));
+    const double decode16_ms = TimeMs(step(batch16, ctx16, hint(ctx16)), runs);
+    const double graph16_ms = graph_time(step(batch16, ctx16, hint(ctx16)));
+    // Diagnostic: the same bytes and grid as batch 1 x 8K with 8 KV heads, but 8 sequences of one
+    // KV head (the pool viewed as [blocks * 8, 16, 1, D]): every head row of a block is adjacent
+    // (4 KB runs) instead of 256 bytes every 2 KB. What the pool layout costs the kernel.
+    double graph_contig_ms = -1;
+    {
+      auto k1 = k_pool.view({-1, block_size, 1, kD}), v1 = v_pool.view({-1, block_size, 1, kD});
+      auto perm1 = at::randperm(k1.size(0), bf16.dtype(at::kInt));
+      std::vector<at::Tensor> tables1;
+      for (int64_t l = 0; l < layers; ++l) {
+        tables1.push_back(
+            perm1.slice(0, l * kHkv * blocks_per_layer, (l + 1) * kHkv * blocks_per_layer)
+                .view({kHkv, blocks_per_layer})
+                .contiguous());
+      }
+      auto q8 = at::randn({kHkv, kHq / kHkv, kD}, bf16);
+      auto lens8 = at::full({kHkv}, ctx, bf16.dtype(at::kInt));
+      const auto pr = hint(ctx);
+      graph_contig_ms = graph_time([&] {
+        for (int64_t l = 0; l < layers; ++l)
+          (void)*dropkv::kernels::PagedDecodeAttention(q8, k1, v1, tables1[l], lens8, pr);
+      });
+    }
+    // Split-count sweeps of the graphs (the default picks about 2 CTAs per SM): where the merge
+    // and the per-CTA prologue stop paying for more parallel streams.
+    std::vector<std::pair<int, double>> sweep8k, sweep819;
+    for (int splits : {8, 12, 16, 20, 24, 33, 48, 66})
+      sweep8k.emplace_back(splits, graph_time(step(1, ctx, hint(ctx, splits))));
+    for (int splits : {2, 4, 7, 13, 20, 26})
+      sweep819.emplace_back(splits, graph_time(step(1, lens[1], hint(lens[1], splits))));
     const double decode16_bytes = 2.0 * layers * batch16 * ctx16 * kHkv * kD * 2;
     // Peer: SDPA over a dense contiguous cache of one layer, x32 (GQA expanded to Hq heads).
     auto kd = at::randn({1, kHq, ctx, kD}, bf16), vd = at::randn({1, kHq, ctx, kD}, bf16);
@@ -363,6 +374,10 @@ int main(int argc, char** argv) {
         },
         runs);
     const double decode_bytes = 2.0 * layers * ctx * kHkv * kD * 2;  // K + V of 32 layers
+    const double roofline_ms = decode_bytes / (copy_gbs * 1e9) * 1e3;
+    const double roofline16_ms = decode16_bytes / (copy_gbs * 1e9) * 1e3;
+    const char* version = std::getenv("DROPKV_DECODE_KERNELS");
+    version = version != nullptr ? version : "default";
 
     if (json) {
       std::printf("{\"device\":\"%s\",\"copy_gbs\":%.1f,\"scoring\":[", props->name, copy_gbs);
@@ -380,19 +395,22 @@ int main(int argc, char** argv) {
             r.pass3_ms, r.pass3_frac, r.select_idx_ms, r.select_aten_ms, r.select_aten_idx_ms);
       }
       std::printf(
-          "],\"decode\":{\"ctx\":%lld,\"layers\":%lld,\"paged_ms\":%.4f,\"paged_keep10_ms\":%.4f,"
-          "\"paged_graph_ms\":%.4f,\"sdpa_dense_ms\":%.4f,\"roofline_ms\":%.4f,"
-          "\"batch16_ctx2k_ms\":%.4f,\"batch16_roofline_ms\":%.4f,\"paged_keep10_graph_ms\":%.4f}}"
+          "],\"decode\":{\"kernels\":\"%s\",\"ctx\":%lld,\"layers\":%lld,\"paged_ms\":%.4f,"
+          "\"paged_keep10_ms\":%.4f,\"paged_graph_ms\":%.4f,\"paged_graph_nohint_ms\":%.4f,"
+          "\"sdpa_dense_ms\":%.4f,\"roofline_ms\":%.4f,\"batch16_ctx2k_ms\":%.4f,"
+          "\"batch16_graph_ms\":%.4f,\"batch16_roofline_ms\":%.4f,\"paged_keep10_graph_ms\":%.4f}}"
           "\n",
-          static_cast<long long>(ctx), static_cast<long long>(layers), decode_ms[0], decode_ms[1],
-          graph_ms, sdpa_ms, decode_bytes / (copy_gbs * 1e9) * 1e3, decode16_ms,
-          decode16_bytes / (copy_gbs * 1e9) * 1e3, graph10_ms);
+          version, static_cast<long long>(ctx), static_cast<long long>(layers), decode_ms[0],
+          decode_ms[1], decode_graph_ms[0], graph_nohint_ms, sdpa_ms, roofline_ms, decode16_ms,
+          graph16_ms, roofline16_ms, decode_graph_ms[1]);
     } else {
       std::printf("device %s, %d SMs; d2d copy %.0f GB/s (read + write); median of %d runs\n",
                   props->name, props->multiProcessorCount, copy_gbs, runs);
-      std::printf("%8s %10s %10s %8s %12s %12s %9s %10s %10s %10s %9s\n", "n", "fused ms",
-                  "naive ms", "speedup", "fused scr", "naive scr", "roofline", "select ms",
-                  "v1 cc ms", "pass3 ms", "roofline");
+      if (!rows.empty()) {
+        std::printf("%8s %10s %10s %8s %12s %12s %9s %10s %10s %10s %9s\n", "n", "fused ms",
+                    "naive ms", "speedup", "fused scr", "naive scr", "roofline", "select ms",
+                    "v1 cc ms", "pass3 ms", "roofline");
+      }
       for (const auto& r : rows) {
         std::printf("%8lld %10.4f %10s %8s %12s %12s %8.1f%% %10.4f %10.4f %10.4f %8.1f%%\n",
                     static_cast<long long>(r.n), r.fused_ms,
@@ -403,22 +421,24 @@ int main(int argc, char** argv) {
                     100 * r.pass3_frac);
       }
       PrintSelection(rows);
-      std::printf(
-          "paged decode, batch 1, %lld layers: ctx %lld %.4f ms/token, ctx %lld (keep 10%%) "
-          "%.4f ms/token; CUDA graph of the 32 calls (ctx %lld) %.4f ms; dense SDPA peer %.4f ms; "
-          "K+V roofline %.4f ms\n",
-          static_cast<long long>(layers), static_cast<long long>(ctx), decode_ms[0],
-          static_cast<long long>(lens[1]), decode_ms[1], static_cast<long long>(ctx), graph_ms,
-          sdpa_ms, decode_bytes / (copy_gbs * 1e9) * 1e3);
-      std::printf(
-          "paged decode, batch 16 x ctx %lld, %lld layers: %.4f ms/step; K+V roofline %.4f ms\n",
-          static_cast<long long>(ctx16), static_cast<long long>(layers), decode16_ms,
-          decode16_bytes / (copy_gbs * 1e9) * 1e3);
-      std::printf("paged decode, CUDA graph of the 32 calls at ctx %lld (keep 10%%): %.4f ms\n",
-                  static_cast<long long>(lens[1]), graph10_ms);
-      std::printf("paged decode ctx %lld x %lld layers by num_splits:", static_cast<long long>(ctx),
+      std::printf("paged decode (DROPKV_DECODE_KERNELS=%s), %lld layers, ms per step:\n", version,
                   static_cast<long long>(layers));
-      for (const auto& [splits, ms] : split_sweep) std::printf(" %d: %.4f ms;", splits, ms);
+      std::printf("  %-28s %9s %9s %9s\n", "case", "eager", "graph", "roofline");
+      std::printf("  %-28s %9.4f %9.4f %9.4f\n", "batch 1, ctx 8192", decode_ms[0],
+                  decode_graph_ms[0], roofline_ms);
+      std::printf("  %-28s %9s %9.4f %9s\n", "batch 1, ctx 8192, no hint", "-", graph_nohint_ms,
+                  "");
+      std::printf("  %-28s %9.4f %9.4f %9.4f\n", "batch 1, ctx 819 (keep 10%)", decode_ms[1],
+                  decode_graph_ms[1], roofline_ms / 10);
+      std::printf("  %-28s %9.4f %9.4f %9.4f\n", "batch 16, ctx 2048", decode16_ms, graph16_ms,
+                  roofline16_ms);
+      std::printf("  %-28s %9s %9.4f %9.4f\n", "8 seqs x 1 KV head, ctx 8192", "-", graph_contig_ms,
+                  roofline_ms);
+      std::printf("  dense SDPA peer (ctx 8192, GQA expanded, eager): %.4f ms\n", sdpa_ms);
+      std::printf("  graph by num_splits, ctx 8192:");
+      for (const auto& [splits, ms] : sweep8k) std::printf(" %d: %.4f;", splits, ms);
+      std::printf("\n  graph by num_splits, ctx 819:");
+      for (const auto& [splits, ms] : sweep819) std::printf(" %d: %.4f;", splits, ms);
       std::printf("\n");
     }
   } catch (const std::exception& e) {

@@ -1,11 +1,19 @@
-// Paged decode attention on CUDA: PagedDecodeKernel (paged_decode_kernels.cuh: split-K, the g
-// query heads of a KV head as the rows of one CTA, cp.async-pipelined K/V), then the LSE merge
-// (attention_common.cuh) straight into the output. One launch each for the whole batch.
+// Paged decode attention on CUDA, one launch for the whole batch (paged_decode_kernels.cuh):
+// v12 PagedDecodeMmaKernel (tensor cores, bf16 / fp16 with head_dim 64 / 128) or v11
+// PagedDecodeKernel<kFused> (CUDA cores, the rest), both with the split-K merge folded in. v7b
+// (the partial kernel, then MergeKernel of attention_common.cuh) stays behind
+// DROPKV_DECODE_KERNELS=v7 for A/B runs.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/check.h"
@@ -16,105 +24,223 @@
 namespace dropkv::kernels::cuda {
 namespace {
 
-template <typename T, int D, int RC>
-void Launch(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-            const at::Tensor& block_tables, const at::Tensor& seq_lens, float scale,
-            int requested_splits, int64_t max_len_hint, at::Tensor& out) {
-  const int64_t batch = q.size(0), hq = q.size(1);
-  const int64_t block_size = k_cache.size(1), hkv = k_cache.size(2);
-  const int64_t g = hq / hkv, bh = batch * hkv;
-  const int64_t num_chunks = (g + RC - 1) / RC, rows_pad = num_chunks * RC;
-  const int64_t max_blocks = block_tables.size(1);
-  // Upper bound of the lengths without a device sync; CTAs past a sequence's end exit early.
-  // The grid depends only on the shapes and the hint: the same on every CUDA-graph replay.
-  const int64_t capacity = max_blocks * block_size;
-  const int64_t max_len =
-      std::max<int64_t>(1, max_len_hint > 0 ? std::min(max_len_hint, capacity) : capacity);
-  constexpr int64_t kMinSplitKeys = 64;  // below this the per-CTA prologue and merge dominate
-  int64_t splits = requested_splits;
-  auto kernel = PagedDecodeKernel<T, D, RC>;
-  constexpr int base_smem = PagedDecodeSmemBytes<T, D, RC>();
-  constexpr int max_smem = base_smem + kDecMaxTableEntries * 4;
-  // Once per instantiation (host calls on every decode step cost time): the shared-memory limit
-  // and how many CTAs fit on an SM at once.
-  static const int occupancy = [&] {
-    C10_CUDA_CHECK(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem));
-    int blocks = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kDecThreads,
-                                                                 base_smem + 1024));
-    return std::max(1, blocks);
-  }();
-  if (splits <= 0) {
-    // About 2 CTAs per SM: 4 (all resident slots, v6) measured slower at 8K x 32 layers (0.86
-    // vs 0.79 ms: twice the partials to merge, no faster partial kernel).
-    const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-    splits = (int64_t{std::min(occupancy, 2)} * num_sms + bh * num_chunks - 1) / (bh * num_chunks);
-    splits = std::min<int64_t>(splits, (max_len + kMinSplitKeys - 1) / kMinSplitKeys);
-  }
-  splits = std::clamp<int64_t>(splits, 1, std::min<int64_t>(kMaxSplits, max_len));
-  const int64_t split_len = ((max_len + splits - 1) / splits + 15) / 16 * 16;
-  const int64_t table_len = (split_len + block_size - 1) / block_size + 1;
-  auto f32 = q.options().dtype(at::kFloat);
-  auto part_acc = at::empty({bh, splits, rows_pad, D}, f32);
-  auto part_ml = at::empty({2, bh, splits, rows_pad}, f32);
-  auto stream = at::cuda::getCurrentCUDAStream();
+enum class DecodeVersion { kV7b, kV11, kV12 };
 
+// DROPKV_DECODE_KERNELS=v7: v7b (two launches); v11: the CUDA-core kernel with the merge folded
+// in, for every dtype; unset (or anything else): v12 where it applies, else v11. Read once: an A/B
+// switch for benchmarks and tests in one process run.
+DecodeVersion SelectedVersion() {
+  static const DecodeVersion version = [] {
+    const char* env = std::getenv("DROPKV_DECODE_KERNELS");
+    if (env != nullptr && std::strcmp(env, "v7") == 0) return DecodeVersion::kV7b;
+    if (env != nullptr && std::strcmp(env, "v11") == 0) return DecodeVersion::kV11;
+    return DecodeVersion::kV12;
+  }();
+  return version;
+}
+
+// Arrival counters of the folded merge (int32, one per (sequence, KV head, row chunk)), one
+// buffer per stream: each is 0 between launches (the merging CTA resets its own), so launches in
+// stream order and every replay of a graph captured on the stream reuse it with no memset.
+// Launches that could overlap (two streams) get different buffers; a graph replayed on another
+// stream must not overlap launches on the stream it was captured on. Buffers are never freed (a
+// captured graph keeps the pointer), only replaced by a larger one.
+int32_t* MergeCounters(int64_t count, const c10::cuda::CUDAStream& stream) {
+  struct Buffer {
+    int32_t* ptr = nullptr;
+    int64_t capacity = 0;
+  };
+  static std::mutex mu;
+  static auto* buffers = new std::map<std::pair<int, cudaStream_t>, Buffer>();
+  std::lock_guard<std::mutex> lock(mu);
+  Buffer& buf = (*buffers)[{stream.device_index(), stream.stream()}];
+  if (buf.capacity < count) {
+    const int64_t capacity = std::max<int64_t>(count, int64_t{1} << 14);
+    // The stream may be capturing a graph: allocate and zero outside it (relaxed mode lets this
+    // thread call cudaMalloc; the memset runs on a private stream and is waited for here).
+    c10::cuda::CUDAStreamCaptureModeGuard relaxed(cudaStreamCaptureModeRelaxed);
+    int32_t* ptr = nullptr;
+    C10_CUDA_CHECK(cudaMalloc(&ptr, capacity * sizeof(int32_t)));
+    cudaStream_t zero_stream = nullptr;
+    C10_CUDA_CHECK(cudaStreamCreateWithFlags(&zero_stream, cudaStreamNonBlocking));
+    C10_CUDA_CHECK(cudaMemsetAsync(ptr, 0, capacity * sizeof(int32_t), zero_stream));
+    C10_CUDA_CHECK(cudaStreamSynchronize(zero_stream));
+    C10_CUDA_CHECK(cudaStreamDestroy(zero_stream));
+    buf = {ptr, capacity};
+  }
+  return buf.ptr;
+}
+
+struct DecodeArgs {
+  const at::Tensor& q;
+  const at::Tensor& k_cache;
+  const at::Tensor& v_cache;
+  const at::Tensor& block_tables;
+  const at::Tensor& seq_lens;
+  float scale;
+  int requested_splits;
+  int64_t max_len_hint;
+  at::Tensor& out;
+};
+
+// Split-K geometry from the shapes, the hint and the SM count only (no device sync): the same
+// grid on every CUDA-graph replay. CTAs past a sequence's end exit at once.
+struct SplitPlan {
+  int64_t max_len, splits, split_len, table_len;
+};
+// Default split counts. CUDA cores (v7b, v11): about 2 CTAs per SM and >= 64 keys per split; 4
+// (all resident slots, v6) measured slower at 8K x 32 layers (0.86 vs 0.79 ms: twice the
+// partials to merge, no faster partial kernel). Tensor cores (v12, kTensorCores): one CTA per SM
+// when that still gives every KV head 2 splits, and >= 128 keys per split; measured 2026-12-01,
+// graphs of 32 layers: batch 1 x 8K 16 splits 0.506 ms vs 0.556 at 33 (2 per SM) and 0.569 at 20
+// (a second CTA on some SMs only); 819 keys: 7 splits 0.242 ms vs 0.261 at 13. More heads (batch
+// 16 x 2K: 3 splits, 1.46 ms) keep the CUDA-core rule: not swept.
+enum class SplitRule { kCudaCores, kTensorCores };
+SplitPlan PlanSplits(const DecodeArgs& a, int64_t ctas_per_split, int occupancy, SplitRule rule) {
+  const int64_t block_size = a.k_cache.size(1);
+  const int64_t capacity = a.block_tables.size(1) * block_size;
+  SplitPlan plan{};
+  plan.max_len =
+      std::max<int64_t>(1, a.max_len_hint > 0 ? std::min(a.max_len_hint, capacity) : capacity);
+  int64_t splits = a.requested_splits;
+  if (splits <= 0) {
+    const int64_t num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    int64_t min_split_keys = 64;  // below this the per-CTA prologue and merge dominate
+    if (rule == SplitRule::kTensorCores && 2 * ctas_per_split <= num_sms) {
+      splits = num_sms / ctas_per_split;
+      min_split_keys = 128;
+    } else {
+      splits = (int64_t{std::min(occupancy, 2)} * num_sms + ctas_per_split - 1) / ctas_per_split;
+    }
+    splits = std::min<int64_t>(splits, (plan.max_len + min_split_keys - 1) / min_split_keys);
+  }
+  plan.splits = std::clamp<int64_t>(splits, 1, std::min<int64_t>(kMaxSplits, plan.max_len));
+  plan.split_len = ((plan.max_len + plan.splits - 1) / plan.splits + 15) / 16 * 16;
+  plan.table_len = (plan.split_len + block_size - 1) / block_size + 1;
+  return plan;
+}
+
+// Kernel parameters; `part` receives the partials' scratch (kept alive by the caller until the
+// launch is queued; none when there is one split and the kernel is fused).
+template <typename T>
+PagedDecodeParams<T> BaseParams(const DecodeArgs& a, int64_t rows_pad, int64_t num_chunks,
+                                const SplitPlan& plan, bool fused, at::Tensor& part) {
+  const int64_t block_size = a.k_cache.size(1), hkv = a.k_cache.size(2), d = a.q.size(2);
   PagedDecodeParams<T> pa{};
-  pa.q = reinterpret_cast<const T*>(q.data_ptr());
-  pa.k = reinterpret_cast<const T*>(k_cache.data_ptr());
-  pa.v = reinterpret_cast<const T*>(v_cache.data_ptr());
-  pa.block_tables = block_tables.data_ptr<int32_t>();
-  pa.seq_lens = seq_lens.data_ptr<int32_t>();
-  pa.stride_slot = hkv * D;
-  pa.max_blocks = static_cast<int32_t>(max_blocks);
+  pa.q = reinterpret_cast<const T*>(a.q.data_ptr());
+  pa.k = reinterpret_cast<const T*>(a.k_cache.data_ptr());
+  pa.v = reinterpret_cast<const T*>(a.v_cache.data_ptr());
+  pa.block_tables = a.block_tables.data_ptr<int32_t>();
+  pa.seq_lens = a.seq_lens.data_ptr<int32_t>();
+  pa.stride_slot = hkv * d;
+  pa.max_blocks = static_cast<int32_t>(a.block_tables.size(1));
   pa.block_size = static_cast<int32_t>(block_size);
   pa.block_shift = (block_size & (block_size - 1)) == 0
                        ? static_cast<int32_t>(__builtin_ctzll(static_cast<uint64_t>(block_size)))
                        : -1;
   pa.num_kv_heads = static_cast<int32_t>(hkv);
-  pa.group = static_cast<int32_t>(g);
+  pa.group = static_cast<int32_t>(a.q.size(1) / hkv);
   pa.rows_pad = static_cast<int32_t>(rows_pad);
-  pa.num_splits = static_cast<int32_t>(splits);
-  pa.split_len = static_cast<int32_t>(split_len);
-  pa.table_len = table_len <= kDecMaxTableEntries ? static_cast<int32_t>(table_len) : 0;
-  pa.scale_log2 = scale * 1.4426950408889634f;
-  pa.part_m = part_ml[0].data_ptr<float>();
-  pa.part_l = part_ml[1].data_ptr<float>();
-  pa.part_acc = part_acc.data_ptr<float>();
+  pa.num_splits = static_cast<int32_t>(plan.splits);
+  pa.split_len = static_cast<int32_t>(plan.split_len);
+  pa.table_len = plan.table_len <= kDecMaxTableEntries ? static_cast<int32_t>(plan.table_len) : 0;
+  pa.scale_log2 = a.scale * 1.4426950408889634f;
+  pa.num_chunks = static_cast<int32_t>(num_chunks);
+  pa.out = reinterpret_cast<T*>(a.out.data_ptr());
+  const int64_t bh = a.q.size(0) * hkv;
+  if (fused) {
+    pa.counters = MergeCounters(bh * num_chunks, at::cuda::getCurrentCUDAStream());
+    if (plan.splits == 1) return pa;
+  }
+  // Partials [acc | m | l] in one allocation.
+  part = at::empty({bh * plan.splits * rows_pad * (d + 2)}, a.q.options().dtype(at::kFloat));
+  pa.part_acc = part.data_ptr<float>();
+  pa.part_m = pa.part_acc + bh * plan.splits * rows_pad * d;
+  pa.part_l = pa.part_m + bh * plan.splits * rows_pad;
+  return pa;
+}
+
+// Resident CTAs per SM of `kernel` with `smem` bytes, after raising its dynamic shared-memory
+// limit to `max_smem`. Once per instantiation: host calls on every decode step cost time.
+template <typename Kernel>
+int Occupancy(Kernel kernel, int threads, int smem, int max_smem) {
+  C10_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem));
+  int blocks = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, smem));
+  return std::max(1, blocks);
+}
+
+// CUDA cores, RC query heads per CTA (row chunks in z). !kFused: v7b + MergeKernel.
+template <typename T, int D, int RC, bool kFused>
+void LaunchCudaCores(const DecodeArgs& a) {
+  const int64_t hkv = a.k_cache.size(2), g = a.q.size(1) / hkv, bh = a.q.size(0) * hkv;
+  const int64_t num_chunks = (g + RC - 1) / RC, rows_pad = num_chunks * RC;
+  auto kernel = PagedDecodeKernel<T, D, RC, kFused>;
+  constexpr int base_smem = PagedDecodeSmemBytes<T, D, RC>();
+  static const int occupancy =
+      Occupancy(kernel, kDecThreads, base_smem + 1024, base_smem + kDecMaxTableEntries * 4);
+  const SplitPlan plan = PlanSplits(a, bh * num_chunks, occupancy, SplitRule::kCudaCores);
+  at::Tensor part;
+  const PagedDecodeParams<T> pa = BaseParams<T>(a, rows_pad, num_chunks, plan, kFused, part);
+  auto stream = at::cuda::getCurrentCUDAStream();
   const int smem = base_smem + pa.table_len * 4;
-  kernel<<<dim3(bh, splits, num_chunks), kDecThreads, smem, stream>>>(pa);
+  kernel<<<dim3(bh, plan.splits, num_chunks), kDecThreads, smem, stream>>>(pa);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  MergeKernel<T, D><<<dim3(bh, rows_pad), D, 0, stream>>>(
-      pa.part_m, pa.part_l, pa.part_acc, static_cast<int>(splits), static_cast<int>(rows_pad),
-      static_cast<int>(g), reinterpret_cast<T*>(out.data_ptr()), nullptr);
+  if constexpr (!kFused) {
+    MergeKernel<T, D><<<dim3(bh, rows_pad), D, 0, stream>>>(
+        pa.part_m, pa.part_l, pa.part_acc, pa.num_splits, pa.rows_pad, pa.group, pa.out, nullptr);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
+// Tensor cores (v12): the g <= 16 query heads of a KV head in one m16 tile.
+template <typename T, int D, bool kHigh>
+void LaunchMma(const DecodeArgs& a) {
+  const int64_t hkv = a.k_cache.size(2), g = a.q.size(1) / hkv, bh = a.q.size(0) * hkv;
+  auto kernel = PagedDecodeMmaKernel<T, D, kHigh>;
+  constexpr int base_smem = PagedDecodeMmaSmemBytes<T, D>();
+  static const int occupancy =
+      Occupancy(kernel, kDecMmaThreads, base_smem + 1024, base_smem + kDecMaxTableEntries * 4);
+  const SplitPlan plan = PlanSplits(a, bh, occupancy, SplitRule::kTensorCores);
+  at::Tensor part;
+  const PagedDecodeParams<T> pa = BaseParams<T>(a, g, 1, plan, true, part);
+  const int smem = base_smem + pa.table_len * 4;
+  kernel<<<dim3(bh, plan.splits), kDecMmaThreads, smem, at::cuda::getCurrentCUDAStream()>>>(pa);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+template <typename T, int D, int RC>
+void LaunchRows(const DecodeArgs& a) {
+  if (SelectedVersion() == DecodeVersion::kV7b) return LaunchCudaCores<T, D, RC, false>(a);
+  return LaunchCudaCores<T, D, RC, true>(a);
+}
 template <typename T, int D>
-void DispatchRows(int64_t g, const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
-                  const at::Tensor& bt, const at::Tensor& sl, float scale, int splits,
-                  int64_t max_len, at::Tensor& out) {
-  // Rows per CTA: the group rounded up to a power of two, at most 8 (more: row chunks in z).
-  if (g == 1) return Launch<T, D, 1>(q, kc, vc, bt, sl, scale, splits, max_len, out);
-  if (g == 2) return Launch<T, D, 2>(q, kc, vc, bt, sl, scale, splits, max_len, out);
-  if (g <= 4) return Launch<T, D, 4>(q, kc, vc, bt, sl, scale, splits, max_len, out);
-  return Launch<T, D, kDecMaxRows>(q, kc, vc, bt, sl, scale, splits, max_len, out);
+void DispatchRows(int64_t g, const DecodeArgs& a) {
+  if constexpr (sizeof(T) == 2 && D <= 128) {
+    if (SelectedVersion() == DecodeVersion::kV12) {
+      return g > 8 ? LaunchMma<T, D, true>(a) : LaunchMma<T, D, false>(a);
+    }
+  }
+  // CUDA cores: rows per CTA = the group rounded up to a power of two, at most 8 (more: row
+  // chunks in z).
+  if (g == 1) return LaunchRows<T, D, 1>(a);
+  if (g == 2) return LaunchRows<T, D, 2>(a);
+  if (g <= 4) return LaunchRows<T, D, 4>(a);
+  return LaunchRows<T, D, kDecMaxRows>(a);
 }
 
 template <typename T>
-absl::Status DispatchHeadDim(int64_t d, int64_t g, const at::Tensor& q, const at::Tensor& kc,
-                             const at::Tensor& vc, const at::Tensor& bt, const at::Tensor& sl,
-                             float scale, int splits, int64_t max_len, at::Tensor& out) {
+absl::Status DispatchHeadDim(int64_t d, int64_t g, const DecodeArgs& a) {
   switch (d) {
     case 64:
-      DispatchRows<T, 64>(g, q, kc, vc, bt, sl, scale, splits, max_len, out);
+      DispatchRows<T, 64>(g, a);
       break;
     case 128:
-      DispatchRows<T, 128>(g, q, kc, vc, bt, sl, scale, splits, max_len, out);
+      DispatchRows<T, 128>(g, a);
       break;
     case 256:
-      DispatchRows<T, 256>(g, q, kc, vc, bt, sl, scale, splits, max_len, out);
+      DispatchRows<T, 256>(g, a);
       break;
     default:
       return absl::InvalidArgumentError(
@@ -158,11 +284,10 @@ absl::StatusOr<at::Tensor> PagedDecodeAttention(const at::Tensor& q_in, const at
     if (q.size(0) == 0) return out;
     const float scale =
         static_cast<float>(params.scale > 0 ? params.scale : 1.0 / std::sqrt(double(d)));
-    auto launch = [&](auto type_tag) {
-      using T = decltype(type_tag);
-      return DispatchHeadDim<T>(d, g, q, k_cache, v_cache, block_tables, seq_lens, scale,
-                                params.num_splits, params.max_seq_len, out);
-    };
+    const DecodeArgs args{q,        k_cache, v_cache,           block_tables,
+                          seq_lens, scale,   params.num_splits, params.max_seq_len,
+                          out};
+    auto launch = [&](auto type_tag) { return DispatchHeadDim<decltype(type_tag)>(d, g, args); };
     const absl::Status st = dtype == at::kFloat  ? launch(float{})
                             : dtype == at::kHalf ? launch(__half{})
                                                  : launch(__nv_bfloat16{});

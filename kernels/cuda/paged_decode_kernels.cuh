@@ -1,6 +1,10 @@
-// Paged decode attention, split-K (flash-decoding) partial kernel. Raw-pointer device code, no
-// torch. Writes the same partials as PartialAttnKernel (attention_common.cuh) so MergeKernel
-// finishes the job.
+// Paged decode attention, split-K (flash-decoding). Raw-pointer device code, no torch.
+// - PagedDecodeKernel<T, D, RC, kFused> (CUDA cores, every dtype and head_dim). kFused = false is
+//   v7b: it writes the same partials as PartialAttnKernel (attention_common.cuh) and MergeKernel
+//   finishes the job in a second launch. kFused = true (v11) merges the splits itself
+//   (MergeSplitsIfLast): one launch.
+// - PagedDecodeMmaKernel<T, D, kHigh> (v12, bf16 / fp16, D <= 128): the products on the tensor
+//   cores, merge folded in as v11.
 //
 // Layout of the work (v5, replacing the W = 1 use of PartialAttnKernel):
 // - a key row of one head is D elements; kLanesPerKey = D / kElems lanes share a key, each
@@ -23,6 +27,7 @@
 #include <cstdint>
 
 #include "kernels/cuda/attention_common.cuh"
+#include "kernels/cuda/dropkv_score_warp.cuh"  // LdMatrixX4(Trans), Mma16816, PackPair
 
 namespace dropkv::kernels::cuda {
 
@@ -52,10 +57,101 @@ struct PagedDecodeParams {
   int32_t split_len;   // keys per split
   int32_t table_len;   // block ids per CTA cached in shared memory (0: read them from global)
   float scale_log2;    // softmax scale * log2(e)
-  float* part_m;       // [B*Hkv, S, rows_pad] (natural-log units, as MergeKernel expects)
+  float* part_m;       // [B*Hkv, S, rows_pad] (v7b: natural-log units, as MergeKernel expects;
+                       // fused kernels: base 2)
   float* part_l;       // [B*Hkv, S, rows_pad]
   float* part_acc;     // [B*Hkv, S, rows_pad, D]
+  // Fused kernels only:
+  T* out;              // [B, Hq, D] = [B*Hkv, g, D]
+  int32_t* counters;   // [B*Hkv, num_chunks] arrival counts, 0 between launches (see below)
+  int32_t num_chunks;  // row chunks per KV head (gridDim.z of PagedDecodeKernel, 1 for mma)
 };
+
+// Splits of a sequence that hold keys: ceil(n / split_len), at least 1 (n = 0: split 0 writes
+// the zeros), at most the grid's (a length past max_seq_len is cut there, as in v7b). CTAs of
+// later splits exit at once and write nothing.
+__device__ __forceinline__ int ActiveSplits(int n, int split_len, int num_splits) {
+  return n <= split_len ? 1 : min(num_splits, (n + split_len - 1) / split_len);
+}
+
+// The split merge folded into the partial kernel (v11). Called by every thread of each CTA of
+// (bh, chunk) whose split holds keys, after it wrote its partial (rows [row0, row0 + rows), m in
+// base 2) to part_*. The CTAs count their arrivals on counters[bh, chunk]; the last of the
+// num_active resets the count to 0 (so the next launch and every CUDA-graph replay start from
+// 0 with no memset) and merges the partials into `out`, always in split order with the same
+// arithmetic: which CTA arrives last does not change a bit of the result.
+// Ordering: each thread's partial stores, then its fence, then the CTA barrier, then thread 0's
+// atomic; the last CTA's thread 0 fences after its atomic and everyone reads the partials from
+// L2 (__ldcg), never from a possibly stale L1 line.
+// The merge: each thread owns 4 columns of a row and walks the splits in order, kMergeChunk at a
+// time with a running max (every load of a chunk is independent: one L2 round trip per chunk; a
+// first version computed the split weights in shared memory first, two more round trips and a
+// barrier on the critical path of the last CTA).
+constexpr int kMergeChunk = 8;
+template <typename T, int D, int kThreads>
+__device__ __forceinline__ void MergeSplitsIfLast(const PagedDecodeParams<T>& p, int bh, int chunk,
+                                                  int row0, int rows, int num_active) {
+  __shared__ int last_s;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int32_t* counter = p.counters + static_cast<int64_t>(bh) * p.num_chunks + chunk;
+    const int arrived = atomicAdd(counter, 1);
+    const bool last = arrived == num_active - 1;
+    if (last) *counter = 0;
+    __threadfence();
+    last_s = last;
+  }
+  __syncthreads();
+  if (!last_s) return;
+
+  constexpr int kQuads = D / 4;
+  const int64_t base = static_cast<int64_t>(bh) * p.num_splits * p.rows_pad + row0;
+  T* out = p.out + (static_cast<int64_t>(bh) * p.group + row0) * D;
+  for (int idx = threadIdx.x; idx < rows * kQuads; idx += kThreads) {
+    const int r = idx / kQuads, c = (idx % kQuads) * 4;
+    float m_run = -INFINITY, l_run = 0.f;
+    float4 a_run = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int s0 = 0; s0 < num_active; s0 += kMergeChunk) {
+      float m[kMergeChunk], l[kMergeChunk];
+      float4 v[kMergeChunk];
+#pragma unroll
+      for (int i = 0; i < kMergeChunk; ++i) {
+        const int64_t i_part = base + static_cast<int64_t>(s0 + i) * p.rows_pad + r;
+        const bool ok = s0 + i < num_active;
+        m[i] = ok ? __ldcg(p.part_m + i_part) : -INFINITY;
+        l[i] = ok ? __ldcg(p.part_l + i_part) : 0.f;
+        v[i] = ok ? __ldcg(reinterpret_cast<const float4*>(p.part_acc + i_part * D + c))
+                  : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+      float m_new = m_run;
+#pragma unroll
+      for (int i = 0; i < kMergeChunk; ++i) m_new = fmaxf(m_new, m[i]);
+      const float alpha = m_run == -INFINITY ? 0.f : FastExp2(m_run - m_new);
+      l_run *= alpha;
+      a_run.x *= alpha;
+      a_run.y *= alpha;
+      a_run.z *= alpha;
+      a_run.w *= alpha;
+#pragma unroll
+      for (int i = 0; i < kMergeChunk; ++i) {
+        const float f = m[i] == -INFINITY ? 0.f : FastExp2(m[i] - m_new);
+        l_run = fmaf(l[i], f, l_run);
+        a_run.x = fmaf(v[i].x, f, a_run.x);
+        a_run.y = fmaf(v[i].y, f, a_run.y);
+        a_run.z = fmaf(v[i].z, f, a_run.z);
+        a_run.w = fmaf(v[i].w, f, a_run.w);
+      }
+      m_run = m_new;
+    }
+    const float inv_l = l_run > 0.f ? 1.f / l_run : 0.f;
+    T* o = out + r * D + c;
+    o[0] = FromFloat<T>(a_run.x * inv_l);
+    o[1] = FromFloat<T>(a_run.y * inv_l);
+    o[2] = FromFloat<T>(a_run.z * inv_l);
+    o[3] = FromFloat<T>(a_run.w * inv_l);
+  }
+}
 
 // Per-thread work shape. kElems head-dim elements per thread per key: 16 for 1-2 rows (half the
 // lanes per key, so the shuffle reduction and the redundant exp of a lane group cost half as much
@@ -81,8 +177,9 @@ constexpr int PagedDecodeSmemBytes() {
 
 // grid (B*Hkv, S, ceil(g / RC)), kDecThreads threads. CTA (bh, s, chunk) attends query heads
 // [chunk*RC, chunk*RC + RC) of KV head bh % Hkv of sequence bh / Hkv over keys
-// [s*split_len, min(n, (s+1)*split_len)) and writes one partial (m, l, acc) per row.
-template <typename T, int D, int RC>
+// [s*split_len, min(n, (s+1)*split_len)) and writes one partial (m, l, acc) per row; kFused: the
+// output itself when the sequence has one split, else the partial and MergeSplitsIfLast.
+template <typename T, int D, int RC, bool kFused>
 __global__ void __launch_bounds__(kDecThreads, RC <= 4 ? 4 : 2)
     PagedDecodeKernel(const PagedDecodeParams<T> p) {
   using Shape = DecodeShape<T, RC>;
@@ -123,11 +220,20 @@ __global__ void __launch_bounds__(kDecThreads, RC <= 4 ? 4 : 2)
   }
 
   const int key_end = min(n, key_begin + p.split_len);
-  if (key_begin >= key_end) {  // empty split (uniform over the CTA): weight 0 in the merge
-    for (int idx = tid; idx < RC * D; idx += kDecThreads) p.part_acc[part_row0 * D + idx] = 0.f;
-    if (tid < RC) {
-      p.part_m[part_row0 + tid] = -INFINITY;
-      p.part_l[part_row0 + tid] = 0.f;
+  [[maybe_unused]] const int rows = min(RC, p.group - row0);  // query heads of this chunk
+  if (key_begin >= key_end) {                                 // empty split (uniform over the CTA)
+    if constexpr (kFused) {
+      // Fused: splits past the sequence write nothing; split 0 of an empty sequence the zeros.
+      if (split == 0) {
+        T* out = p.out + (static_cast<int64_t>(bh) * p.group + row0) * D;
+        for (int idx = tid; idx < rows * D; idx += kDecThreads) out[idx] = FromFloat<T>(0.f);
+      }
+    } else {  // weight 0 in MergeKernel
+      for (int idx = tid; idx < RC * D; idx += kDecThreads) p.part_acc[part_row0 * D + idx] = 0.f;
+      if (tid < RC) {
+        p.part_m[part_row0 + tid] = -INFINITY;
+        p.part_l[part_row0 + tid] = 0.f;
+      }
     }
     return;
   }
@@ -320,6 +426,7 @@ __global__ void __launch_bounds__(kDecThreads, RC <= 4 ? 4 : 2)
     }
   }
   __syncthreads();
+  [[maybe_unused]] const int num_active = ActiveSplits(n, p.split_len, p.num_splits);
   for (int idx = tid; idx < RC * D; idx += kDecThreads) {
     const int r = idx / D, c = idx % D;
     float m_max = -INFINITY;
@@ -333,12 +440,304 @@ __global__ void __launch_bounds__(kDecThreads, RC <= 4 ? 4 : 2)
       a = fmaf(row[c], f, a);
       l_sum = fmaf(row[D + 1], f, l_sum);
     }
-    p.part_acc[(part_row0 + r) * D + c] = a;
-    if (c == 0) {
-      // Base 2 -> natural units for MergeKernel's exp(m - m_max).
-      p.part_m[part_row0 + r] = m_max == -INFINITY ? -INFINITY : m_max * 0.69314718055994531f;
-      p.part_l[part_row0 + r] = l_sum;
+    if constexpr (kFused) {
+      if (r < rows) {
+        if (num_active == 1) {  // the whole sequence in this CTA: the output directly
+          p.out[(static_cast<int64_t>(bh) * p.group + row0 + r) * D + c] =
+              FromFloat<T>(l_sum > 0.f ? a / l_sum : 0.f);
+        } else {
+          p.part_acc[(part_row0 + r) * D + c] = a;
+          if (c == 0) {
+            p.part_m[part_row0 + r] = m_max;  // base 2, as MergeSplitsIfLast reads it
+            p.part_l[part_row0 + r] = l_sum;
+          }
+        }
+      }
+    } else {
+      p.part_acc[(part_row0 + r) * D + c] = a;
+      if (c == 0) {
+        // Base 2 -> natural units for MergeKernel's exp(m - m_max).
+        p.part_m[part_row0 + r] = m_max == -INFINITY ? -INFINITY : m_max * 0.69314718055994531f;
+        p.part_l[part_row0 + r] = l_sum;
+      }
     }
+  }
+  if constexpr (kFused) {
+    if (num_active > 1) {
+      MergeSplitsIfLast<T, D, kDecThreads>(p, bh, chunk, row0, rows, num_active);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// v12: the products on the tensor cores. The g <= 16 query heads of a KV head are the 16 rows of
+// one mma m16 tile (rows past g are zero), so a 16-key slab costs D / 8 ldmatrix.x4 and D / 4
+// mma.sync m16n8k16 per warp instead of ~75 warp instructions per key on the CUDA cores (v7b's
+// FMAs, lane-group shuffles and the softmax every lane of a group repeats).
+constexpr int kDecMmaWarps = 4;
+constexpr int kDecMmaThreads = 32 * kDecMmaWarps;
+// Ring slabs per warp: 2 in flight while one is used. 4 (a 143 KB CTA, one per SM) measured the
+// same at the best split count and slower at 2 CTAs per SM (2026-12-01).
+constexpr int kDecMmaStages = 3;
+
+// Shared memory of PagedDecodeMmaKernel<T, D> in bytes, without the block-id cache: Q rows, then
+// the warps' rings (reused by the warp merge at the end).
+template <typename T, int D>
+constexpr int PagedDecodeMmaSmemBytes() {
+  constexpr int q = 16 * (D + kTcPad) * 2;
+  constexpr int ring = kDecMmaWarps * kDecMmaStages * 2 * kSlabKeys * (D + kTcPad) * 2;
+  constexpr int merge = kDecMmaWarps * 16 * (D + 2) * 4;
+  return q + (ring > merge ? ring : merge);
+}
+
+// grid (B*Hkv, S), kDecMmaThreads threads, bf16 / fp16, D 64 or 128 (the accumulators of the 16
+// rows stay in registers: D / 2 floats per lane). CTA (bh, s) attends the g query heads of KV
+// head bh % Hkv of sequence bh / Hkv over keys [s split_len, min(n, (s + 1) split_len)); warp w
+// streams the split's 16-key slabs w, w + 4, ... through its own cp.async ring (no CTA barrier
+// in the key loop) and keeps its own online softmax (base 2, lazy rescaling as v7b) on the
+// accumulator fragments: S = Q K^T with the rows as M and the keys as N, P rounded to the model
+// dtype and repacked from the C fragments into A fragments in registers, acc += P V with V^T
+// through ldmatrix.trans. kHigh: g > 8, rows 8..15 of the tile hold query heads too (else their
+// softmax is skipped and their P is 0). The 4 warps merge through shared memory; then the split
+// merge as v11 (the output directly when the sequence has one split).
+template <typename T, int D, bool kHigh>
+__global__ void __launch_bounds__(kDecMmaThreads, 3)
+    PagedDecodeMmaKernel(const PagedDecodeParams<T> p) {
+  constexpr int kStages = kDecMmaStages;
+  constexpr int kLd = D + kTcPad;                  // row stride in elements: conflict-free ldmatrix
+  constexpr int kSlabElems = 2 * kSlabKeys * kLd;  // K rows, then V rows
+  constexpr int kVecsPerRow = D / 8;               // 16-byte pieces of a key row
+  constexpr int kKeysPerCopy = 32 / kVecsPerRow;   // keys one warp-wide cp.async covers
+  constexpr int kCopies = kSlabKeys / kKeysPerCopy;  // per lane per slab, K and V each
+  constexpr int kNd = D / 8;                         // accumulator n-tiles
+  constexpr int kHalves = kHigh ? 2 : 1;
+  static_assert(sizeof(T) == 2 && (D == 64 || D == 128), "bf16 / fp16, head_dim 64 or 128");
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* q_s = reinterpret_cast<T*>(smem_raw);              // [16, kLd]
+  T* ring_all = q_s + 16 * kLd;                         // [warps][stages][kSlabElems]
+  float* merge_s = reinterpret_cast<float*>(ring_all);  // after the loop: [warps][16][D + 2]
+  int32_t* table_s =
+      reinterpret_cast<int32_t*>(smem_raw + PagedDecodeMmaSmemBytes<T, D>());  // [table_len]
+
+  const int bh = blockIdx.x, split = blockIdx.y;
+  const int b = bh / p.num_kv_heads, h = bh % p.num_kv_heads;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = p.group;
+  const int n = p.seq_lens[b];  // used below: the block-id and Q loads go out before it returns
+  const int key_begin = split * p.split_len;
+  const int blk0 = key_begin / p.block_size;
+  const int32_t* table_g = p.block_tables + static_cast<int64_t>(b) * p.max_blocks + blk0;
+  const bool cached = p.table_len > 0;
+  if (cached) {
+    const int avail = min(p.table_len, p.max_blocks - blk0);
+    for (int i = tid; i < avail; i += kDecMmaThreads) table_s[i] = table_g[i];
+  }
+  const T* q_head = p.q + static_cast<int64_t>(bh) * g * D;
+  for (int idx = tid; idx < 16 * kVecsPerRow; idx += kDecMmaThreads) {
+    const int r = idx / kVecsPerRow, c = (idx % kVecsPerRow) * 8;
+    uint4 val = make_uint4(0, 0, 0, 0);
+    if (r < g) val = *reinterpret_cast<const uint4*>(q_head + r * D + c);
+    *reinterpret_cast<uint4*>(q_s + r * kLd + c) = val;
+  }
+
+  const int key_end = min(n, key_begin + p.split_len);
+  if (key_begin >= key_end) {  // uniform over the CTA
+    if (split == 0) {          // an empty sequence: zeros
+      T* out = p.out + static_cast<int64_t>(bh) * g * D;
+      for (int idx = tid; idx < g * D; idx += kDecMmaThreads) out[idx] = FromFloat<T>(0.f);
+    }
+    return;
+  }
+  __syncthreads();  // table_s, q_s
+  const int32_t* table = cached ? table_s : table_g;
+  const int num_slabs = (key_end - key_begin + kSlabKeys - 1) / kSlabKeys;
+
+  // Copies: lane l moves the 16-byte piece l % kVecsPerRow of keys l / kVecsPerRow + i
+  // kKeysPerCopy (each warp-wide copy covers whole rows: coalesced). Lane j < 16 looks up the
+  // slot of key j of the slab once; the copies take it by shuffle. Slots fit in 32 bits: a pool
+  // of 2^32 slots would not fit in device memory.
+  T* ring = ring_all + warp * kStages * kSlabElems;
+  const int c_lane = (lane % kVecsPerRow) * 8;
+  const int key_lane = lane / kVecsPerRow;
+  const T* k_head = p.k + static_cast<int64_t>(h) * D + c_lane;
+  const T* v_head = p.v + static_cast<int64_t>(h) * D + c_lane;
+  auto issue = [&](int slab, int stage) {
+    T* dst = ring + stage * kSlabElems;
+    const int key0 = key_begin + slab * kSlabKeys;
+    const int j_own = key0 + lane % kSlabKeys;
+    uint32_t slot_own = 0;
+    if (j_own < key_end) {
+      const int rel = j_own - blk0 * p.block_size;
+      const int blk_idx = p.block_shift >= 0 ? rel >> p.block_shift : rel / p.block_size;
+      const int in_blk = p.block_shift >= 0 ? rel & (p.block_size - 1) : rel % p.block_size;
+      slot_own = static_cast<uint32_t>(table[blk_idx]) * static_cast<uint32_t>(p.block_size) +
+                 static_cast<uint32_t>(in_blk);
+    }
+#pragma unroll
+    for (int i = 0; i < kCopies; ++i) {
+      const int j = key_lane + i * kKeysPerCopy;
+      const uint32_t slot = __shfl_sync(0xffffffffu, slot_own, j);
+      const bool valid = key0 + j < key_end;
+      const int64_t off = static_cast<int64_t>(slot) * p.stride_slot;
+      CpAsync16(dst + j * kLd + c_lane, k_head + off, valid);
+      CpAsync16(dst + (kSlabKeys + j) * kLd + c_lane, v_head + off, valid);
+    }
+  };
+  int slab = warp;
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (slab + s * kDecMmaWarps < num_slabs) issue(slab + s * kDecMmaWarps, s);
+    CpAsyncCommit();
+  }
+
+  // ldmatrix row addresses of this lane: A (Q rows x d), B (keys x d), V^T (keys x d, .trans).
+  const int a_row = (lane % 8) + ((lane / 8) % 2) * 8, a_col = (lane / 16) * 8;
+  const int b_key = (lane % 8) + (lane / 16) * 8, b_col = ((lane / 8) % 2) * 8;
+  const int vt_key = (lane % 8) + ((lane / 8) % 2) * 8, vt_col = (lane / 16) * 8;
+  uint32_t qa[D / 16][4];
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) LdMatrixX4(qa[kk], q_s + a_row * kLd + kk * 16 + a_col);
+
+  float acc[kNd][4];
+  float m_row[2], l_part[2];  // rows lane / 4 (+ 8); l: this lane's share of the row sum
+#pragma unroll
+  for (int nd = 0; nd < kNd; ++nd)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[nd][i] = 0.f;
+  m_row[0] = m_row[1] = -INFINITY;
+  l_part[0] = l_part[1] = 0.f;
+
+  for (int stage = 0, fill = kStages - 1; slab < num_slabs; slab += kDecMmaWarps) {
+    const int ahead = slab + (kStages - 1) * kDecMmaWarps;
+    if (ahead < num_slabs) issue(ahead, fill);
+    CpAsyncCommit();
+    CpAsyncWait<kStages - 1>();  // this lane's copies of `stage` have landed
+    __syncwarp();                // and every other lane's
+    const T* k_s = ring + stage * kSlabElems;
+    const T* v_s = k_s + kSlabKeys * kLd;
+    const int key0 = key_begin + slab * kSlabKeys;
+
+    float sc[2][2][4];  // [chain (even / odd k-step)][key n-tile][fragment]
+#pragma unroll
+    for (int ch = 0; ch < 2; ++ch)
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) sc[ch][nt][i] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      uint32_t kb[4];
+      LdMatrixX4(kb, k_s + b_key * kLd + kk * 16 + b_col);
+      Mma16816<T>(sc[kk % 2][0], qa[kk], kb[0], kb[1]);
+      Mma16816<T>(sc[kk % 2][1], qa[kk], kb[2], kb[3]);
+    }
+    uint32_t pa[4] = {0u, 0u, 0u, 0u};  // P as A fragments: {nt0 row, nt0 row + 8, nt1 row, ..}
+#pragma unroll
+    for (int half = 0; half < kHalves; ++half) {
+      float sv[2][2];
+      float tile_max = -INFINITY;
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int i = half * 2 + e;
+          const int j = key0 + nt * 8 + 2 * (lane % 4) + e;
+          const float logit = (sc[0][nt][i] + sc[1][nt][i]) * p.scale_log2;
+          sv[nt][e] = j < key_end ? logit : -INFINITY;
+          tile_max = fmaxf(tile_max, sv[nt][e]);
+        }
+      }
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+      // Lazy rescaling (quad-uniform): the reference max moves only when a key beats it by more
+      // than kDecLazyRescale; always on the first slab (every slab holds a valid key).
+      if (tile_max > m_row[half] + kDecLazyRescale) {
+        const float alpha = m_row[half] == -INFINITY ? 0.f : FastExp2(m_row[half] - tile_max);
+#pragma unroll
+        for (int nd = 0; nd < kNd; ++nd) {
+          acc[nd][half * 2] *= alpha;
+          acc[nd][half * 2 + 1] *= alpha;
+        }
+        l_part[half] *= alpha;
+        m_row[half] = tile_max;
+      }
+      float sum = 0.f;
+      T pt[2][2];
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float prob = sv[nt][e] == -INFINITY ? 0.f : FastExp2(sv[nt][e] - m_row[half]);
+          pt[nt][e] = FromFloat<T>(prob);
+          sum += ToFloat(pt[nt][e]);  // l sums the rounded p that P V uses
+        }
+      }
+      l_part[half] += sum;
+      pa[half] = PackPair(pt[0][0], pt[0][1]);
+      pa[2 + half] = PackPair(pt[1][0], pt[1][1]);
+    }
+#pragma unroll
+    for (int dp = 0; dp < D / 16; ++dp) {  // acc[:, 16 dp : 16 dp + 16] += P V
+      uint32_t vb[4];
+      LdMatrixX4Trans(vb, v_s + vt_key * kLd + dp * 16 + vt_col);
+      Mma16816<T>(acc[2 * dp], pa, vb[0], vb[1]);
+      Mma16816<T>(acc[2 * dp + 1], pa, vb[2], vb[3]);
+    }
+    __syncwarp();  // every lane is done with `stage` before it is refilled
+    stage = stage + 1 == kStages ? 0 : stage + 1;
+    fill = fill + 1 == kStages ? 0 : fill + 1;
+  }
+  CpAsyncWait<0>();
+  __syncthreads();  // every warp is done with its ring: the merge area reuses it
+
+  // Per warp: rows [16][D + 2] = acc columns, then m, l (l summed over the quad).
+  float* mine = merge_s + warp * 16 * (D + 2);
+#pragma unroll
+  for (int half = 0; half < kHalves; ++half) {
+    const int r = lane / 4 + 8 * half;
+    float l = l_part[half];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+#pragma unroll
+    for (int nd = 0; nd < kNd; ++nd) {
+      const int c = nd * 8 + 2 * (lane % 4);
+      mine[r * (D + 2) + c] = acc[nd][half * 2];
+      mine[r * (D + 2) + c + 1] = acc[nd][half * 2 + 1];
+    }
+    if (lane % 4 == 0) {
+      mine[r * (D + 2) + D] = m_row[half];
+      mine[r * (D + 2) + D + 1] = l;
+    }
+  }
+  __syncthreads();
+  const int num_active = ActiveSplits(n, p.split_len, p.num_splits);
+  const int64_t part_row0 = (static_cast<int64_t>(bh) * p.num_splits + split) * p.rows_pad;
+  for (int idx = tid; idx < g * D; idx += kDecMmaThreads) {
+    const int r = idx / D, c = idx % D;
+    float m_max = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kDecMmaWarps; ++w)
+      m_max = fmaxf(m_max, merge_s[(w * 16 + r) * (D + 2) + D]);
+    float l = 0.f, a = 0.f;
+#pragma unroll
+    for (int w = 0; w < kDecMmaWarps; ++w) {
+      const float* row = merge_s + (w * 16 + r) * (D + 2);
+      const float f = row[D] == -INFINITY ? 0.f : FastExp2(row[D] - m_max);
+      l = fmaf(row[D + 1], f, l);
+      a = fmaf(row[c], f, a);
+    }
+    if (num_active == 1) {  // the whole sequence in this CTA: the output directly
+      p.out[(static_cast<int64_t>(bh) * g + r) * D + c] = FromFloat<T>(l > 0.f ? a / l : 0.f);
+    } else {
+      p.part_acc[(part_row0 + r) * D + c] = a;
+      if (c == 0) {
+        p.part_m[part_row0 + r] = m_max;
+        p.part_l[part_row0 + r] = l;
+      }
+    }
+  }
+  if (num_active > 1) {
+    MergeSplitsIfLast<T, D, kDecMmaThreads>(p, bh, 0, 0, g, num_active);
   }
 }
 

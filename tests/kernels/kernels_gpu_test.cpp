@@ -3,6 +3,11 @@
 // so that an output element the kernel forgot to write shows up as NaN.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#ifdef DROPKV_CUDA_ENABLED  // the CUDA-graph test; a CPU-only LibTorch build has no CUDA headers
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDAGuard.h>
+#endif
 
 #include <algorithm>
 #include <cstdio>
@@ -254,10 +259,11 @@ TEST_F(KernelsGpuTest, RejectsUnsupportedHeadDim) {
 
 TEST_F(KernelsGpuTest, PagedDecodeMatchesCpuReference) {
   for (auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
-    for (int64_t g : {1, 4, 7, 16}) {
+    for (int64_t g : {1, 4, 7, 8, 16}) {
       for (int64_t d : {64, 128, 256}) {
-        // g = 16 (two row chunks per KV head on CUDA) once, to keep the run short.
-        if (g == 16 && (dtype != at::kBFloat16 || d != 128)) continue;
+        // g = 8 and 16 (two row chunks per KV head on the CUDA cores, rows 8..15 of the mma tile
+        // on the tensor cores) in the two 16-bit dtypes at D 128, to keep the run short.
+        if (g >= 8 && (dtype == at::kFloat || d != 128)) continue;
         const int64_t b = 4, hkv = 2, hq = hkv * g, bs = 16, max_blocks = 400,
                       nb = b * max_blocks + 7;
         auto kc = at::randn({nb, bs, hkv, d}).to(dtype), vc = at::randn({nb, bs, hkv, d}).to(dtype);
@@ -308,6 +314,146 @@ TEST_F(KernelsGpuTest, PagedDecodeBlockSizeOneAndSplitCounts) {
     ASSERT_TRUE(got.ok()) << got.status();
     ExpectClose(*got, *want, 1e-2, 1e-2, "block size 1, splits " + std::to_string(splits));
   }
+}
+
+// Inputs of a paged decode call: random pool, random disjoint tables, given lengths.
+struct PagedCase {
+  at::Tensor q, kc, vc, tables, lens;  // CPU
+};
+PagedCase MakePagedCase(int64_t b, int64_t hkv, int64_t g, int64_t d, int64_t bs,
+                        int64_t max_blocks, const std::vector<int>& lens, at::ScalarType dtype) {
+  const int64_t nb = b * max_blocks + 3;
+  PagedCase c;
+  c.kc = at::randn({nb, bs, hkv, d}).to(dtype);
+  c.vc = at::randn({nb, bs, hkv, d}).to(dtype);
+  c.q = at::randn({b, hkv * g, d}).to(dtype);
+  c.tables =
+      at::randperm(nb, at::kInt).slice(0, 0, b * max_blocks).view({b, max_blocks}).contiguous();
+  c.lens = at::tensor(lens, at::kInt);
+  return c;
+}
+at::Tensor PagedCpu(const PagedCase& c) {
+  auto want = PagedDecodeAttention(c.q.to(at::kFloat), c.kc.to(at::kFloat), c.vc.to(at::kFloat),
+                                   c.tables, c.lens);
+  EXPECT_TRUE(want.ok()) << want.status();
+  return want.ok() ? *want : at::Tensor();
+}
+
+// One split per sequence (num_splits 1, and lengths a split holds under the default count): the
+// kernels write the output directly, without partials or the merge.
+TEST_F(KernelsGpuTest, PagedDecodeSingleSplit) {
+  for (auto dtype : {at::kBFloat16, at::kHalf, at::kFloat}) {
+    for (int64_t g : {1, 4, 16}) {
+      for (int64_t d : {64, 128}) {
+        auto c = MakePagedCase(3, 2, g, d, 16, 64, {1000, 5, 0}, dtype);
+        auto want = PagedCpu(c);
+        for (int32_t splits : {1, 0}) {
+          Poison();
+          PagedAttentionParams params;
+          params.num_splits = splits;
+          params.max_seq_len = splits == 0 ? 40 : 0;  // 40 keys: one split of 48 by default
+          auto lens = splits == 0 ? at::tensor({40, 5, 0}, at::kInt) : c.lens;
+          auto want_here = splits == 0 ? PagedCpu({c.q, c.kc, c.vc, c.tables, lens}) : want;
+          auto got = PagedDecodeAttention(c.q.to(at::kCUDA), c.kc.to(at::kCUDA), c.vc.to(at::kCUDA),
+                                          c.tables.to(at::kCUDA), lens.to(at::kCUDA), params);
+          ASSERT_TRUE(got.ok()) << got.status();
+          const double tol = dtype == at::kFloat ? 1e-4 : (dtype == at::kHalf ? 2e-3 : 1e-2);
+          ExpectClose(*got, want_here, tol, tol,
+                      std::string(c10::toString(dtype)) + " g=" + std::to_string(g) +
+                          " D=" + std::to_string(d) + " splits " + std::to_string(splits));
+        }
+      }
+    }
+  }
+}
+
+// The folded merge counts its CTAs on a per-stream counter that the merging CTA resets: many
+// launches in a row (split counts and lengths changing, so different counters go through
+// different counts) must each equal the reference, and the same inputs give the same bits
+// (the merge order does not depend on which CTA finishes last).
+TEST_F(KernelsGpuTest, PagedDecodeRepeatedLaunchesReuseTheCounters) {
+  for (auto dtype : {at::kBFloat16, at::kFloat}) {
+    auto c = MakePagedCase(5, 2, 4, 128, 16, 300, {4000, 17, 4799, 0, 1}, dtype);
+    auto kc = c.kc.to(at::kCUDA), vc = c.vc.to(at::kCUDA), tables = c.tables.to(at::kCUDA);
+    at::Tensor first;
+    for (int iter = 0; iter < 12; ++iter) {
+      const bool same = iter % 3 == 0;  // every third launch repeats the first inputs
+      auto lens = same ? c.lens : at::randint(0, 4800, {5}, at::kInt);
+      auto q = same ? c.q : at::randn(c.q.sizes()).to(dtype);
+      PagedAttentionParams params;
+      params.num_splits = same ? 0 : static_cast<int32_t>(iter * 7 % 60);
+      auto got = PagedDecodeAttention(q.to(at::kCUDA), kc, vc, tables, lens.to(at::kCUDA), params);
+      ASSERT_TRUE(got.ok()) << got.status();
+      if (same) {
+        if (!first.defined()) first = got->clone();
+        EXPECT_TRUE(at::equal(*got, first)) << "launch " << iter << ": not bitwise identical";
+      }
+      const double tol = dtype == at::kFloat ? 1e-4 : 1e-2;
+      ExpectClose(*got, PagedCpu({q, c.kc, c.vc, c.tables, lens}), tol, tol,
+                  std::string(c10::toString(dtype)) + " launch " + std::to_string(iter));
+    }
+  }
+}
+
+// A CUDA graph of decode calls (fixed shapes and max_seq_len, as the runner captures them),
+// replayed with new queries, tables and lengths copied into its inputs: equals the eager call on
+// the same inputs bit for bit, and the CPU reference.
+TEST_F(KernelsGpuTest, PagedDecodeGraphReplayEqualsEager) {
+#ifndef DROPKV_CUDA_ENABLED
+  GTEST_SKIP() << "built without CUDA";
+#else
+  for (auto dtype : {at::kBFloat16, at::kHalf, at::kFloat}) {
+    for (int64_t g : {4, 16}) {
+      const int64_t b = 4, hkv = 2, d = 128, bs = 16, max_blocks = 200;
+      auto c = MakePagedCase(b, hkv, g, d, bs, max_blocks, {3000, 1, 0, 2500}, dtype);
+      auto kc = c.kc.to(at::kCUDA), vc = c.vc.to(at::kCUDA);
+      auto q_in = c.q.to(at::kCUDA), tables_in = c.tables.to(at::kCUDA);
+      auto lens_in = c.lens.to(at::kCUDA);
+      PagedAttentionParams params;
+      params.max_seq_len = 3200;
+      // Eager first (lazy initialisation stays out of the capture), then capture on a side
+      // stream; two calls in the graph, as two layers.
+      ASSERT_TRUE(PagedDecodeAttention(q_in, kc, vc, tables_in, lens_in, params).ok());
+      at::cuda::CUDAGraph graph;
+      at::Tensor out1, out2;
+      {
+        auto side = at::cuda::getStreamFromPool();
+        c10::cuda::CUDAStreamGuard guard(side);
+        graph.capture_begin();
+        auto r1 = PagedDecodeAttention(q_in, kc, vc, tables_in, lens_in, params);
+        auto r2 = PagedDecodeAttention(q_in, vc, kc, tables_in, lens_in, params);  // K, V swapped
+        graph.capture_end();
+        ASSERT_TRUE(r1.ok() && r2.ok());
+        out1 = *r1;
+        out2 = *r2;
+      }
+      for (int iter = 0; iter < 4; ++iter) {
+        auto q_cpu = at::randn(c.q.sizes()).to(dtype);
+        std::vector<int> lens = {3200 - 37 * iter, iter, iter == 0 ? 0 : 999, 1 + 700 * iter};
+        auto lens_cpu = at::tensor(lens, at::kInt);
+        auto tables_cpu = at::randperm(c.kc.size(0), at::kInt)
+                              .slice(0, 0, b * max_blocks)
+                              .view({b, max_blocks})
+                              .contiguous();
+        q_in.copy_(q_cpu);
+        tables_in.copy_(tables_cpu);
+        lens_in.copy_(lens_cpu);
+        Poison();
+        graph.replay();
+        auto eager1 = PagedDecodeAttention(q_in, kc, vc, tables_in, lens_in, params);
+        auto eager2 = PagedDecodeAttention(q_in, vc, kc, tables_in, lens_in, params);
+        ASSERT_TRUE(eager1.ok() && eager2.ok());
+        const std::string what = std::string(c10::toString(dtype)) + " g=" + std::to_string(g) +
+                                 " replay " + std::to_string(iter);
+        EXPECT_TRUE(at::equal(out1, *eager1)) << what << ": graph != eager (layer 1)";
+        EXPECT_TRUE(at::equal(out2, *eager2)) << what << ": graph != eager (layer 2)";
+        const double tol = dtype == at::kFloat ? 1e-4 : (dtype == at::kHalf ? 2e-3 : 1e-2);
+        ExpectClose(out1, PagedCpu({q_cpu, c.kc, c.vc, tables_cpu, lens_cpu}), tol, tol, what);
+        ExpectClose(out2, PagedCpu({q_cpu, c.vc, c.kc, tables_cpu, lens_cpu}), tol, tol, what);
+      }
+    }
+  }
+#endif
 }
 
 // Tensor-core scoring with more packed rows than the score pass keeps resident (g * W = 48 > 32:
