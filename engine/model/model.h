@@ -88,9 +88,10 @@ class Model {
   // projections run as our GEMV (kernels/fused_gemv.h) with the norm before qkv and gate_up and
   // the activation before down in its prologue, 3 launches per layer fewer; o_proj as our plain
   // GEMV. A matrix whose K leaves too little shared memory for the batch uses cuBLAS as before.
-  // On by default.
+  // On by default. 8 tokens at most: the norm prologue re-reads the M input rows from L2 in
+  // every CTA, as many bytes as the CTA's weights at M = 16 (cuBLAS then; not yet measured).
   void set_fused_gemv(bool on) { fused_gemv_ = on; }
-  static constexpr int64_t kMaxFusedGemvTokens = 16;
+  static constexpr int64_t kMaxFusedGemvTokens = 8;
 
  private:
   struct Layer {

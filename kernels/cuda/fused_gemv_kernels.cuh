@@ -233,11 +233,13 @@ __global__ void __launch_bounds__(kThreads, 2) FusedGemvKernel(const Params p) {
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int kk = (chunk + u) * kChunk + q * kPackElems;
-      if (chunk + u < chunk_end && kk < p.k) {
+      // The condition must be the same for the whole warp (mma.sync is .aligned): lanes past K
+      // (K % 32 != 0) take part with zeros (their W slots were loaded as zeros too).
+      if (chunk + u < chunk_end) {
 #pragma unroll
         for (int tile = 0; tile < kTiles; ++tile) {
           const int token = tile * 8 + g;
-          const uint4 xv = token < p.m
+          const uint4 xv = token < p.m && kk < p.k
                                ? *reinterpret_cast<const uint4*>(xs + token * p.x_smem_stride + kk)
                                : zero;
           Mma16816<T>(acc[tile], lo[u].x, hi[u].x, lo[u].y, hi[u].y, xv.x, xv.y);

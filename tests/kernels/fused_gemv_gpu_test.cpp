@@ -4,10 +4,12 @@
 // each call, so an output element the kernel forgot to write shows up.
 //
 // Tolerance: the prologue hands the GEMM the same rounded inputs as the chain (RMSNorm's sum
-// order may move an element by one unit in the last place), both accumulate in fp32 and round
-// once; so y may differ by the rounding of two fp32 sums of different order: 2 ulp of the dtype
-// relative, plus 1/8 ulp of the output's largest value for cancelling dot products (the fp32
-// order error and a one-ulp input element are far below that). The updated residual is exact.
+// order may move an element by one unit in the last place), the product accumulates in fp32 and
+// is rounded once. So against an fp64 product of the same inputs every element is within 1 ulp of
+// the dtype (relative) plus 1/32 ulp of the output's largest value (fp32 sums, a one-ulp input
+// element). cuBLAS is not that close on every shape (seen: bf16, K 3584, N 37, with bias: 2 ulp
+// of the largest value off the fp64 product), so against cuBLAS the bound is cuBLAS's own
+// distance from fp64 plus ours. The updated residual is exact.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAGraph.h>
@@ -48,17 +50,29 @@ double Ulp(at::ScalarType t) {
   return t == at::kBFloat16 ? std::ldexp(1.0, -7) : std::ldexp(1.0, -10);
 }
 
-// Every |got - want| <= 2 ulp |want| + ulp max|want| / 8, no NaN.
-void ExpectGemmClose(const at::Tensor& got, const at::Tensor& want, const std::string& what) {
+// got (ours) against ref64 (fp64 product of the same inputs) and want (the cuBLAS chain).
+void ExpectGemmClose(const at::Tensor& got, const at::Tensor& want, const at::Tensor& ref64,
+                     const std::string& what) {
   ASSERT_EQ(got.sizes(), want.sizes()) << what;
   auto g = got.to(at::kCPU, at::kDouble), w = want.to(at::kCPU, at::kDouble);
+  auto r = ref64.to(at::kCPU, at::kDouble);
   ASSERT_FALSE(g.isnan().any().item<bool>()) << what << ": NaN in the output (unwritten?)";
   const double ulp = Ulp(want.scalar_type());
-  const double scale = w.abs().max().item<double>();
-  auto excess = (g - w).abs() - (2 * ulp * w.abs() + ulp * scale / 8);
-  EXPECT_LE(excess.max().item<double>(), 0.0)
-      << what << ": max |diff| " << (g - w).abs().max().item<double>() << ", scale " << scale
-      << ", differing elements " << g.ne(w).sum().item<int64_t>() << " of " << g.numel();
+  const double scale = r.abs().max().item<double>();
+  auto ours = (g - r).abs() - (ulp * r.abs() + ulp * scale / 32);
+  const double cublas_off = (w - r).abs().max().item<double>();
+  EXPECT_LE(ours.max().item<double>(), 0.0)
+      << what << ": max |ours - fp64| " << (g - r).abs().max().item<double>() << ", scale " << scale
+      << " (cuBLAS: " << cublas_off << ")";
+  auto vs_cublas = (g - w).abs() - ((w - r).abs() + ulp * r.abs() + ulp * scale / 32);
+  EXPECT_LE(vs_cublas.max().item<double>(), 0.0)
+      << what << ": max |ours - cuBLAS| " << (g - w).abs().max().item<double>() << ", scale "
+      << scale << ", differing elements " << g.ne(w).sum().item<int64_t>() << " of " << g.numel();
+}
+
+// at::linear in fp64 (on the device).
+at::Tensor Linear64(const at::Tensor& x, const at::Tensor& w64, const at::Tensor& bias) {
+  return at::linear(x.to(at::kDouble), w64, bias.defined() ? bias.to(at::kDouble) : at::Tensor());
 }
 
 struct Shape {
@@ -95,10 +109,10 @@ std::vector<int64_t> TokenCounts(int64_t k, int64_t n, at::ScalarType dtype) {
   if (Quick()) {
     for (int64_t m : {int64_t{1}, int64_t{9}, max_rows})
       if (m <= max_rows && (ms.empty() || ms.back() < m)) ms.push_back(m);
-  } else if (k * n <= (int64_t{1} << 23)) {
+  } else if (k * n <= (int64_t{1} << 21)) {
     for (int64_t m = 1; m <= max_rows; ++m) ms.push_back(m);
   } else {
-    for (int64_t m : {int64_t{1}, int64_t{2}, int64_t{7}, int64_t{8}, int64_t{9}, max_rows})
+    for (int64_t m : {int64_t{1}, int64_t{2}, int64_t{7}, int64_t{9}, max_rows})
       if (m <= max_rows && (ms.empty() || ms.back() < m)) ms.push_back(m);
   }
   return ms;
@@ -128,7 +142,9 @@ TEST_F(FusedGemvGpuTest, PlainMatchesLinear) {
     for (const Shape& s : Shapes()) {
       auto opts = kCuda.dtype(dtype);
       auto w = at::randn({s.n, s.k}, opts) * 0.02;
+      auto w64 = w.to(at::kDouble);
       auto b = at::randn({s.n}, opts);
+      std::cout << "plain " << Name(dtype, s, 0, false) << std::endl;  // progress, if it hangs
       for (int64_t m : TokenCounts(s.k, s.n, dtype)) {
         for (bool with_bias : {false, true}) {
           const std::string what = Name(dtype, s, m, with_bias);
@@ -139,7 +155,7 @@ TEST_F(FusedGemvGpuTest, PlainMatchesLinear) {
           Poison();
           auto got = Gemv(x, w, bias);
           ASSERT_TRUE(got.ok()) << what << ": " << got.status();
-          ExpectGemmClose(*got, want, "Gemv " + what);
+          ExpectGemmClose(*got, want, Linear64(x, w64, bias), "Gemv " + what);
         }
       }
     }
@@ -151,33 +167,34 @@ TEST_F(FusedGemvGpuTest, AddRmsNormPrologueMatchesAddRmsNormThenLinear) {
     for (const Shape& s : Shapes()) {
       auto opts = kCuda.dtype(dtype);
       auto w = at::randn({s.n, s.k}, opts) * 0.02;
+      auto w64 = w.to(at::kDouble);
       auto b = at::randn({s.n}, opts);
+      std::cout << "norm " << Name(dtype, s, 0, false) << std::endl;
       for (int64_t m : TokenCounts(s.k, s.n, dtype)) {
-        for (bool with_bias : {false, true}) {
-          for (bool fp32_norm : {false, true}) {
-            for (bool with_delta : {true, false}) {
-              const std::string what = Name(dtype, s, m, with_bias) +
-                                       (fp32_norm ? " fp32 norm weight" : "") +
-                                       (with_delta ? "" : " no delta");
-              auto residual = at::randn({m, s.k}, opts) * 3;
-              at::Tensor delta;
-              if (with_delta) delta = at::randn({m, s.k + 24}, opts).narrow(1, 8, s.k);
-              auto norm_w = fp32_norm ? at::rand({s.k}, kCuda.dtype(at::kFloat)) + 0.5
-                                      : at::rand({s.k}, opts) + 0.5;
-              const at::Tensor bias = with_bias ? b : at::Tensor();
-              auto updated = residual.clone();
-              auto h = AddRmsNorm(updated, delta, norm_w, 1e-5);
-              ASSERT_TRUE(h.ok()) << h.status();
-              auto want = at::linear(*h, w, bias);
-              const auto residual_before = residual.clone();
-              Poison();
-              auto got = AddRmsNormGemv(residual, delta, norm_w, 1e-5, w, bias);
-              ASSERT_TRUE(got.ok()) << what << ": " << got.status();
-              ExpectGemmClose(got->y, want, "AddRmsNormGemv " + what);
-              EXPECT_TRUE(at::equal(got->residual, updated)) << what << ": residual + delta";
-              EXPECT_TRUE(at::equal(residual, residual_before)) << what << ": input changed";
-            }
-          }
+        // bias x fp32 norm weight x delta: all 8 at M = 1, one per M after (cycling).
+        for (int combo = m == 1 ? 0 : static_cast<int>(m % 8); combo < (m == 1 ? 8 : m % 8 + 1);
+             ++combo) {
+          const bool with_bias = combo & 1, fp32_norm = combo & 2, with_delta = !(combo & 4);
+          const std::string what = Name(dtype, s, m, with_bias) +
+                                   (fp32_norm ? " fp32 norm weight" : "") +
+                                   (with_delta ? "" : " no delta");
+          auto residual = at::randn({m, s.k}, opts) * 3;
+          at::Tensor delta;
+          if (with_delta) delta = at::randn({m, s.k + 24}, opts).narrow(1, 8, s.k);
+          auto norm_w = fp32_norm ? at::rand({s.k}, kCuda.dtype(at::kFloat)) + 0.5
+                                  : at::rand({s.k}, opts) + 0.5;
+          const at::Tensor bias = with_bias ? b : at::Tensor();
+          auto updated = residual.clone();
+          auto h = AddRmsNorm(updated, delta, norm_w, 1e-5);
+          ASSERT_TRUE(h.ok()) << h.status();
+          auto want = at::linear(*h, w, bias);
+          const auto residual_before = residual.clone();
+          Poison();
+          auto got = AddRmsNormGemv(residual, delta, norm_w, 1e-5, w, bias);
+          ASSERT_TRUE(got.ok()) << what << ": " << got.status();
+          ExpectGemmClose(got->y, want, Linear64(*h, w64, bias), "AddRmsNormGemv " + what);
+          EXPECT_TRUE(at::equal(got->residual, updated)) << what << ": residual + delta";
+          EXPECT_TRUE(at::equal(residual, residual_before)) << what << ": input changed";
         }
       }
     }
@@ -189,7 +206,9 @@ TEST_F(FusedGemvGpuTest, GatedPrologueMatchesGatedActivationThenLinear) {
     for (const Shape& s : Shapes()) {
       auto opts = kCuda.dtype(dtype);
       auto w = at::randn({s.n, s.k}, opts) * 0.02;
+      auto w64 = w.to(at::kDouble);
       auto b = at::randn({s.n}, opts);
+      std::cout << "gated " << Name(dtype, s, 0, false) << std::endl;
       for (int64_t m : TokenCounts(s.k, s.n, dtype)) {
         for (auto act : {GateActivation::kSilu, GateActivation::kGeluTanh}) {
           const bool with_bias = act == GateActivation::kGeluTanh;
@@ -203,7 +222,7 @@ TEST_F(FusedGemvGpuTest, GatedPrologueMatchesGatedActivationThenLinear) {
           Poison();
           auto got = GatedActivationGemv(gate_up, act, w, bias);
           ASSERT_TRUE(got.ok()) << what << ": " << got.status();
-          ExpectGemmClose(*got, want, "GatedActivationGemv " + what);
+          ExpectGemmClose(*got, want, Linear64(*gated, w64, bias), "GatedActivationGemv " + what);
         }
       }
     }
@@ -242,7 +261,8 @@ TEST_F(FusedGemvGpuTest, ReplaysInCudaGraph) {
   auto updated = residual.clone();
   auto h = AddRmsNorm(updated, delta, norm_w, 1e-5);
   ASSERT_TRUE(h.ok());
-  ExpectGemmClose(captured->y, at::linear(*h, w), "graph replay");
+  ExpectGemmClose(captured->y, at::linear(*h, w), Linear64(*h, w.to(at::kDouble), at::Tensor()),
+                  "graph replay");
   EXPECT_TRUE(at::equal(captured->residual, updated));
 }
 
