@@ -30,13 +30,20 @@ using cuda::gemv::Prologue;
 constexpr int64_t kMaxTokens = 16;  // two 8-token mma tiles
 constexpr int64_t kMaxK = int64_t{1} << 20;
 
-// Chunks in flight per lane: DROPKV_GEMV_UNROLL=4 for comparison; 8 otherwise.
-int Unroll() {
-  static const int unroll = [] {
-    const char* v = std::getenv("DROPKV_GEMV_UNROLL");
-    return v != nullptr && std::string(v) == "4" ? 4 : 8;
+// The launch: DROPKV_GEMV_UNROLL=4 (chunks in flight per lane; default 8) and
+// DROPKV_GEMV_PERSISTENT=0 (one CTA per 16 rows instead of one wave) for comparison.
+cuda::gemv::LaunchOptions Options() {
+  static const cuda::gemv::LaunchOptions options = [] {
+    cuda::gemv::LaunchOptions o;
+    const char* unroll = std::getenv("DROPKV_GEMV_UNROLL");
+    o.unroll = unroll != nullptr && std::string(unroll) == "4" ? 4 : 8;
+    const char* persistent = std::getenv("DROPKV_GEMV_PERSISTENT");
+    o.persistent = !(persistent != nullptr && std::string(persistent) == "0");
+    return o;
   }();
-  return unroll;
+  cuda::gemv::LaunchOptions o = options;
+  o.num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  return o;
 }
 
 bool IsHalfType(at::ScalarType t) {
@@ -125,9 +132,9 @@ Params GemvParams(const at::Tensor& weight, const at::Tensor& bias, at::Tensor& 
 template <typename T, Prologue kP>
 cudaError_t LaunchTyped(const Params& p, bool fp32_norm_weight, cudaStream_t stream) {
   if constexpr (kP == Prologue::kAddRmsNorm) {
-    if (fp32_norm_weight) return cuda::gemv::LaunchFusedGemv<T, float, kP>(p, Unroll(), stream);
+    if (fp32_norm_weight) return cuda::gemv::LaunchFusedGemv<T, float, kP>(p, Options(), stream);
   }
-  return cuda::gemv::LaunchFusedGemv<T, T, kP>(p, Unroll(), stream);
+  return cuda::gemv::LaunchFusedGemv<T, T, kP>(p, Options(), stream);
 }
 
 template <Prologue kP>
@@ -191,8 +198,10 @@ absl::StatusOr<AddRmsNormGemvResult> AddRmsNormGemv(const at::Tensor& residual,
   GEMV_RETURN_IF_ERROR(internal::CheckSize(norm_weight, "norm_weight", 0, k, "K"));
   const bool fp32_norm = norm_weight.scalar_type() == at::kFloat;
   if (!fp32_norm) GEMV_RETURN_IF_ERROR(CheckCudaHalf(norm_weight, "norm_weight", weight));
-  if (norm_weight.device() != weight.device() || !norm_weight.is_contiguous()) {
-    return absl::InvalidArgumentError("norm_weight: must be contiguous and on the weight's device");
+  if (norm_weight.device() != weight.device() || !norm_weight.is_contiguous() ||
+      !Aligned16(norm_weight.data_ptr())) {
+    return absl::InvalidArgumentError(
+        "norm_weight: must be contiguous, 16-byte aligned and on the weight's device");
   }
   using Result = AddRmsNormGemvResult;
   return internal::CatchTorch("AddRmsNormGemv(cuda)", [&]() -> absl::StatusOr<Result> {

@@ -77,6 +77,21 @@ __device__ __forceinline__ void Mma16816(float (&c)[4], uint32_t a0, uint32_t a1
   }
 }
 
+// 8 elements of a 16-byte aligned bf16 / fp16 (one load) or fp32 (two loads) array, as floats.
+template <typename E>
+__device__ __forceinline__ void LoadPack(const E* src, float (&dst)[kPackElems]) {
+  if constexpr (std::is_same_v<E, float>) {
+    const float4 a = reinterpret_cast<const float4*>(src)[0];
+    const float4 b = reinterpret_cast<const float4*>(src)[1];
+    dst[0] = a.x, dst[1] = a.y, dst[2] = a.z, dst[3] = a.w;
+    dst[4] = b.x, dst[5] = b.y, dst[6] = b.z, dst[7] = b.w;
+  } else {
+    const Pack8<E> v = *reinterpret_cast<const Pack8<E>*>(src);
+#pragma unroll
+    for (int e = 0; e < kPackElems; ++e) dst[e] = ToFloat(v.v[e]);
+  }
+}
+
 // --- prologues: build x [M, K] (the dtype) in shared memory; every thread of the CTA takes part.
 
 // x as it is.
@@ -128,6 +143,15 @@ __device__ void AddRmsNormPrologue(const Params& p, T* xs) {
       *reinterpret_cast<Pack8<T>*>(xs + t * p.x_smem_stride + j * kPackElems) = s;
     }
   }
+  // This thread's first two packs of the norm weight (all of them for K <= 4096), requested
+  // before the reduction's barrier so that their latency hides behind it.
+  const NW* weight = static_cast<const NW*>(p.norm_weight);
+  float w_first[2][kPackElems];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int j = threadIdx.x + i * kThreads;
+    if (j < packs) LoadPack(weight + j * kPackElems, w_first[i]);
+  }
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 #pragma unroll
   for (int t = 0; t < kMaxRows; ++t) {
@@ -144,11 +168,14 @@ __device__ void AddRmsNormPrologue(const Params& p, T* xs) {
     for (int w = 0; w < kWarps; ++w) total += t < p.m ? warp_sums[w][t] : 0.f;
     rstd[t] = rsqrtf(total / static_cast<float>(p.k) + p.eps);
   }
-  const NW* weight = static_cast<const NW*>(p.norm_weight);
-  for (int j = threadIdx.x; j < packs; j += kThreads) {
+  for (int j = threadIdx.x, i = 0; j < packs; j += kThreads, ++i) {
     float w[kPackElems];
+    if (i < 2) {
 #pragma unroll
-    for (int e = 0; e < kPackElems; ++e) w[e] = ToFloat(weight[j * kPackElems + e]);
+      for (int e = 0; e < kPackElems; ++e) w[e] = i == 0 ? w_first[0][e] : w_first[1][e];
+    } else {
+      LoadPack(weight + j * kPackElems, w);
+    }
 #pragma unroll
     for (int t = 0; t < kMaxRows; ++t) {
       if (t >= p.m) break;
@@ -182,39 +209,50 @@ __device__ void GatedPrologue(const Params& p, T* xs) {
   }
 }
 
-// grid (ceil(N / 16)), block 256 = 8 warps; dynamic shared memory: x [M][x_smem_stride] (T),
-// then the partials [8 warps][kTiles * 8 tokens][16 rows] (fp32).
+// grid (<= ceil(N / 16)), block 256 = 8 warps: CTA b owns the 16-row groups b, b + gridDim.x, ...
+// (a persistent grid of one wave when N is large: the prologue runs once per CTA, and each lane's
+// ring of loads runs on from one group's last chunks into the next group's first, so the stream
+// does not drain between groups). Dynamic shared memory: x [M][x_smem_stride] (T), then two
+// buffers of partials [8 warps][kTiles * 8 tokens][16 rows] (fp32), alternating by group.
 // T: bf16 / fp16 (weight, x, y); NW: the norm weight's type (T or fp32); kTiles: 8-token tiles
 // (1: M <= 8, 2: M <= 16); kUnroll: chunks in flight per lane.
 template <typename T, typename NW, Prologue kP, int kTiles, int kUnroll>
 __global__ void __launch_bounds__(kThreads, 2) FusedGemvKernel(const Params p) {
   extern __shared__ __align__(16) unsigned char smem[];
+  constexpr int kPartialFloats = kWarps * kTiles * 8 * kRowsPerCta;  // one buffer
   T* xs = reinterpret_cast<T*>(smem);
   float* partials =
       reinterpret_cast<float*>(smem + static_cast<size_t>(p.m) * p.x_smem_stride * sizeof(T));
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int g = lane / 4, q = lane % 4;
-  const int row0 = blockIdx.x * kRowsPerCta;
+  const int num_groups = (p.n + kRowsPerCta - 1) / kRowsPerCta;
+  const int my_groups =
+      (num_groups - static_cast<int>(blockIdx.x) + gridDim.x - 1) / static_cast<int>(gridDim.x);
   const int num_chunks = (p.k + kChunk - 1) / kChunk;
   const int chunk_begin = warp * num_chunks / kWarps;
-  const int chunk_end = (warp + 1) * num_chunks / kWarps;
-
-  // Rows g and g + 8 of the tile (clamped: rows past N load nothing and write nothing).
-  const bool lo_in = row0 + g < p.n, hi_in = row0 + g + 8 < p.n;
+  const int my_chunks = (warp + 1) * num_chunks / kWarps - chunk_begin;
+  // The warp's chunks of a group, rounded up to the ring: chunk c of every group sits in slot
+  // c % kUnroll (the padding loads nothing and multiplies nothing).
+  const int padded_chunks = (my_chunks + kUnroll - 1) / kUnroll * kUnroll;
   const T* weight = static_cast<const T*>(p.weight);
-  const T* w_lo = weight + static_cast<int64_t>(lo_in ? row0 + g : 0) * p.k + q * kPackElems;
-  const T* w_hi = weight + static_cast<int64_t>(hi_in ? row0 + g + 8 : 0) * p.k + q * kPackElems;
 
   uint4 lo[kUnroll], hi[kUnroll];
   const uint4 zero = make_uint4(0, 0, 0, 0);
-  auto load = [&](int u, int chunk) {
-    const int kk = chunk * kChunk + q * kPackElems;
-    const bool in = chunk < chunk_end && kk < p.k;
-    lo[u] = in && lo_in ? LoadStreaming(w_lo + chunk * kChunk) : zero;
-    hi[u] = in && hi_in ? LoadStreaming(w_hi + chunk * kChunk) : zero;
+  // Slot u <- rows g and g + 8 of this CTA's group gi, chunk c of this warp's slice; zeros past
+  // the last group, the slice, K or N.
+  auto load = [&](int u, int gi, int c) {
+    const int row0 =
+        (static_cast<int>(blockIdx.x) + gi * static_cast<int>(gridDim.x)) * kRowsPerCta;
+    const int kk = (chunk_begin + c) * kChunk + q * kPackElems;
+    const bool in = gi < my_groups && c < my_chunks && kk < p.k;
+    lo[u] = in && row0 + g < p.n ? LoadStreaming(weight + static_cast<int64_t>(row0 + g) * p.k + kk)
+                                 : zero;
+    hi[u] = in && row0 + g + 8 < p.n
+                ? LoadStreaming(weight + static_cast<int64_t>(row0 + g + 8) * p.k + kk)
+                : zero;
   };
 #pragma unroll
-  for (int u = 0; u < kUnroll; ++u) load(u, chunk_begin + u);
+  for (int u = 0; u < kUnroll; ++u) load(u, 0, u);
 
   if constexpr (kP == Prologue::kPlain) {
     PlainPrologue<T>(p, xs);
@@ -225,52 +263,64 @@ __global__ void __launch_bounds__(kThreads, 2) FusedGemvKernel(const Params p) {
   }
   __syncthreads();
 
-  float acc[kTiles][4];
-#pragma unroll
-  for (int tile = 0; tile < kTiles; ++tile)
-    for (int i = 0; i < 4; ++i) acc[tile][i] = 0.f;
-  for (int chunk = chunk_begin; chunk < chunk_end; chunk += kUnroll) {
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int kk = (chunk + u) * kChunk + q * kPackElems;
-      // The condition must be the same for the whole warp (mma.sync is .aligned): lanes past K
-      // (K % 32 != 0) take part with zeros (their W slots were loaded as zeros too).
-      if (chunk + u < chunk_end) {
-#pragma unroll
-        for (int tile = 0; tile < kTiles; ++tile) {
-          const int token = tile * 8 + g;
-          const uint4 xv = token < p.m && kk < p.k
-                               ? *reinterpret_cast<const uint4*>(xs + token * p.x_smem_stride + kk)
-                               : zero;
-          Mma16816<T>(acc[tile], lo[u].x, hi[u].x, lo[u].y, hi[u].y, xv.x, xv.y);
-          Mma16816<T>(acc[tile], lo[u].z, hi[u].z, lo[u].w, hi[u].w, xv.z, xv.w);
-        }
-      }
-      load(u, chunk + kUnroll + u);  // refill the slot just read
-    }
-  }
-
-  // C fragment: acc[0..1] = rows g, tokens 2q, 2q + 1; acc[2..3] = row g + 8.
-  float* mine = partials + warp * (kTiles * 8 * kRowsPerCta);
-#pragma unroll
-  for (int tile = 0; tile < kTiles; ++tile) {
-    const int t0 = tile * 8 + 2 * q;
-    mine[t0 * kRowsPerCta + g] = acc[tile][0];
-    mine[(t0 + 1) * kRowsPerCta + g] = acc[tile][1];
-    mine[t0 * kRowsPerCta + g + 8] = acc[tile][2];
-    mine[(t0 + 1) * kRowsPerCta + g + 8] = acc[tile][3];
-  }
-  __syncthreads();
   const T* bias = static_cast<const T*>(p.bias);
   T* y = static_cast<T*>(p.y);
-  for (int i = threadIdx.x; i < p.m * kRowsPerCta; i += kThreads) {
-    const int token = i / kRowsPerCta, r = i % kRowsPerCta;
-    const int row = row0 + r;
-    if (row >= p.n) continue;
-    float sum = 0.f;
-    for (int w = 0; w < kWarps; ++w) sum += partials[w * (kTiles * 8 * kRowsPerCta) + i];
-    if (bias != nullptr) sum += ToFloat(bias[row]);
-    y[static_cast<int64_t>(token) * p.n + row] = FromFloat<T>(sum);
+  for (int gi = 0; gi < my_groups; ++gi) {
+    float acc[kTiles][4];
+#pragma unroll
+    for (int tile = 0; tile < kTiles; ++tile)
+      for (int i = 0; i < 4; ++i) acc[tile][i] = 0.f;
+    for (int c = 0; c < padded_chunks; c += kUnroll) {
+      // The chunks kUnroll ahead: this group's next stretch, or the next group's first.
+      const bool last_stretch = c + kUnroll >= padded_chunks;
+      const int next_gi = last_stretch ? gi + 1 : gi;
+      const int next_c = last_stretch ? 0 : c + kUnroll;
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int kk = (chunk_begin + c + u) * kChunk + q * kPackElems;
+        // The condition must be the same for the whole warp (mma.sync is .aligned): lanes past K
+        // (K % 32 != 0) take part with zeros (their W slots were loaded as zeros too).
+        if (c + u < my_chunks) {
+#pragma unroll
+          for (int tile = 0; tile < kTiles; ++tile) {
+            const int token = tile * 8 + g;
+            const uint4 xv =
+                token < p.m && kk < p.k
+                    ? *reinterpret_cast<const uint4*>(xs + token * p.x_smem_stride + kk)
+                    : zero;
+            Mma16816<T>(acc[tile], lo[u].x, hi[u].x, lo[u].y, hi[u].y, xv.x, xv.y);
+            Mma16816<T>(acc[tile], lo[u].z, hi[u].z, lo[u].w, hi[u].w, xv.z, xv.w);
+          }
+        }
+        load(u, next_gi, next_c + u);  // refill the slot just read
+      }
+    }
+
+    // C fragment: acc[0..1] = rows g, tokens 2q, 2q + 1; acc[2..3] = row g + 8.
+    float* buffer = partials + (gi % 2) * kPartialFloats;
+    float* mine = buffer + warp * (kTiles * 8 * kRowsPerCta);
+#pragma unroll
+    for (int tile = 0; tile < kTiles; ++tile) {
+      const int t0 = tile * 8 + 2 * q;
+      mine[t0 * kRowsPerCta + g] = acc[tile][0];
+      mine[(t0 + 1) * kRowsPerCta + g] = acc[tile][1];
+      mine[t0 * kRowsPerCta + g + 8] = acc[tile][2];
+      mine[(t0 + 1) * kRowsPerCta + g + 8] = acc[tile][3];
+    }
+    // One barrier per group: the other buffer is written next, and this one again only after
+    // the next group's barrier, which the threads reducing it pass once they are done.
+    __syncthreads();
+    const int row0 =
+        (static_cast<int>(blockIdx.x) + gi * static_cast<int>(gridDim.x)) * kRowsPerCta;
+    for (int i = threadIdx.x; i < p.m * kRowsPerCta; i += kThreads) {
+      const int token = i / kRowsPerCta, r = i % kRowsPerCta;
+      const int row = row0 + r;
+      if (row >= p.n) continue;
+      float sum = 0.f;
+      for (int w = 0; w < kWarps; ++w) sum += buffer[w * (kTiles * 8 * kRowsPerCta) + i];
+      if (bias != nullptr) sum += ToFloat(bias[row]);
+      y[static_cast<int64_t>(token) * p.n + row] = FromFloat<T>(sum);
+    }
   }
 }
 

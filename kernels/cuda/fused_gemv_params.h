@@ -41,9 +41,9 @@ struct Params {
 __host__ __device__ constexpr int XSmemStride(int k) {
   return (k + 63) / 64 * 64 + 32;
 }
-// Bytes of the fp32 partials: [warps][tokens of the tiles][16 rows].
+// Bytes of the fp32 partials: two buffers of [warps][tokens of the tiles][16 rows].
 __host__ __device__ constexpr int PartialsBytes(int num_tiles) {
-  return kWarps * num_tiles * 8 * kRowsPerCta * 4;
+  return 2 * kWarps * num_tiles * 8 * kRowsPerCta * 4;
 }
 
 // Dynamic shared memory of a call with m tokens and inner dimension k, elements of elem_bytes.
@@ -53,10 +53,17 @@ inline size_t SmemBytes(int m, int k, size_t elem_bytes) {
 // Static shared memory of the kernel (the norm prologue's warp sums), with room to spare.
 constexpr size_t kStaticSmemBytes = 1024;
 
+// How a call is launched (the defaults are the tuned ones; the others are for comparison).
+struct LaunchOptions {
+  int unroll = 8;          // chunks in flight per lane: 4 or 8
+  bool persistent = true;  // grid <= one wave of resident CTAs; false: one CTA per 16 rows
+  int num_sms = 0;         // the device's multiprocessors (persistent grid)
+};
+
 // Launches y = prologue(x) W^T (+ bias) on `stream`. T: __nv_bfloat16 or __half; NW: the norm
-// weight's type (T or float; T for the other prologues). unroll: 4 or 8 chunks in flight per
-// lane (others: 8). p.m in [1, 16] and its shared memory within the device's opt-in limit.
+// weight's type (T or float; T for the other prologues). p.m in [1, 16] and its shared memory
+// within the device's opt-in limit.
 template <typename T, typename NW, Prologue kP>
-cudaError_t LaunchFusedGemv(const Params& p, int unroll, cudaStream_t stream);
+cudaError_t LaunchFusedGemv(const Params& p, const LaunchOptions& options, cudaStream_t stream);
 
 }  // namespace dropkv::kernels::cuda::gemv
