@@ -290,7 +290,7 @@ int Run(int argc, char** argv) {
   std::string allocator = "uniform", profile, hf_python, hf_script = "bench/e2e/hf_peer.py";
   bool random_weights = false, json_out = false;
   int repeats = 3, decode_steps = 32;
-  std::string graphs_arg = "both", fused_arg = "on", gemv_arg = "on";
+  std::string graphs_arg = "both", fused_arg = "on", gemv_arg = "off";
   bool gemv_table = false;
   int64_t throughput_context = 0;
   double kv_gib = 0;

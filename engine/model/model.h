@@ -88,8 +88,9 @@ class Model {
   // projections run as our GEMV (kernels/fused_gemv.h) with the norm before qkv and gate_up and
   // the activation before down in its prologue, 3 launches per layer fewer; o_proj as our plain
   // GEMV. A matrix whose K leaves too little shared memory for the batch uses cuBLAS as before.
-  // On by default. 8 tokens at most: the norm prologue re-reads the M input rows from L2 in
-  // every CTA, as many bytes as the CTA's weights at M = 16 (cuBLAS then; not yet measured).
+  // Off by default: on the H200 it is 4% slower per decode step than the fused ops + cuBLAS
+  // (docs/benchmarks.md, 2026-12-01 15:35). At most 8 tokens: from 8 up the prologues cost more
+  // than the launch they save (the GEMV table there).
   void set_fused_gemv(bool on) { fused_gemv_ = on; }
   static constexpr int64_t kMaxFusedGemvTokens = 8;
 
@@ -155,7 +156,7 @@ class Model {
   std::vector<Layer> layers_;
   int32_t num_packed_weights_ = 0;
   bool fused_cuda_ops_ = true;
-  bool fused_gemv_ = true;
+  bool fused_gemv_ = false;
 };
 
 // fp32 [D/2] RoPE inverse frequencies for `config` at sequence length `seq_len` (only dynamic
