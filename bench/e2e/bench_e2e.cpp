@@ -33,7 +33,14 @@
 #include "engine/runner/model_runner.h"
 
 #ifdef DROPKV_BENCH_CUDA
+#include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "kernels/fused_gemv.h"
+#include "kernels/fused_ops.h"
 #endif
 
 namespace dropkv {
@@ -170,6 +177,101 @@ std::vector<int32_t> RandomIds(int64_t n, int64_t vocab, uint64_t seed) {
   return ids;
 }
 
+#ifdef DROPKV_BENCH_CUDA
+// Device time of one call of fn: kCalls calls captured in a CUDA graph (as the decode step
+// replays them: no host launch cost), replayed 5 times, median per call. fn(i) should read a
+// different weight copy per i so that the matrix comes from DRAM, not L2.
+template <typename Fn>
+double GraphTimeUs(Fn&& fn) {
+  constexpr int kCalls = 24;
+  auto stream = c10::cuda::getStreamFromPool();
+  c10::cuda::CUDAStreamGuard guard(stream);
+  for (int i = 0; i < 2; ++i) fn(i);  // warm-up (cuBLAS picks its kernel, smem limits raised)
+  at::cuda::CUDAGraph graph;
+  graph.capture_begin();
+  for (int i = 0; i < kCalls; ++i) fn(i);
+  graph.capture_end();
+  std::vector<double> us;
+  for (int r = 0; r < 6; ++r) {
+    c10::cuda::device_synchronize();
+    const double ms = TimeMs([&] {
+      graph.replay();
+      c10::cuda::device_synchronize();
+    });
+    if (r > 0) us.push_back(ms * 1e3 / kCalls);
+  }
+  return Median(us);
+}
+
+// --gemv-table: the decode projections of the geometry at M tokens, cuBLAS (at::linear) vs
+// kernels/fused_gemv.h: the plain GEMV, and the chain the model runs without it (fused norm or
+// activation + at::linear) vs the GEMV with that op in its prologue. GB/s = weight bytes / time.
+int RunGemvTable(const Json& geo) {
+  c10::InferenceMode guard;
+  const int64_t hidden = geo["hidden_size"], inter = geo["intermediate_size"];
+  const int64_t heads = geo["num_attention_heads"], kv_heads = geo["num_key_value_heads"];
+  const int64_t head_dim =
+      geo.contains("head_dim") ? geo["head_dim"].get<int64_t>() : hidden / heads;
+  const int64_t vocab = geo["vocab_size"];
+  const bool silu = geo["hidden_act"] == "silu";
+  const auto act = silu ? kernels::GateActivation::kSilu : kernels::GateActivation::kGeluTanh;
+  enum class Pre { kNorm, kPlain, kGated };
+  struct Proj {
+    const char* name;
+    int64_t n, k;
+    Pre pre;
+  };
+  const Proj projs[] = {{"qkv (norm)", (heads + 2 * kv_heads) * head_dim, hidden, Pre::kNorm},
+                        {"o_proj", hidden, heads * head_dim, Pre::kPlain},
+                        {"gate_up (norm)", 2 * inter, hidden, Pre::kNorm},
+                        {"down (act)", hidden, inter, Pre::kGated},
+                        {"lm_head", vocab, hidden, Pre::kPlain}};
+  const auto opts = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
+  std::printf(
+      "| proj | N x K | M | cuBLAS us | cuBLAS GB/s | GEMV us | GEMV GB/s | GEMV / cuBLAS |"
+      " chain us | fused us | fused / chain |\n|---|---|---|---|---|---|---|---|---|---|---|\n");
+  for (const Proj& p : projs) {
+    const double bytes = 2.0 * p.n * p.k;
+    // Enough copies that a round of calls streams >= 512 MB (L2 is 50 MB).
+    const int copies = static_cast<int>(std::max(2.0, std::ceil(512e6 / bytes)));
+    std::vector<at::Tensor> ws;
+    for (int c = 0; c < copies; ++c) ws.push_back(at::randn({p.n, p.k}, opts) * 0.02);
+    auto norm_w = at::rand({p.k}, opts) + 0.5;
+    for (int64_t m : {1, 2, 4, 8, 16}) {
+      if (m > kernels::FusedGemvMaxRows(p.k, at::kBFloat16)) continue;
+      auto x = at::randn({m, p.k}, opts);
+      auto delta = at::randn({m, p.k}, opts);
+      auto gate_up = at::randn({m, 2 * p.k}, opts);
+      auto w = [&](int i) { return ws[i % copies]; };
+      const double t_linear = GraphTimeUs([&](int i) { at::linear(x, w(i)); });
+      const double t_gemv = GraphTimeUs([&](int i) { (void)kernels::Gemv(x, w(i), at::Tensor()); });
+      double t_chain = t_linear, t_fused = t_gemv;
+      if (p.pre == Pre::kNorm) {
+        auto r = x.clone();  // AddRmsNorm updates its residual in place (values drift: fine)
+        t_chain = GraphTimeUs(
+            [&](int i) { at::linear(*kernels::AddRmsNorm(r, delta, norm_w, 1e-5), w(i)); });
+        t_fused = GraphTimeUs([&](int i) {
+          (void)kernels::AddRmsNormGemv(x, delta, norm_w, 1e-5, w(i), at::Tensor());
+        });
+      } else if (p.pre == Pre::kGated) {
+        t_chain =
+            GraphTimeUs([&](int i) { at::linear(*kernels::GatedActivation(gate_up, act), w(i)); });
+        t_fused = GraphTimeUs(
+            [&](int i) { (void)kernels::GatedActivationGemv(gate_up, act, w(i), at::Tensor()); });
+      }
+      std::printf(
+          "| %s | %lld x %lld | %lld | %.1f | %.0f | %.1f | %.0f | %.2f | %.1f | %.1f | "
+          "%.2f |\n",
+          p.name, static_cast<long long>(p.n), static_cast<long long>(p.k),
+          static_cast<long long>(m), t_linear, bytes / t_linear * 1e-3, t_gemv,
+          bytes / t_gemv * 1e-3, t_gemv / t_linear, t_chain, t_fused, t_fused / t_chain);
+      std::fflush(stdout);
+    }
+  }
+  return 0;
+}
+#endif
+
 CompressionParams Compression(double keep, const std::string& allocator,
                               const std::string& profile) {
   CompressionParams c;
@@ -188,7 +290,8 @@ int Run(int argc, char** argv) {
   std::string allocator = "uniform", profile, hf_python, hf_script = "bench/e2e/hf_peer.py";
   bool random_weights = false, json_out = false;
   int repeats = 3, decode_steps = 32;
-  std::string graphs_arg = "both", fused_arg = "on";
+  std::string graphs_arg = "both", fused_arg = "on", gemv_arg = "off";
+  bool gemv_table = false;
   int64_t throughput_context = 0;
   double kv_gib = 0;
   app.add_option("--model", model_dir,
@@ -224,6 +327,13 @@ int Run(int argc, char** argv) {
                  "CUDA: fused RMSNorm / RoPE + K/V store / activation kernels, on or off")
       ->capture_default_str()
       ->check(CLI::IsMember({"on", "off"}));
+  app.add_option("--fused-gemv", gemv_arg,
+                 "CUDA, with --fused-ops on: decode projections as kernels/fused_gemv.h (norm / "
+                 "activation in the GEMV's prologue), on or off (the fused ops + cuBLAS)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"on", "off"}));
+  app.add_flag("--gemv-table", gemv_table,
+               "print the --geometry's decode GEMVs, cuBLAS vs kernels/fused_gemv.h, and exit");
   app.add_option("--throughput-context", throughput_context,
                  "also time decode at the full-memory batch of sequences of this context (KV "
                  "filled synthetically, no prefill; 0 = skip)")
@@ -240,6 +350,14 @@ int Run(int argc, char** argv) {
       std::cerr << "--geometry: unknown '" << geometry
                 << "' (llama-3.1-8b, llama-3.2-1b, qwen2.5-7b, gemma-7b)\n";
       return 2;
+    }
+    if (gemv_table) {
+#ifdef DROPKV_BENCH_CUDA
+      return RunGemvTable(config);
+#else
+      std::cerr << "--gemv-table needs a CUDA build\n";
+      return 2;
+#endif
     }
     if (write_config.empty()) write_config = "bench-models/" + geometry;
     std::filesystem::create_directories(write_config);
@@ -260,6 +378,7 @@ int Run(int argc, char** argv) {
   options.dtype = dtype;
   options.random_weights = random_weights;
   options.cuda_fused_ops = fused_arg == "on";
+  options.cuda_fused_gemv = gemv_arg == "on";
   if (kv_gib > 0) options.kv_cache_bytes = static_cast<int64_t>(kv_gib * (1LL << 30));
   auto runner_or = ModelRunner::Create(options);
   if (!runner_or.ok()) {
@@ -276,6 +395,7 @@ int Run(int argc, char** argv) {
                  {"device", device},
                  {"dtype", dtype},
                  {"fused_ops", options.cuda_fused_ops},
+                 {"fused_gemv", options.cuda_fused_ops && options.cuda_fused_gemv},
                  {"layers", config.num_layers},
                  {"kv_blocks_total", runner.pool().num_blocks()},
                  {"prefill", Json::array()},

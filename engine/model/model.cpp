@@ -5,9 +5,11 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <string>
 #include <tuple>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -15,6 +17,7 @@
 #include "engine/model/attention.h"
 #include "engine/model/log.h"
 #include "engine/model/safetensors.h"
+#include "kernels/fused_gemv.h"
 #include "kernels/fused_ops.h"
 
 namespace dropkv {
@@ -71,6 +74,12 @@ at::Tensor Linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b)
                                     "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
   }
   return at::linear(x, w, b);
+}
+
+// The fused GEMVs read x in 16-byte pieces: the backend's attention output must allow it.
+bool RowsAligned16(const at::Tensor& t) {
+  return t.stride(1) == 1 && (t.stride(0) * t.element_size()) % 16 == 0 &&
+         reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
 }
 
 at::Tensor RotateHalf(const at::Tensor& x) {
@@ -304,6 +313,21 @@ bool Model::uses_fused_ops(const at::Tensor& x) const {
   return fused_cuda_ops_ && x.is_cuda() && kernels::FusedOpsBuilt();
 }
 
+Model::GemvPlan Model::PlanGemvs(const at::Tensor& x, bool fused) const {
+  GemvPlan plan;
+  const int64_t n = x.size(0);
+  if (!fused || !fused_gemv_ || n > kMaxFusedGemvTokens || !kernels::FusedGemvBuilt()) return plan;
+  const Layer& l = layers_.front();
+  auto fits = [&](const at::Tensor& w) {
+    return n <= kernels::FusedGemvMaxRows(w.size(1), w.scalar_type());
+  };
+  plan.qkv = fits(l.qkv_w);
+  plan.o = fits(l.o_w);
+  plan.gate_up = fits(l.gate_up_w);
+  plan.down = fits(l.down_w);
+  return plan;
+}
+
 absl::StatusOr<at::Tensor> Model::AddNorm(at::Tensor& x, const at::Tensor& delta,
                                           const at::Tensor& w, bool fused) const {
   if (fused) return kernels::AddRmsNorm(x, delta, w, config_.rms_norm_eps);
@@ -386,19 +410,43 @@ absl::StatusOr<at::Tensor> Model::Forward(const at::Tensor& tokens, const at::Te
     }
     const auto act = c.hidden_act == "silu" ? kernels::GateActivation::kSilu
                                             : kernels::GateActivation::kGeluTanh;
+    const GemvPlan gemv = PlanGemvs(x, fused);
+    // x += delta, then norm(x) W^T (+ b): one fused GEMV (x replaced by the sum) or the norm
+    // kernel and cuBLAS.
+    auto norm_linear = [&](const at::Tensor& d, const at::Tensor& norm_w, const at::Tensor& w,
+                           const at::Tensor& b, bool use_gemv) -> absl::StatusOr<at::Tensor> {
+      if (use_gemv) {
+        ASSIGN_OR_RETURN(auto r, kernels::AddRmsNormGemv(x, d, norm_w, c.rms_norm_eps, w, b));
+        x = std::move(r.residual);
+        return std::move(r.y);
+      }
+      ASSIGN_OR_RETURN(at::Tensor hs, AddNorm(x, d, norm_w, fused));
+      return Linear(hs, w, b);
+    };
     // The last sub-layer's output, added into x by the next norm (one kernel when fused).
     at::Tensor delta;
     for (int32_t i = 0; i < c.num_layers; ++i) {
       const Layer& l = layers_[i];
-      ASSIGN_OR_RETURN(at::Tensor hs, AddNorm(x, delta, l.input_norm, fused));
-      auto qkv = Linear(hs, l.qkv_w, l.qkv_b);  // [N, q_size + 2 kv_size]
+      // [N, q_size + 2 kv_size]
+      ASSIGN_OR_RETURN(auto qkv, norm_linear(delta, l.input_norm, l.qkv_w, l.qkv_b, gemv.qkv));
       ASSIGN_OR_RETURN(QkvHeads heads, SplitHeads(qkv, rope, fused, i, backend));
       ASSIGN_OR_RETURN(at::Tensor attn, backend.Attend(i, heads.q, heads.k, heads.v));
-      auto o = Linear(attn.reshape({n, c.q_size()}), l.o_w, l.o_b);  // [N, hidden]
+      const at::Tensor attn_rows = attn.reshape({n, c.q_size()});
+      at::Tensor o;  // [N, hidden]
+      if (gemv.o && RowsAligned16(attn_rows)) {
+        ASSIGN_OR_RETURN(o, kernels::Gemv(attn_rows, l.o_w, l.o_b));
+      } else {
+        o = Linear(attn_rows, l.o_w, l.o_b);
+      }
       if (observer != nullptr && *observer) (*observer)(i, o);
-      ASSIGN_OR_RETURN(hs, AddNorm(x, o, l.post_norm, fused));
+      // [N, 2 inter]
+      ASSIGN_OR_RETURN(auto gate_up,
+                       norm_linear(o, l.post_norm, l.gate_up_w, l.gate_up_b, gemv.gate_up));
       const int64_t inter = c.intermediate_size;
-      auto gate_up = Linear(hs, l.gate_up_w, l.gate_up_b);  // [N, 2 inter]
+      if (gemv.down) {
+        ASSIGN_OR_RETURN(delta, kernels::GatedActivationGemv(gate_up, act, l.down_w, l.down_b));
+        continue;
+      }
       at::Tensor gated;
       if (fused) {
         ASSIGN_OR_RETURN(gated, kernels::GatedActivation(gate_up, act));

@@ -84,6 +84,15 @@ class Model {
   // No effect on the CPU. On by default.
   void set_fused_cuda_ops(bool on) { fused_cuda_ops_ = on; }
   bool uses_fused_ops(const at::Tensor& x) const;
+  // CUDA, with the fused ops, forwards of at most kMaxFusedGemvTokens tokens (decode): the
+  // projections run as our GEMV (kernels/fused_gemv.h) with the norm before qkv and gate_up and
+  // the activation before down in its prologue, 3 launches per layer fewer; o_proj as our plain
+  // GEMV. A matrix whose K leaves too little shared memory for the batch uses cuBLAS as before.
+  // Off by default: on the H200 it is 4% slower per decode step than the fused ops + cuBLAS
+  // (docs/benchmarks.md, 2026-12-01 15:35). At most 8 tokens: from 8 up the prologues cost more
+  // than the launch they save (the GEMV table there).
+  void set_fused_gemv(bool on) { fused_gemv_ = on; }
+  static constexpr int64_t kMaxFusedGemvTokens = 8;
 
  private:
   struct Layer {
@@ -132,6 +141,12 @@ class Model {
   absl::StatusOr<QkvHeads> SplitHeads(const at::Tensor& qkv, const Rope& rope, bool fused,
                                       int32_t layer_idx, AttentionBackend& backend) const;
 
+  // Which projections of a forward run as fused GEMVs (all false: the ATen/cuBLAS path).
+  struct GemvPlan {
+    bool qkv = false, o = false, gate_up = false, down = false;
+  };
+  GemvPlan PlanGemvs(const at::Tensor& x, bool fused) const;
+
   ModelConfig config_;
   at::ScalarType dtype_;
   at::Tensor embed_;       // [vocab, hidden]
@@ -141,6 +156,7 @@ class Model {
   std::vector<Layer> layers_;
   int32_t num_packed_weights_ = 0;
   bool fused_cuda_ops_ = true;
+  bool fused_gemv_ = false;
 };
 
 // fp32 [D/2] RoPE inverse frequencies for `config` at sequence length `seq_len` (only dynamic

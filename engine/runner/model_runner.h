@@ -44,6 +44,10 @@ struct RunnerOptions {
   // CUDA: the fused residual + RMSNorm, RoPE + K/V store and gated-activation kernels
   // (kernels/fused_ops.h) instead of chains of ATen ops. Off: for comparison and debugging.
   bool cuda_fused_ops = true;
+  // CUDA, with the fused ops: decode projections as our GEMV with the norm / activation in its
+  // prologue (kernels/fused_gemv.h) instead of the fused op + cuBLAS. Off by default: measured
+  // 4% slower per decode step on the H200 (docs/benchmarks.md).
+  bool cuda_fused_gemv = false;
 };
 
 // What the scheduler needs to know about a sequence's cache after a step.

@@ -1,0 +1,252 @@
+// kernels/fused_gemv.h on CUDA: the entry points check the tensors, fill the raw Params and
+// dispatch on the dtype to the launchers instantiated in fused_gemv_{plain,norm,gated}.cu.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/check.h"
+#include "kernels/cuda/fused_gemv_params.h"
+#include "kernels/fused_gemv.h"
+
+#define GEMV_RETURN_IF_ERROR(expr)               \
+  do {                                           \
+    ::absl::Status gemv_status_ = (expr);        \
+    if (!gemv_status_.ok()) return gemv_status_; \
+  } while (0)
+
+namespace dropkv::kernels {
+namespace {
+
+using cuda::gemv::Params;
+using cuda::gemv::Prologue;
+
+constexpr int64_t kMaxTokens = 16;  // two 8-token mma tiles
+constexpr int64_t kMaxK = int64_t{1} << 20;
+
+// The launch: DROPKV_GEMV_UNROLL=4 (chunks in flight per lane; default 8) and
+// DROPKV_GEMV_PERSISTENT=0 (one CTA per 16 rows instead of one wave) for comparison.
+cuda::gemv::LaunchOptions Options() {
+  static const cuda::gemv::LaunchOptions options = [] {
+    cuda::gemv::LaunchOptions o;
+    const char* unroll = std::getenv("DROPKV_GEMV_UNROLL");
+    o.unroll = unroll != nullptr && std::string(unroll) == "4" ? 4 : 8;
+    const char* persistent = std::getenv("DROPKV_GEMV_PERSISTENT");
+    o.persistent = !(persistent != nullptr && std::string(persistent) == "0");
+    return o;
+  }();
+  cuda::gemv::LaunchOptions o = options;
+  o.num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  return o;
+}
+
+bool IsHalfType(at::ScalarType t) {
+  return t == at::kBFloat16 || t == at::kHalf;
+}
+
+bool Aligned16(const void* p) {
+  return reinterpret_cast<uintptr_t>(p) % 16 == 0;
+}
+
+absl::Status CheckCudaHalf(const at::Tensor& t, const char* name, const at::Tensor& like) {
+  if (!t.is_cuda()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ": fused GEMVs take CUDA tensors, got one on ", t.device().str()));
+  }
+  if (t.device() != like.device())
+    return absl::InvalidArgumentError(absl::StrCat(name, ": not on the weight's device"));
+  if (t.scalar_type() != like.scalar_type()) {
+    return absl::InvalidArgumentError(absl::StrCat(name, ": dtype ", c10::toString(t.scalar_type()),
+                                                   ", expected the weight's ",
+                                                   c10::toString(like.scalar_type())));
+  }
+  return absl::OkStatus();
+}
+
+// rows [M, width]: inner dim contiguous, rows 16-byte aligned (the prologues' vector loads).
+absl::Status CheckRows(const at::Tensor& t, const char* name, int64_t m, int64_t width,
+                       const at::Tensor& weight) {
+  GEMV_RETURN_IF_ERROR(internal::CheckDim(t, name, 2, "[M, width]"));
+  GEMV_RETURN_IF_ERROR(CheckCudaHalf(t, name, weight));
+  GEMV_RETURN_IF_ERROR(internal::CheckSize(t, name, 0, m, "M"));
+  GEMV_RETURN_IF_ERROR(internal::CheckSize(t, name, 1, width, "width"));
+  if (m > 0 && (t.stride(1) != 1 || t.stride(0) % 8 != 0 || !Aligned16(t.data_ptr()))) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ": rows must be contiguous and 16-byte aligned (strides ", t.stride(0),
+                     ", ", t.stride(1), ")"));
+  }
+  return absl::OkStatus();
+}
+
+// The weight, the bias and the token count m against FusedGemvMaxRows.
+absl::Status CheckWeight(const at::Tensor& weight, const at::Tensor& bias, int64_t m) {
+  GEMV_RETURN_IF_ERROR(internal::CheckDim(weight, "weight", 2, "[N, K]"));
+  if (!weight.is_cuda() || !IsHalfType(weight.scalar_type())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("weight: must be a bf16 or fp16 CUDA tensor, got ",
+                     c10::toString(weight.scalar_type()), " on ", weight.device().str()));
+  }
+  if (!weight.is_contiguous() || !Aligned16(weight.data_ptr()))
+    return absl::InvalidArgumentError("weight: must be contiguous and 16-byte aligned");
+  if (weight.size(0) > INT32_MAX - 16)
+    return absl::InvalidArgumentError(absl::StrCat("weight: N ", weight.size(0), " too large"));
+  if (bias.defined()) {
+    GEMV_RETURN_IF_ERROR(internal::CheckDim(bias, "bias", 1, "[N]"));
+    GEMV_RETURN_IF_ERROR(internal::CheckSize(bias, "bias", 0, weight.size(0), "N"));
+    GEMV_RETURN_IF_ERROR(CheckCudaHalf(bias, "bias", weight));
+    if (!bias.is_contiguous()) return absl::InvalidArgumentError("bias: must be contiguous");
+  }
+  const int64_t k = weight.size(1);
+  const int64_t max_rows = FusedGemvMaxRows(k, weight.scalar_type());
+  if (max_rows == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "weight: K = ", k, " is not supported (a positive multiple of 8, <= ", kMaxK, ")"));
+  }
+  if (m > max_rows) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("x: ", m, " rows, the fused GEMV takes at most ", max_rows, " at K = ", k));
+  }
+  return absl::OkStatus();
+}
+
+// Fills the GEMV half of Params and the output.
+Params GemvParams(const at::Tensor& weight, const at::Tensor& bias, at::Tensor& y, int64_t m) {
+  Params p;
+  p.weight = weight.data_ptr();
+  p.bias = bias.defined() ? bias.data_ptr() : nullptr;
+  p.y = y.data_ptr();
+  p.m = static_cast<int>(m);
+  p.n = static_cast<int>(weight.size(0));
+  p.k = static_cast<int>(weight.size(1));
+  p.x_smem_stride = cuda::gemv::XSmemStride(p.k);
+  return p;
+}
+
+// The norm weight may be fp32 only in the norm prologue (the others are instantiated with T).
+template <typename T, Prologue kP>
+cudaError_t LaunchTyped(const Params& p, bool fp32_norm_weight, cudaStream_t stream) {
+  if constexpr (kP == Prologue::kAddRmsNorm) {
+    if (fp32_norm_weight) return cuda::gemv::LaunchFusedGemv<T, float, kP>(p, Options(), stream);
+  }
+  return cuda::gemv::LaunchFusedGemv<T, T, kP>(p, Options(), stream);
+}
+
+template <Prologue kP>
+absl::Status Launch(const Params& p, at::ScalarType dtype, bool fp32_norm_weight) {
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const cudaError_t err = dtype == at::kBFloat16
+                              ? LaunchTyped<__nv_bfloat16, kP>(p, fp32_norm_weight, stream)
+                              : LaunchTyped<__half, kP>(p, fp32_norm_weight, stream);
+  if (err != cudaSuccess)
+    return absl::InternalError(absl::StrCat("fused GEMV launch: ", cudaGetErrorString(err)));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+bool FusedGemvBuilt() {
+  return true;
+}
+
+int64_t FusedGemvMaxRows(int64_t k, at::ScalarType dtype) {
+  if (!IsHalfType(dtype) || k <= 0 || k % 8 != 0 || k > kMaxK) return 0;
+  if (!at::cuda::is_available()) return 0;
+  const auto* props = at::cuda::getCurrentDeviceProperties();
+  const size_t limit = props->sharedMemPerBlockOptin - cuda::gemv::kStaticSmemBytes;
+  for (int64_t m = kMaxTokens; m > 0; --m) {
+    if (cuda::gemv::SmemBytes(static_cast<int>(m), static_cast<int>(k), 2) <= limit) return m;
+  }
+  return 0;
+}
+
+absl::StatusOr<at::Tensor> Gemv(const at::Tensor& x, const at::Tensor& weight,
+                                const at::Tensor& bias) {
+  GEMV_RETURN_IF_ERROR(internal::CheckDim(x, "x", 2, "[M, K]"));
+  GEMV_RETURN_IF_ERROR(CheckWeight(weight, bias, x.size(0)));
+  const int64_t m = x.size(0), k = weight.size(1);
+  GEMV_RETURN_IF_ERROR(CheckRows(x, "x", m, k, weight));
+  return internal::CatchTorch("Gemv(cuda)", [&]() -> absl::StatusOr<at::Tensor> {
+    c10::cuda::CUDAGuard guard(weight.device());
+    auto y = at::empty({m, weight.size(0)}, weight.options());
+    if (y.numel() == 0) return y;
+    Params p = GemvParams(weight, bias, y, m);
+    p.x = x.data_ptr();
+    p.x_stride = x.stride(0);
+    GEMV_RETURN_IF_ERROR(Launch<Prologue::kPlain>(p, weight.scalar_type(), false));
+    return y;
+  });
+}
+
+absl::StatusOr<AddRmsNormGemvResult> AddRmsNormGemv(const at::Tensor& residual,
+                                                    const at::Tensor& delta,
+                                                    const at::Tensor& norm_weight, double eps,
+                                                    const at::Tensor& weight,
+                                                    const at::Tensor& bias) {
+  GEMV_RETURN_IF_ERROR(internal::CheckDim(residual, "residual", 2, "[M, K]"));
+  GEMV_RETURN_IF_ERROR(CheckWeight(weight, bias, residual.size(0)));
+  const int64_t m = residual.size(0), k = weight.size(1);
+  GEMV_RETURN_IF_ERROR(CheckRows(residual, "residual", m, k, weight));
+  if (!residual.is_contiguous()) return absl::InvalidArgumentError("residual: must be contiguous");
+  if (delta.defined()) GEMV_RETURN_IF_ERROR(CheckRows(delta, "delta", m, k, weight));
+  GEMV_RETURN_IF_ERROR(internal::CheckDim(norm_weight, "norm_weight", 1, "[K]"));
+  GEMV_RETURN_IF_ERROR(internal::CheckSize(norm_weight, "norm_weight", 0, k, "K"));
+  const bool fp32_norm = norm_weight.scalar_type() == at::kFloat;
+  if (!fp32_norm) GEMV_RETURN_IF_ERROR(CheckCudaHalf(norm_weight, "norm_weight", weight));
+  if (norm_weight.device() != weight.device() || !norm_weight.is_contiguous() ||
+      !Aligned16(norm_weight.data_ptr())) {
+    return absl::InvalidArgumentError(
+        "norm_weight: must be contiguous, 16-byte aligned and on the weight's device");
+  }
+  using Result = AddRmsNormGemvResult;
+  return internal::CatchTorch("AddRmsNormGemv(cuda)", [&]() -> absl::StatusOr<Result> {
+    c10::cuda::CUDAGuard guard(weight.device());
+    Result r;
+    r.y = at::empty({m, weight.size(0)}, weight.options());
+    r.residual = delta.defined() ? at::empty_like(residual) : residual;
+    if (m == 0) return r;
+    Params p = GemvParams(weight, bias, r.y, m);
+    p.x = residual.data_ptr();
+    p.x_stride = residual.stride(0);
+    p.delta = delta.defined() ? delta.data_ptr() : nullptr;
+    p.delta_stride = delta.defined() ? delta.stride(0) : 0;
+    p.residual_out = delta.defined() ? r.residual.data_ptr() : nullptr;
+    p.norm_weight = norm_weight.data_ptr();
+    p.eps = static_cast<float>(eps);
+    if (r.y.numel() == 0) {
+      // No output rows: no CTA would write the residual; let ATen do the add.
+      if (delta.defined()) r.residual.copy_(residual + delta);
+      return r;
+    }
+    GEMV_RETURN_IF_ERROR(Launch<Prologue::kAddRmsNorm>(p, weight.scalar_type(), fp32_norm));
+    return r;
+  });
+}
+
+absl::StatusOr<at::Tensor> GatedActivationGemv(const at::Tensor& gate_up, GateActivation act,
+                                               const at::Tensor& weight, const at::Tensor& bias) {
+  GEMV_RETURN_IF_ERROR(internal::CheckDim(gate_up, "gate_up", 2, "[M, 2 K]"));
+  GEMV_RETURN_IF_ERROR(CheckWeight(weight, bias, gate_up.size(0)));
+  const int64_t m = gate_up.size(0), k = weight.size(1);
+  GEMV_RETURN_IF_ERROR(CheckRows(gate_up, "gate_up", m, 2 * k, weight));
+  return internal::CatchTorch("GatedActivationGemv(cuda)", [&]() -> absl::StatusOr<at::Tensor> {
+    c10::cuda::CUDAGuard guard(weight.device());
+    auto y = at::empty({m, weight.size(0)}, weight.options());
+    if (y.numel() == 0) return y;
+    Params p = GemvParams(weight, bias, y, m);
+    p.x = gate_up.data_ptr();
+    p.x_stride = gate_up.stride(0);
+    if (act == GateActivation::kSilu)
+      GEMV_RETURN_IF_ERROR(Launch<Prologue::kSiluMul>(p, weight.scalar_type(), false));
+    else
+      GEMV_RETURN_IF_ERROR(Launch<Prologue::kGeluTanhMul>(p, weight.scalar_type(), false));
+    return y;
+  });
+}
+
+}  // namespace dropkv::kernels

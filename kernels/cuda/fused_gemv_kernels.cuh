@@ -1,0 +1,327 @@
+// Device code of kernels/fused_gemv.h: raw pointers, no torch. One kernel template; the prologue
+// (what x is made of) is a template parameter. Launchers: fused_gemv_launch.cuh.
+//
+// Mapping. y [M, N] = x [M, K] W^T with W [N, K] row-major, M <= 16 tokens. A CTA of 8 warps owns
+// 16 rows of W (the A operand of mma.sync m16n8k16: 16 rows x 16 k); the tokens are the
+// mma's n (8 per tile, 1 or 2 tiles). The 8 warps split K into contiguous slices of 32-wide
+// chunks; the CTA sums their fp32 partials in warp order at the end (deterministic, no atomics).
+//
+// Why a permuted k: mma's A fragment gives a lane 4 scattered 2-element pieces per row, but a
+// dot product does not care which k pairs with which as long as W and x agree. So lane (g, q)
+// (g = lane / 4, q = lane % 4) loads 8 consecutive k of rows g and g + 8 with one 16-byte load
+// each (k = chunk * 32 + q * 8 .. + 7), feeds elements 0-3 to the chunk's first mma and 4-7 to
+// its second, and reads the same 8 k of x (token g) from shared memory as its B fragment. One
+// 16-row x 32-k chunk is then 2 global loads, 1 shared load and 2 mma per lane and tile.
+//
+// Streaming: each lane keeps kUnroll chunks (2 x kUnroll 16-byte loads) in flight and reloads a
+// slot as soon as its mma has read it; the first chunks are requested before the prologue, so
+// DRAM is busy while the CTA builds x in shared memory.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "kernels/cuda/dtype_convert.cuh"
+#include "kernels/cuda/fused_gemv_params.h"
+
+namespace dropkv::kernels::cuda::gemv {
+
+template <typename T>
+struct alignas(16) Pack8 {
+  T v[kPackElems];
+};
+
+template <typename T>
+__device__ __forceinline__ float RoundTo(float x) {
+  return ToFloat(FromFloat<T>(x));
+}
+
+// SiLU and GELU (tanh approximation) in fp32, as ATen's CUDA kernels (and
+// kernels/cuda/fused_decode_ops.cu) compute them.
+__device__ __forceinline__ float SiluF(float x) {
+  return x / (1.f + expf(-x));
+}
+__device__ __forceinline__ float GeluTanhF(float x) {
+  constexpr float kBeta = 0.7978845608028654f;  // sqrt(2 / pi)
+  constexpr float kKappa = 0.044715f;
+  const float inner = kBeta * (x + kKappa * x * x * x);
+  return 0.5f * x * (1.f + tanhf(inner));
+}
+
+// W is read once per step: skip L1 (no reuse), keep L2 for the small vectors every CTA reads.
+__device__ __forceinline__ uint4 LoadStreaming(const void* p) {
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p));
+  return r;
+}
+
+// c += A B: A 16x16 (row-major fragments a0..a3), B 16x8 (col-major b0, b1), fp32 c.
+template <typename T>
+__device__ __forceinline__ void Mma16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  } else {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+}
+
+// 8 elements of a 16-byte aligned bf16 / fp16 (one load) or fp32 (two loads) array, as floats.
+template <typename E>
+__device__ __forceinline__ void LoadPack(const E* src, float (&dst)[kPackElems]) {
+  if constexpr (std::is_same_v<E, float>) {
+    const float4 a = reinterpret_cast<const float4*>(src)[0];
+    const float4 b = reinterpret_cast<const float4*>(src)[1];
+    dst[0] = a.x, dst[1] = a.y, dst[2] = a.z, dst[3] = a.w;
+    dst[4] = b.x, dst[5] = b.y, dst[6] = b.z, dst[7] = b.w;
+  } else {
+    const Pack8<E> v = *reinterpret_cast<const Pack8<E>*>(src);
+#pragma unroll
+    for (int e = 0; e < kPackElems; ++e) dst[e] = ToFloat(v.v[e]);
+  }
+}
+
+// --- prologues: build x [M, K] (the dtype) in shared memory; every thread of the CTA takes part.
+
+// x as it is.
+template <typename T>
+__device__ void PlainPrologue(const Params& p, T* xs) {
+  const int packs = p.k / kPackElems;
+  const T* x = static_cast<const T*>(p.x);
+  for (int i = threadIdx.x; i < p.m * packs; i += kThreads) {
+    const int t = i / packs, j = i % packs;
+    *reinterpret_cast<Pack8<T>*>(xs + t * p.x_smem_stride + j * kPackElems) =
+        *reinterpret_cast<const Pack8<T>*>(x + t * p.x_stride + j * kPackElems);
+  }
+}
+
+// kernels::AddRmsNorm's arithmetic: s = round(residual + delta); rstd = rsqrt(mean(s^2) + eps)
+// over the fp32 values of the rounded s; x = round(s * rstd * w). Pass 2 re-reads only the
+// packs this thread wrote in pass 1, so one barrier (the reduction's) suffices.
+template <typename T, typename NW, int kMaxRows>
+__device__ void AddRmsNormPrologue(const Params& p, T* xs) {
+  __shared__ float warp_sums[kWarps][kMaxRows];
+  const int packs = p.k / kPackElems;
+  const T* residual = static_cast<const T*>(p.x);
+  const T* delta = static_cast<const T*>(p.delta);
+  // One CTA writes the updated residual; the others only read the old one.
+  T* residual_out = blockIdx.x == 0 ? static_cast<T*>(p.residual_out) : nullptr;
+  float sum_sq[kMaxRows];
+#pragma unroll
+  for (int t = 0; t < kMaxRows; ++t) sum_sq[t] = 0.f;
+  for (int j = threadIdx.x; j < packs; j += kThreads) {
+#pragma unroll
+    for (int t = 0; t < kMaxRows; ++t) {
+      if (t >= p.m) break;
+      Pack8<T> s = *reinterpret_cast<const Pack8<T>*>(residual + t * p.x_stride + j * kPackElems);
+      if (delta != nullptr) {
+        const Pack8<T> d =
+            *reinterpret_cast<const Pack8<T>*>(delta + t * p.delta_stride + j * kPackElems);
+#pragma unroll
+        for (int e = 0; e < kPackElems; ++e)
+          s.v[e] = FromFloat<T>(ToFloat(s.v[e]) + ToFloat(d.v[e]));
+        if (residual_out != nullptr)
+          *reinterpret_cast<Pack8<T>*>(residual_out + static_cast<int64_t>(t) * p.k +
+                                       j * kPackElems) = s;
+      }
+#pragma unroll
+      for (int e = 0; e < kPackElems; ++e) {
+        const float f = ToFloat(s.v[e]);
+        sum_sq[t] += f * f;
+      }
+      *reinterpret_cast<Pack8<T>*>(xs + t * p.x_smem_stride + j * kPackElems) = s;
+    }
+  }
+  // This thread's first two packs of the norm weight (all of them for K <= 4096), requested
+  // before the reduction's barrier so that their latency hides behind it.
+  const NW* weight = static_cast<const NW*>(p.norm_weight);
+  float w_first[2][kPackElems];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int j = threadIdx.x + i * kThreads;
+    if (j < packs) LoadPack(weight + j * kPackElems, w_first[i]);
+  }
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+#pragma unroll
+  for (int t = 0; t < kMaxRows; ++t) {
+    if (t >= p.m) break;
+    float v = sum_sq[t];
+    for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+    if (lane == 0) warp_sums[warp][t] = v;
+  }
+  __syncthreads();
+  float rstd[kMaxRows];
+#pragma unroll
+  for (int t = 0; t < kMaxRows; ++t) {
+    float total = 0.f;
+    for (int w = 0; w < kWarps; ++w) total += t < p.m ? warp_sums[w][t] : 0.f;
+    rstd[t] = rsqrtf(total / static_cast<float>(p.k) + p.eps);
+  }
+  for (int j = threadIdx.x, i = 0; j < packs; j += kThreads, ++i) {
+    float w[kPackElems];
+    if (i < 2) {
+#pragma unroll
+      for (int e = 0; e < kPackElems; ++e) w[e] = i == 0 ? w_first[0][e] : w_first[1][e];
+    } else {
+      LoadPack(weight + j * kPackElems, w);
+    }
+#pragma unroll
+    for (int t = 0; t < kMaxRows; ++t) {
+      if (t >= p.m) break;
+      auto* dst = reinterpret_cast<Pack8<T>*>(xs + t * p.x_smem_stride + j * kPackElems);
+      Pack8<T> s = *dst;
+#pragma unroll
+      for (int e = 0; e < kPackElems; ++e) s.v[e] = FromFloat<T>(ToFloat(s.v[e]) * rstd[t] * w[e]);
+      *dst = s;
+    }
+  }
+}
+
+// kernels::GatedActivation's arithmetic: x = round(round(act(gate)) * up).
+template <typename T, Prologue kP>
+__device__ void GatedPrologue(const Params& p, T* xs) {
+  const int packs = p.k / kPackElems;
+  const T* gate_up = static_cast<const T*>(p.x);
+  for (int i = threadIdx.x; i < p.m * packs; i += kThreads) {
+    const int t = i / packs, j = i % packs;
+    const T* row = gate_up + t * p.x_stride;
+    const Pack8<T> g = *reinterpret_cast<const Pack8<T>*>(row + j * kPackElems);
+    const Pack8<T> u = *reinterpret_cast<const Pack8<T>*>(row + p.k + j * kPackElems);
+    Pack8<T> x;
+#pragma unroll
+    for (int e = 0; e < kPackElems; ++e) {
+      const float gf = ToFloat(g.v[e]);
+      const float a = RoundTo<T>(kP == Prologue::kSiluMul ? SiluF(gf) : GeluTanhF(gf));
+      x.v[e] = FromFloat<T>(a * ToFloat(u.v[e]));
+    }
+    *reinterpret_cast<Pack8<T>*>(xs + t * p.x_smem_stride + j * kPackElems) = x;
+  }
+}
+
+// grid (<= ceil(N / 16)), block 256 = 8 warps: CTA b owns the 16-row groups b, b + gridDim.x, ...
+// (a persistent grid of one wave when N is large: the prologue runs once per CTA, and each lane's
+// ring of loads runs on from one group's last chunks into the next group's first, so the stream
+// does not drain between groups). Dynamic shared memory: x [M][x_smem_stride] (T), then two
+// buffers of partials [8 warps][kTiles * 8 tokens][16 rows] (fp32), alternating by group.
+// T: bf16 / fp16 (weight, x, y); NW: the norm weight's type (T or fp32); kTiles: 8-token tiles
+// (1: M <= 8, 2: M <= 16); kUnroll: chunks in flight per lane.
+template <typename T, typename NW, Prologue kP, int kTiles, int kUnroll>
+__global__ void __launch_bounds__(kThreads, 2) FusedGemvKernel(const Params p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  constexpr int kPartialFloats = kWarps * kTiles * 8 * kRowsPerCta;  // one buffer
+  T* xs = reinterpret_cast<T*>(smem);
+  float* partials =
+      reinterpret_cast<float*>(smem + static_cast<size_t>(p.m) * p.x_smem_stride * sizeof(T));
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int g = lane / 4, q = lane % 4;
+  const int num_groups = (p.n + kRowsPerCta - 1) / kRowsPerCta;
+  const int my_groups =
+      (num_groups - static_cast<int>(blockIdx.x) + gridDim.x - 1) / static_cast<int>(gridDim.x);
+  const int num_chunks = (p.k + kChunk - 1) / kChunk;
+  const int chunk_begin = warp * num_chunks / kWarps;
+  const int my_chunks = (warp + 1) * num_chunks / kWarps - chunk_begin;
+  // The warp's chunks of a group, rounded up to the ring: chunk c of every group sits in slot
+  // c % kUnroll (the padding loads nothing and multiplies nothing).
+  const int padded_chunks = (my_chunks + kUnroll - 1) / kUnroll * kUnroll;
+  const T* weight = static_cast<const T*>(p.weight);
+
+  uint4 lo[kUnroll], hi[kUnroll];
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  // Slot u <- rows g and g + 8 of this CTA's group gi, chunk c of this warp's slice; zeros past
+  // the last group, the slice, K or N.
+  auto load = [&](int u, int gi, int c) {
+    const int row0 =
+        (static_cast<int>(blockIdx.x) + gi * static_cast<int>(gridDim.x)) * kRowsPerCta;
+    const int kk = (chunk_begin + c) * kChunk + q * kPackElems;
+    const bool in = gi < my_groups && c < my_chunks && kk < p.k;
+    lo[u] = in && row0 + g < p.n ? LoadStreaming(weight + static_cast<int64_t>(row0 + g) * p.k + kk)
+                                 : zero;
+    hi[u] = in && row0 + g + 8 < p.n
+                ? LoadStreaming(weight + static_cast<int64_t>(row0 + g + 8) * p.k + kk)
+                : zero;
+  };
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) load(u, 0, u);
+
+  if constexpr (kP == Prologue::kPlain) {
+    PlainPrologue<T>(p, xs);
+  } else if constexpr (kP == Prologue::kAddRmsNorm) {
+    AddRmsNormPrologue<T, NW, kTiles * 8>(p, xs);
+  } else {
+    GatedPrologue<T, kP>(p, xs);
+  }
+  __syncthreads();
+
+  const T* bias = static_cast<const T*>(p.bias);
+  T* y = static_cast<T*>(p.y);
+  for (int gi = 0; gi < my_groups; ++gi) {
+    float acc[kTiles][4];
+#pragma unroll
+    for (int tile = 0; tile < kTiles; ++tile)
+      for (int i = 0; i < 4; ++i) acc[tile][i] = 0.f;
+    for (int c = 0; c < padded_chunks; c += kUnroll) {
+      // The chunks kUnroll ahead: this group's next stretch, or the next group's first.
+      const bool last_stretch = c + kUnroll >= padded_chunks;
+      const int next_gi = last_stretch ? gi + 1 : gi;
+      const int next_c = last_stretch ? 0 : c + kUnroll;
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int kk = (chunk_begin + c + u) * kChunk + q * kPackElems;
+        // The condition must be the same for the whole warp (mma.sync is .aligned): lanes past K
+        // (K % 32 != 0) take part with zeros (their W slots were loaded as zeros too).
+        if (c + u < my_chunks) {
+#pragma unroll
+          for (int tile = 0; tile < kTiles; ++tile) {
+            const int token = tile * 8 + g;
+            const uint4 xv =
+                token < p.m && kk < p.k
+                    ? *reinterpret_cast<const uint4*>(xs + token * p.x_smem_stride + kk)
+                    : zero;
+            Mma16816<T>(acc[tile], lo[u].x, hi[u].x, lo[u].y, hi[u].y, xv.x, xv.y);
+            Mma16816<T>(acc[tile], lo[u].z, hi[u].z, lo[u].w, hi[u].w, xv.z, xv.w);
+          }
+        }
+        load(u, next_gi, next_c + u);  // refill the slot just read
+      }
+    }
+
+    // C fragment: acc[0..1] = rows g, tokens 2q, 2q + 1; acc[2..3] = row g + 8.
+    float* buffer = partials + (gi % 2) * kPartialFloats;
+    float* mine = buffer + warp * (kTiles * 8 * kRowsPerCta);
+#pragma unroll
+    for (int tile = 0; tile < kTiles; ++tile) {
+      const int t0 = tile * 8 + 2 * q;
+      mine[t0 * kRowsPerCta + g] = acc[tile][0];
+      mine[(t0 + 1) * kRowsPerCta + g] = acc[tile][1];
+      mine[t0 * kRowsPerCta + g + 8] = acc[tile][2];
+      mine[(t0 + 1) * kRowsPerCta + g + 8] = acc[tile][3];
+    }
+    // One barrier per group: the other buffer is written next, and this one again only after
+    // the next group's barrier, which the threads reducing it pass once they are done.
+    __syncthreads();
+    const int row0 =
+        (static_cast<int>(blockIdx.x) + gi * static_cast<int>(gridDim.x)) * kRowsPerCta;
+    for (int i = threadIdx.x; i < p.m * kRowsPerCta; i += kThreads) {
+      const int token = i / kRowsPerCta, r = i % kRowsPerCta;
+      const int row = row0 + r;
+      if (row >= p.n) continue;
+      float sum = 0.f;
+      for (int w = 0; w < kWarps; ++w) sum += buffer[w * (kTiles * 8 * kRowsPerCta) + i];
+      if (bias != nullptr) sum += ToFloat(bias[row]);
+      y[static_cast<int64_t>(token) * p.n + row] = FromFloat<T>(sum);
+    }
+  }
+}
+
+}  // namespace dropkv::kernels::cuda::gemv

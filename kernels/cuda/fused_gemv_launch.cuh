@@ -1,0 +1,58 @@
+// Launchers of kernels/cuda/fused_gemv_kernels.cuh: the token count picks the tile count, the
+// unroll the chunks in flight. Instantiated per prologue in
+// fused_gemv_{plain,norm,gated}.cu (FUSED_GEMV_INSTANTIATE); called by fused_gemv.cu. No torch.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstddef>
+
+#include "kernels/cuda/fused_gemv_kernels.cuh"
+
+namespace dropkv::kernels::cuda::gemv {
+
+// Launches kKernel with `smem` bytes of dynamic shared memory, raising the kernel's opt-in limit
+// the first time it needs more than the default 48 KB. The grid: one CTA per 16-row group, or at
+// most one wave of resident CTAs (occupancy API), each looping over its groups. Both are
+// host-side queries, no stream work: fine during graph capture.
+template <auto kKernel>
+cudaError_t LaunchWithSmem(const Params& p, const LaunchOptions& options, size_t smem,
+                           cudaStream_t stream) {
+  static std::atomic<size_t> raised_to{48 * 1024};  // one per kernel
+  constexpr auto kernel = kKernel;
+  if (smem > raised_to.load(std::memory_order_relaxed)) {
+    const cudaError_t err = cudaFuncSetAttribute(
+        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    if (err != cudaSuccess) return err;
+    raised_to.store(smem, std::memory_order_relaxed);
+  }
+  int ctas = (p.n + kRowsPerCta - 1) / kRowsPerCta;
+  if (options.persistent && options.num_sms > 0) {
+    int per_sm = 0;
+    const cudaError_t err =
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem);
+    if (err != cudaSuccess) return err;
+    if (per_sm > 0) ctas = std::min(ctas, per_sm * options.num_sms);
+  }
+  kernel<<<ctas, kThreads, smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <typename T, typename NW, Prologue kP>
+cudaError_t LaunchFusedGemv(const Params& p, const LaunchOptions& options, cudaStream_t stream) {
+  const size_t smem = SmemBytes(p.m, p.k, sizeof(T));
+  const bool four = options.unroll == 4;
+  if (p.m <= 8) {
+    if (four) return LaunchWithSmem<FusedGemvKernel<T, NW, kP, 1, 4>>(p, options, smem, stream);
+    return LaunchWithSmem<FusedGemvKernel<T, NW, kP, 1, 8>>(p, options, smem, stream);
+  }
+  if (four) return LaunchWithSmem<FusedGemvKernel<T, NW, kP, 2, 4>>(p, options, smem, stream);
+  return LaunchWithSmem<FusedGemvKernel<T, NW, kP, 2, 8>>(p, options, smem, stream);
+}
+
+#define FUSED_GEMV_INSTANTIATE(T, NW, P) \
+  template cudaError_t LaunchFusedGemv<T, NW, P>(const Params&, const LaunchOptions&, cudaStream_t);
+
+}  // namespace dropkv::kernels::cuda::gemv

@@ -1,0 +1,291 @@
+// kernels/fused_gemv.h on CUDA against the chains it replaces: kernels::AddRmsNorm /
+// kernels::GatedActivation (themselves checked against ATen in fused_ops_gpu_test) + at::linear
+// (cuBLAS). Label gpu; skips without a GPU. Free blocks of the caching allocator hold NaN before
+// each call, so an output element the kernel forgot to write shows up.
+//
+// Tolerance: the prologue hands the GEMM the same rounded inputs as the chain (RMSNorm's sum
+// order may move an element by one unit in the last place), the product accumulates in fp32 and
+// is rounded once. So against an fp64 product of the same inputs every element is within 1 ulp of
+// the dtype (relative) plus 1/32 ulp of the output's largest value (fp32 sums, a one-ulp input
+// element). cuBLAS is not that close on every shape (seen: bf16, K 3584, N 37, with bias: 2 ulp
+// of the largest value off the fp64 product), so against cuBLAS the bound is cuBLAS's own
+// distance from fp64 plus ours. The updated residual is exact.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <iostream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/fused_gemv.h"
+#include "kernels/fused_ops.h"
+
+namespace dropkv::kernels {
+namespace {
+
+const at::TensorOptions kCuda = at::TensorOptions().device(at::kCUDA);
+
+class FusedGemvGpuTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device (cudaGetDeviceCount returned 0 or failed)";
+    ASSERT_TRUE(FusedGemvBuilt());
+    at::manual_seed(1234);
+  }
+};
+
+void Poison() {
+  for (int64_t mib : {1, 4, 16, 64}) {
+    auto t = at::full({mib << 18}, NAN, kCuda.dtype(at::kFloat));
+  }
+}
+
+double Ulp(at::ScalarType t) {
+  return t == at::kBFloat16 ? std::ldexp(1.0, -7) : std::ldexp(1.0, -10);
+}
+
+// got (ours) against ref64 (fp64 product of the same inputs) and want (the cuBLAS chain).
+void ExpectGemmClose(const at::Tensor& got, const at::Tensor& want, const at::Tensor& ref64,
+                     const std::string& what) {
+  ASSERT_EQ(got.sizes(), want.sizes()) << what;
+  auto g = got.to(at::kCPU, at::kDouble), w = want.to(at::kCPU, at::kDouble);
+  auto r = ref64.to(at::kCPU, at::kDouble);
+  ASSERT_FALSE(g.isnan().any().item<bool>()) << what << ": NaN in the output (unwritten?)";
+  const double ulp = Ulp(want.scalar_type());
+  const double scale = r.abs().max().item<double>();
+  auto ours = (g - r).abs() - (ulp * r.abs() + ulp * scale / 32);
+  const double cublas_off = (w - r).abs().max().item<double>();
+  EXPECT_LE(ours.max().item<double>(), 0.0)
+      << what << ": max |ours - fp64| " << (g - r).abs().max().item<double>() << ", scale " << scale
+      << " (cuBLAS: " << cublas_off << ")";
+  auto vs_cublas = (g - w).abs() - ((w - r).abs() + ulp * r.abs() + ulp * scale / 32);
+  EXPECT_LE(vs_cublas.max().item<double>(), 0.0)
+      << what << ": max |ours - cuBLAS| " << (g - w).abs().max().item<double>() << ", scale "
+      << scale << ", differing elements " << g.ne(w).sum().item<int64_t>() << " of " << g.numel();
+}
+
+// at::linear in fp64 (on the device).
+at::Tensor Linear64(const at::Tensor& x, const at::Tensor& w64, const at::Tensor& bias) {
+  return at::linear(x.to(at::kDouble), w64, bias.defined() ? bias.to(at::kDouble) : at::Tensor());
+}
+
+struct Shape {
+  int64_t k, n;
+};
+
+// The real projections (Llama-3.1-8B, Qwen2.5-7B, Gemma-7B, Mistral / small models: K and N as
+// the model has them; large N cut to keep the test short where K is large), odd N (not a multiple
+// of the CTA's 16 rows), and random shapes (K a multiple of 8).
+// DROPKV_GEMV_TEST_QUICK=1 (for compute-sanitizer, ~100x slower): four small shapes, M 1, 9, max.
+bool Quick() {
+  const char* v = std::getenv("DROPKV_GEMV_TEST_QUICK");
+  return v != nullptr && std::string(v) == "1";
+}
+
+std::vector<Shape> Shapes() {
+  if (Quick()) return {{4096, 40}, {14336, 24}, {3584, 37}, {64, 5}};
+  std::vector<Shape> shapes = {{4096, 6144},  {4096, 4104},  {3584, 4608},  {3072, 12288},
+                               {14336, 4096}, {18944, 3584}, {24576, 3072}, {4096, 1000},
+                               {3584, 37},    {24576, 17},   {64, 5},       {8, 3}};
+  std::mt19937 rng(7);
+  for (int i = 0; i < 6; ++i) {
+    const int64_t k = 8 * std::uniform_int_distribution<int64_t>(1, 1200)(rng);
+    const int64_t n = std::uniform_int_distribution<int64_t>(1, 2500)(rng);
+    shapes.push_back({k, n});
+  }
+  return shapes;
+}
+
+// Token counts to try at this K: 1..max for the smaller matrices, a spread for the others.
+std::vector<int64_t> TokenCounts(int64_t k, int64_t n, at::ScalarType dtype) {
+  const int64_t max_rows = FusedGemvMaxRows(k, dtype);
+  std::vector<int64_t> ms;
+  if (Quick()) {
+    for (int64_t m : {int64_t{1}, int64_t{9}, max_rows})
+      if (m <= max_rows && (ms.empty() || ms.back() < m)) ms.push_back(m);
+  } else if (k * n <= (int64_t{1} << 21)) {
+    for (int64_t m = 1; m <= max_rows; ++m) ms.push_back(m);
+  } else {
+    for (int64_t m : {int64_t{1}, int64_t{2}, int64_t{7}, int64_t{9}, max_rows})
+      if (m <= max_rows && (ms.empty() || ms.back() < m)) ms.push_back(m);
+  }
+  return ms;
+}
+
+std::string Name(at::ScalarType dtype, const Shape& s, int64_t m, bool bias) {
+  return std::string(c10::toString(dtype)) + " K=" + std::to_string(s.k) +
+         " N=" + std::to_string(s.n) + " M=" + std::to_string(m) + (bias ? " bias" : "");
+}
+
+TEST_F(FusedGemvGpuTest, MaxRowsFollowsSharedMemory) {
+  EXPECT_EQ(FusedGemvMaxRows(4096, at::kBFloat16), 16);
+  EXPECT_EQ(FusedGemvMaxRows(3584, at::kHalf), 16);
+  EXPECT_GE(FusedGemvMaxRows(14336, at::kBFloat16), 1);
+  EXPECT_LE(FusedGemvMaxRows(14336, at::kBFloat16), FusedGemvMaxRows(4096, at::kBFloat16));
+  EXPECT_GE(FusedGemvMaxRows(24576, at::kBFloat16), 1);
+  EXPECT_EQ(FusedGemvMaxRows(4100, at::kBFloat16), 0);  // K % 8 != 0
+  EXPECT_EQ(FusedGemvMaxRows(4096, at::kFloat), 0);
+  std::cout << "max rows (bf16): K 4096 " << FusedGemvMaxRows(4096, at::kBFloat16) << ", 14336 "
+            << FusedGemvMaxRows(14336, at::kBFloat16) << ", 18944 "
+            << FusedGemvMaxRows(18944, at::kBFloat16) << ", 24576 "
+            << FusedGemvMaxRows(24576, at::kBFloat16) << "\n";
+}
+
+TEST_F(FusedGemvGpuTest, PlainMatchesLinear) {
+  for (auto dtype : {at::kBFloat16, at::kHalf}) {
+    for (const Shape& s : Shapes()) {
+      auto opts = kCuda.dtype(dtype);
+      auto w = at::randn({s.n, s.k}, opts) * 0.02;
+      auto w64 = w.to(at::kDouble);
+      auto b = at::randn({s.n}, opts);
+      std::cout << "plain " << Name(dtype, s, 0, false) << std::endl;  // progress, if it hangs
+      for (int64_t m : TokenCounts(s.k, s.n, dtype)) {
+        for (bool with_bias : {false, true}) {
+          const std::string what = Name(dtype, s, m, with_bias);
+          // x rows strided: a view of a wider tensor.
+          auto x = at::randn({m, s.k + 8}, opts).narrow(1, 0, s.k);
+          const at::Tensor bias = with_bias ? b : at::Tensor();
+          auto want = at::linear(x, w, bias);
+          Poison();
+          auto got = Gemv(x, w, bias);
+          ASSERT_TRUE(got.ok()) << what << ": " << got.status();
+          ExpectGemmClose(*got, want, Linear64(x, w64, bias), "Gemv " + what);
+        }
+      }
+    }
+  }
+}
+
+TEST_F(FusedGemvGpuTest, AddRmsNormPrologueMatchesAddRmsNormThenLinear) {
+  for (auto dtype : {at::kBFloat16, at::kHalf}) {
+    for (const Shape& s : Shapes()) {
+      auto opts = kCuda.dtype(dtype);
+      auto w = at::randn({s.n, s.k}, opts) * 0.02;
+      auto w64 = w.to(at::kDouble);
+      auto b = at::randn({s.n}, opts);
+      std::cout << "norm " << Name(dtype, s, 0, false) << std::endl;
+      for (int64_t m : TokenCounts(s.k, s.n, dtype)) {
+        // bias x fp32 norm weight x delta: all 8 at M = 1, one per M after (cycling).
+        for (int combo = m == 1 ? 0 : static_cast<int>(m % 8); combo < (m == 1 ? 8 : m % 8 + 1);
+             ++combo) {
+          const bool with_bias = combo & 1, fp32_norm = combo & 2, with_delta = !(combo & 4);
+          const std::string what = Name(dtype, s, m, with_bias) +
+                                   (fp32_norm ? " fp32 norm weight" : "") +
+                                   (with_delta ? "" : " no delta");
+          auto residual = at::randn({m, s.k}, opts) * 3;
+          at::Tensor delta;
+          if (with_delta) delta = at::randn({m, s.k + 24}, opts).narrow(1, 8, s.k);
+          auto norm_w = fp32_norm ? at::rand({s.k}, kCuda.dtype(at::kFloat)) + 0.5
+                                  : at::rand({s.k}, opts) + 0.5;
+          const at::Tensor bias = with_bias ? b : at::Tensor();
+          auto updated = residual.clone();
+          auto h = AddRmsNorm(updated, delta, norm_w, 1e-5);
+          ASSERT_TRUE(h.ok()) << h.status();
+          auto want = at::linear(*h, w, bias);
+          const auto residual_before = residual.clone();
+          Poison();
+          auto got = AddRmsNormGemv(residual, delta, norm_w, 1e-5, w, bias);
+          ASSERT_TRUE(got.ok()) << what << ": " << got.status();
+          ExpectGemmClose(got->y, want, Linear64(*h, w64, bias), "AddRmsNormGemv " + what);
+          EXPECT_TRUE(at::equal(got->residual, updated)) << what << ": residual + delta";
+          EXPECT_TRUE(at::equal(residual, residual_before)) << what << ": input changed";
+        }
+      }
+    }
+  }
+}
+
+TEST_F(FusedGemvGpuTest, GatedPrologueMatchesGatedActivationThenLinear) {
+  for (auto dtype : {at::kBFloat16, at::kHalf}) {
+    for (const Shape& s : Shapes()) {
+      auto opts = kCuda.dtype(dtype);
+      auto w = at::randn({s.n, s.k}, opts) * 0.02;
+      auto w64 = w.to(at::kDouble);
+      auto b = at::randn({s.n}, opts);
+      std::cout << "gated " << Name(dtype, s, 0, false) << std::endl;
+      for (int64_t m : TokenCounts(s.k, s.n, dtype)) {
+        for (auto act : {GateActivation::kSilu, GateActivation::kGeluTanh}) {
+          const bool with_bias = act == GateActivation::kGeluTanh;
+          const std::string what = Name(dtype, s, m, with_bias) +
+                                   (act == GateActivation::kSilu ? " silu" : " gelu-tanh");
+          auto gate_up = (at::randn({m, 2 * s.k + 16}, opts) * 2).narrow(1, 0, 2 * s.k);
+          const at::Tensor bias = with_bias ? b : at::Tensor();
+          auto gated = GatedActivation(gate_up, act);
+          ASSERT_TRUE(gated.ok()) << gated.status();
+          auto want = at::linear(*gated, w, bias);
+          Poison();
+          auto got = GatedActivationGemv(gate_up, act, w, bias);
+          ASSERT_TRUE(got.ok()) << what << ": " << got.status();
+          ExpectGemmClose(*got, want, Linear64(*gated, w64, bias), "GatedActivationGemv " + what);
+        }
+      }
+    }
+  }
+}
+
+// The K reduction has one order: two calls give the same bits.
+TEST_F(FusedGemvGpuTest, Deterministic) {
+  auto opts = kCuda.dtype(at::kBFloat16);
+  auto w = at::randn({Quick() ? 40 : 4104, 14336}, opts) * 0.02;
+  auto gate_up = at::randn({3, 2 * 14336}, opts);
+  auto first = GatedActivationGemv(gate_up, GateActivation::kSilu, w, at::Tensor());
+  auto second = GatedActivationGemv(gate_up, GateActivation::kSilu, w, at::Tensor());
+  ASSERT_TRUE(first.ok() && second.ok());
+  EXPECT_TRUE(at::equal(*first, *second));
+}
+
+// Captured in a CUDA graph (as the runner's decode step is) and replayed on new inputs.
+TEST_F(FusedGemvGpuTest, ReplaysInCudaGraph) {
+  auto opts = kCuda.dtype(at::kBFloat16);
+  auto w = at::randn({6144, 4096}, opts) * 0.02;
+  auto norm_w = at::rand({4096}, opts) + 0.5;
+  auto residual = at::randn({2, 4096}, opts);
+  auto delta = at::randn({2, 4096}, opts);
+  auto stream = at::cuda::getStreamFromPool();
+  at::cuda::CUDAStreamGuard guard(stream);
+  ASSERT_TRUE(AddRmsNormGemv(residual, delta, norm_w, 1e-5, w, at::Tensor()).ok());  // warm-up
+  at::cuda::CUDAGraph graph;
+  graph.capture_begin();
+  auto captured = AddRmsNormGemv(residual, delta, norm_w, 1e-5, w, at::Tensor());
+  graph.capture_end();
+  ASSERT_TRUE(captured.ok()) << captured.status();
+  residual.copy_(at::randn({2, 4096}, opts));
+  delta.copy_(at::randn({2, 4096}, opts));
+  graph.replay();
+  auto updated = residual.clone();
+  auto h = AddRmsNorm(updated, delta, norm_w, 1e-5);
+  ASSERT_TRUE(h.ok());
+  ExpectGemmClose(captured->y, at::linear(*h, w), Linear64(*h, w.to(at::kDouble), at::Tensor()),
+                  "graph replay");
+  EXPECT_TRUE(at::equal(captured->residual, updated));
+}
+
+TEST_F(FusedGemvGpuTest, RejectsWhatItCannotRun) {
+  auto opts = kCuda.dtype(at::kBFloat16);
+  auto w = at::randn({64, 4096}, opts);
+  const int64_t max_rows = FusedGemvMaxRows(4096, at::kBFloat16);
+  auto too_many = Gemv(at::randn({max_rows + 1, 4096}, opts), w, at::Tensor());
+  ASSERT_FALSE(too_many.ok());
+  EXPECT_EQ(too_many.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(too_many.status().message().find("at most"), std::string::npos) << too_many.status();
+  auto cpu = Gemv(at::randn({1, 4096}, at::kBFloat16), w, at::Tensor());
+  ASSERT_FALSE(cpu.ok());
+  EXPECT_EQ(cpu.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(cpu.status().message().find("x"), std::string::npos) << cpu.status();
+  auto odd_k = Gemv(at::randn({1, 4100}, opts), at::randn({64, 4100}, opts), at::Tensor());
+  ASSERT_FALSE(odd_k.ok());
+  EXPECT_NE(odd_k.status().message().find("K = 4100"), std::string::npos) << odd_k.status();
+  auto fp32 = Gemv(at::randn({1, 64}, kCuda.dtype(at::kFloat)),
+                   at::randn({8, 64}, kCuda.dtype(at::kFloat)), at::Tensor());
+  ASSERT_FALSE(fp32.ok());
+  EXPECT_NE(fp32.status().message().find("weight"), std::string::npos) << fp32.status();
+}
+
+}  // namespace
+}  // namespace dropkv::kernels
