@@ -17,6 +17,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/check.h"
+#include "kernels/cuda/activations.cuh"
 #include "kernels/cuda/dtype_convert.cuh"
 #include "kernels/fused_ops.h"
 
@@ -34,6 +35,8 @@ namespace {
 // --- device code ---------------------------------------------------------------------------------
 
 using cuda::FromFloat;
+using cuda::GeluTanh;
+using cuda::Silu;
 using cuda::ToFloat;
 
 // x rounded to T and back: what an ATen op on T tensors stores between two ops.
@@ -143,17 +146,6 @@ __global__ void RopeQkvKernel(const T* __restrict__ qkv, int64_t qkv_stride,
   }
   dst[j] = FromFloat<T>(x1);
   dst[j + half] = FromFloat<T>(x2);
-}
-
-// SiLU and GELU (tanh approximation) in fp32, as ATen's CUDA kernels compute them.
-__device__ __forceinline__ float Silu(float x) {
-  return x / (1.f + expf(-x));
-}
-__device__ __forceinline__ float GeluTanh(float x) {
-  constexpr float kBeta = 0.7978845608028654f;  // sqrt(2 / pi)
-  constexpr float kKappa = 0.044715f;
-  const float inner = kBeta * (x + kKappa * x * x * x);
-  return 0.5f * x * (1.f + tanhf(inner));
 }
 
 // grid-stride over the N * I / kVec packs of the output: out[n, i] = act(gate[n, i]) * up[n, i],

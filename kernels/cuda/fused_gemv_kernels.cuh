@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "kernels/cuda/activations.cuh"
 #include "kernels/cuda/dtype_convert.cuh"
 #include "kernels/cuda/fused_gemv_params.h"
 
@@ -37,18 +38,6 @@ struct alignas(16) Pack8 {
 template <typename T>
 __device__ __forceinline__ float RoundTo(float x) {
   return ToFloat(FromFloat<T>(x));
-}
-
-// SiLU and GELU (tanh approximation) in fp32, as ATen's CUDA kernels (and
-// kernels/cuda/fused_decode_ops.cu) compute them.
-__device__ __forceinline__ float SiluF(float x) {
-  return x / (1.f + expf(-x));
-}
-__device__ __forceinline__ float GeluTanhF(float x) {
-  constexpr float kBeta = 0.7978845608028654f;  // sqrt(2 / pi)
-  constexpr float kKappa = 0.044715f;
-  const float inner = kBeta * (x + kKappa * x * x * x);
-  return 0.5f * x * (1.f + tanhf(inner));
 }
 
 // W is read once per step: skip L1 (no reuse), keep L2 for the small vectors every CTA reads.
@@ -202,7 +191,7 @@ __device__ void GatedPrologue(const Params& p, T* xs) {
 #pragma unroll
     for (int e = 0; e < kPackElems; ++e) {
       const float gf = ToFloat(g.v[e]);
-      const float a = RoundTo<T>(kP == Prologue::kSiluMul ? SiluF(gf) : GeluTanhF(gf));
+      const float a = RoundTo<T>(kP == Prologue::kSiluMul ? Silu(gf) : GeluTanh(gf));
       x.v[e] = FromFloat<T>(a * ToFloat(u.v[e]));
     }
     *reinterpret_cast<Pack8<T>*>(xs + t * p.x_smem_stride + j * kPackElems) = x;

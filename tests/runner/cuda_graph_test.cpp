@@ -36,9 +36,11 @@ std::string TinyLlamaDir() {
   return dir.string();
 }
 
-std::unique_ptr<ModelRunner> MakeRunner(bool graphs, bool fused_ops = true) {
+std::unique_ptr<ModelRunner> MakeRunner(bool graphs, bool fused_ops = true,
+                                        bool fused_gemv = false) {
   RunnerOptions o;
   o.cuda_fused_ops = fused_ops;
+  o.cuda_fused_gemv = fused_gemv;
   o.model_dir = TinyLlamaDir();
   o.device = "cuda";
   o.dtype = "bfloat16";
@@ -125,6 +127,16 @@ TEST(CudaGraphDecodeTest, FusedOpsInGraphsEqualAtenOpsEager) {
   auto fused = MakeRunner(/*graphs=*/true, /*fused_ops=*/true);
   ASSERT_TRUE(aten && fused);
   ExpectSameLogits(*aten, *fused, "fused graphs vs ATen eager");
+}
+
+// The fused decode GEMVs (kernels/fused_gemv.h: norm + qkv, norm + gate_up, activation + down,
+// o_proj; off by default) inside captured graphs against the ATen ops run eagerly.
+TEST(CudaGraphDecodeTest, FusedGemvInGraphsEqualsAtenOpsEager) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  auto aten = MakeRunner(/*graphs=*/false, /*fused_ops=*/false);
+  auto gemv = MakeRunner(/*graphs=*/true, /*fused_ops=*/true, /*fused_gemv=*/true);
+  ASSERT_TRUE(aten && gemv);
+  ExpectSameLogits(*aten, *gemv, "fused GEMV graphs vs ATen eager");
 }
 
 TEST(CudaGraphDecodeTest, DefaultKvPoolIsFreeMemoryLessTheReserve) {
