@@ -327,11 +327,13 @@ int Run(int argc, char** argv) {
                  "CUDA: fused RMSNorm / RoPE + K/V store / activation kernels, on or off")
       ->capture_default_str()
       ->check(CLI::IsMember({"on", "off"}));
-  app.add_option("--fused-gemv", gemv_arg,
-                 "CUDA, with --fused-ops on: decode projections as kernels/fused_gemv.h (norm / "
-                 "activation in the GEMV's prologue), on or off (the fused ops + cuBLAS)")
+  app.add_option(
+         "--fused-gemv", gemv_arg,
+         "CUDA, with --fused-ops on: decode projections as kernels/fused_gemv.h (norm / "
+         "activation in the GEMV's prologue), o_proj (that one alone) or off (the fused ops + "
+         "cuBLAS)")
       ->capture_default_str()
-      ->check(CLI::IsMember({"on", "off"}));
+      ->check(CLI::IsMember({"on", "o_proj", "off"}));
   app.add_flag("--gemv-table", gemv_table,
                "print the --geometry's decode GEMVs, cuBLAS vs kernels/fused_gemv.h, and exit");
   app.add_option("--throughput-context", throughput_context,
@@ -378,7 +380,9 @@ int Run(int argc, char** argv) {
   options.dtype = dtype;
   options.random_weights = random_weights;
   options.cuda_fused_ops = fused_arg == "on";
-  options.cuda_fused_gemv = gemv_arg == "on";
+  options.cuda_decode_gemv = gemv_arg == "on"       ? RunnerOptions::DecodeGemv::kAll
+                             : gemv_arg == "o_proj" ? RunnerOptions::DecodeGemv::kOProj
+                                                    : RunnerOptions::DecodeGemv::kOff;
   if (kv_gib > 0) options.kv_cache_bytes = static_cast<int64_t>(kv_gib * (1LL << 30));
   auto runner_or = ModelRunner::Create(options);
   if (!runner_or.ok()) {
@@ -395,7 +399,7 @@ int Run(int argc, char** argv) {
                  {"device", device},
                  {"dtype", dtype},
                  {"fused_ops", options.cuda_fused_ops},
-                 {"fused_gemv", options.cuda_fused_ops && options.cuda_fused_gemv},
+                 {"fused_gemv", options.cuda_fused_ops ? gemv_arg : "off"},
                  {"layers", config.num_layers},
                  {"kv_blocks_total", runner.pool().num_blocks()},
                  {"prefill", Json::array()},

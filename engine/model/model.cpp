@@ -316,15 +316,15 @@ bool Model::uses_fused_ops(const at::Tensor& x) const {
 Model::GemvPlan Model::PlanGemvs(const at::Tensor& x, bool fused) const {
   GemvPlan plan;
   const int64_t n = x.size(0);
-  if (!fused || !fused_gemv_ || n > kMaxFusedGemvTokens || !kernels::FusedGemvBuilt()) return plan;
+  if (!fused || n > kMaxFusedGemvTokens || !kernels::FusedGemvBuilt()) return plan;
   const Layer& l = layers_.front();
   auto fits = [&](const at::Tensor& w) {
     return n <= kernels::FusedGemvMaxRows(w.size(1), w.scalar_type());
   };
-  plan.qkv = fits(l.qkv_w);
-  plan.o = fits(l.o_w);
-  plan.gate_up = fits(l.gate_up_w);
-  plan.down = fits(l.down_w);
+  plan.qkv = gemv_wanted_.qkv && fits(l.qkv_w);
+  plan.o = gemv_wanted_.o && fits(l.o_w);
+  plan.gate_up = gemv_wanted_.gate_up && fits(l.gate_up_w);
+  plan.down = gemv_wanted_.down && fits(l.down_w);
   return plan;
 }
 

@@ -88,10 +88,12 @@ class Model {
   // projections run as our GEMV (kernels/fused_gemv.h) with the norm before qkv and gate_up and
   // the activation before down in its prologue, 3 launches per layer fewer; o_proj as our plain
   // GEMV. A matrix whose K leaves too little shared memory for the batch uses cuBLAS as before.
-  // Off by default: on the H200 it is 4% slower per decode step than the fused ops + cuBLAS
-  // (docs/benchmarks.md, 2026-12-01 15:35). At most 8 tokens: from 8 up the prologues cost more
-  // than the launch they save (the GEMV table there).
-  void set_fused_gemv(bool on) { fused_gemv_ = on; }
+  // At most 8 tokens: from 8 up the prologues cost more than the launch they save (the GEMV
+  // table in docs/benchmarks.md). Which projections: RunnerOptions::cuda_decode_gemv.
+  struct GemvPlan {
+    bool qkv = false, o = false, gate_up = false, down = false;
+  };
+  void set_fused_gemv(const GemvPlan& wanted) { gemv_wanted_ = wanted; }
   static constexpr int64_t kMaxFusedGemvTokens = 8;
 
  private:
@@ -141,10 +143,6 @@ class Model {
   absl::StatusOr<QkvHeads> SplitHeads(const at::Tensor& qkv, const Rope& rope, bool fused,
                                       int32_t layer_idx, AttentionBackend& backend) const;
 
-  // Which projections of a forward run as fused GEMVs (all false: the ATen/cuBLAS path).
-  struct GemvPlan {
-    bool qkv = false, o = false, gate_up = false, down = false;
-  };
   GemvPlan PlanGemvs(const at::Tensor& x, bool fused) const;
 
   ModelConfig config_;
@@ -156,7 +154,7 @@ class Model {
   std::vector<Layer> layers_;
   int32_t num_packed_weights_ = 0;
   bool fused_cuda_ops_ = true;
-  bool fused_gemv_ = false;
+  GemvPlan gemv_wanted_;
 };
 
 // fp32 [D/2] RoPE inverse frequencies for `config` at sequence length `seq_len` (only dynamic

@@ -737,7 +737,14 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const RunnerOpt
     ASSIGN_OR_RETURN(model, Model::Load(dir, config, device, dtype));
   }
   model->set_fused_cuda_ops(options.cuda_fused_ops);
-  model->set_fused_gemv(options.cuda_fused_gemv);
+  {
+    const bool all = options.cuda_decode_gemv == RunnerOptions::DecodeGemv::kAll;
+    model->set_fused_gemv(
+        {.qkv = all,
+         .o = all || options.cuda_decode_gemv == RunnerOptions::DecodeGemv::kOProj,
+         .gate_up = all,
+         .down = all});
+  }
   BlockPoolOptions po;
   po.block_size = options.block_size;
   po.num_layers = config.num_layers;

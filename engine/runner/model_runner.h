@@ -44,10 +44,14 @@ struct RunnerOptions {
   // CUDA: the fused residual + RMSNorm, RoPE + K/V store and gated-activation kernels
   // (kernels/fused_ops.h) instead of chains of ATen ops. Off: for comparison and debugging.
   bool cuda_fused_ops = true;
-  // CUDA, with the fused ops: decode projections as our GEMV with the norm / activation in its
-  // prologue (kernels/fused_gemv.h) instead of the fused op + cuBLAS. Off by default: measured
-  // 4% slower per decode step on the H200 (docs/benchmarks.md).
-  bool cuda_fused_gemv = false;
+  // CUDA, with the fused ops: which decode projections run as our GEMV (kernels/fused_gemv.h)
+  // instead of cuBLAS. kAll: also the norm before qkv / gate_up and the activation before down
+  // in the GEMV's prologue (3 launches per layer fewer, but measured 4% slower per decode step on
+  // the H200: its weight stream is 7-8% below cuBLAS on those shapes); kOProj: o_proj alone,
+  // where ours streams faster than cuBLAS's split-K GEMM + reduce in isolation, but the decode
+  // step gained 0-3%, within the noise of two runs (docs/benchmarks.md): off by default.
+  enum class DecodeGemv { kOff, kOProj, kAll };
+  DecodeGemv cuda_decode_gemv = DecodeGemv::kOff;
 };
 
 // What the scheduler needs to know about a sequence's cache after a step.

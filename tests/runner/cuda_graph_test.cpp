@@ -40,7 +40,8 @@ std::unique_ptr<ModelRunner> MakeRunner(bool graphs, bool fused_ops = true,
                                         bool fused_gemv = false) {
   RunnerOptions o;
   o.cuda_fused_ops = fused_ops;
-  o.cuda_fused_gemv = fused_gemv;
+  o.cuda_decode_gemv =
+      fused_gemv ? RunnerOptions::DecodeGemv::kAll : RunnerOptions::DecodeGemv::kOff;
   o.model_dir = TinyLlamaDir();
   o.device = "cuda";
   o.dtype = "bfloat16";
