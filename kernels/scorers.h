@@ -24,10 +24,34 @@ struct H2oParams {
 };
 //   q: [B, Hq, nq, D], the last nq <= n queries (query i sits at position n - nq + i)
 //   k, v: [B, Hkv, n, D] -> fp32 [B, Hkv, n]
-// Memory: one [g * nq, n] fp32 attention block per KV head at a time (call it per chunk of
-// queries and add the results to bound it; divide_by_num_queries then needs the totals).
+// Memory: the rows are processed in chunks whose [g * rows, n] fp32 attention block stays within
+// kH2oBlockBytes (or `block_bytes` of the internal overload; at least one row per chunk). CPU or
+// CUDA inputs: ATen ops on their device.
 absl::StatusOr<at::Tensor> H2oScores(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                      const H2oParams& params = {});
+
+// The same column sums from the rows' log-sum-exp, which the prefill attention already computed
+// (ATen's flash / cuDNN attention return it; engine/model/attention.h PrefillAttentionWithLse):
+// alpha_ij = exp(scale q_i.k_j - lse_i), so no softmax over the row is needed and the CUDA path
+// never builds the [rows, n] matrix (algorithms.md section 2: "reuse pass 1's lse and sum down the
+// rows per key tile").
+//   q: [B, Hq, nq, D]; k, v: [B, Hkv, n, D]; lse: fp32 [B, Hq, nq], the natural log of
+//   sum_j exp(scale q_i.k_j) over the keys row i sees -> fp32 [B, Hkv, n] (fp64 for fp64 q).
+// CUDA bf16 / fp16 with D 64 or 128: a fused kernel (kernels/cuda/h2o_scores.cu), O(n) memory;
+// other inputs: ATen in row chunks as H2oScores.
+absl::StatusOr<at::Tensor> H2oScoresFromLse(const at::Tensor& q, const at::Tensor& k,
+                                            const at::Tensor& v, const at::Tensor& lse,
+                                            const H2oParams& params = {});
+
+// The bound on the ATen paths' [g * rows, n] fp32 block.
+inline constexpr int64_t kH2oBlockBytes = int64_t{256} << 20;
+
+namespace internal {
+// Test-only: the ATen paths with a chosen block budget (bytes); lse undefined = H2oScores.
+absl::StatusOr<at::Tensor> H2oScoresAten(const at::Tensor& q, const at::Tensor& k,
+                                         const at::Tensor& v, const at::Tensor& lse,
+                                         const H2oParams& params, int64_t block_bytes);
+}  // namespace internal
 
 // SnapKV (kvpress SnapKVPress.score): mean over the last `window` queries of their attention
 // (fp32 softmax, cast back to the query dtype) over keys [0, n - window), avg-pooled (kernel

@@ -49,8 +49,10 @@ class Press final : public KvSelector {
         profile_(std::move(profile)),
         layers_(model.num_layers) {}
 
-  // DropKV scores from the prefill attention's window rows when the runner has them.
+  // DropKV scores from the prefill attention's window rows when the runner has them; H2O needs
+  // the LSE of every chunk row (kernels::H2oScoresFromLse; the output rows are a free view).
   int64_t num_attention_rows() const override {
+    if (IsH2o(params_.method)) return kAllAttentionRows;
     return params_.method == ScoreMethod::kDropKV ? params_.window : 0;
   }
 
@@ -138,7 +140,12 @@ class Press final : public KvSelector {
     if (IsH2o(params_.method)) {
       // Accumulate every chunk's attention, compressing or not (H2O sums over all prompt queries).
       kernels::H2oParams hp;  // raw sums; normalisation and V norm are applied at selection
-      absl::StatusOr<at::Tensor> s = kernels::H2oScores(q, k, val, hp);
+      // With every chunk row's LSE from the prefill attention, the column sums need no softmax
+      // (and on CUDA no [rows, n] block).
+      const bool have_lse = v.window_lse.defined() && v.window_lse.size(1) == chunk_len;
+      absl::StatusOr<at::Tensor> s =
+          have_lse ? kernels::H2oScoresFromLse(q, k, val, v.window_lse.unsqueeze(0), hp)
+                   : kernels::H2oScores(q, k, val, hp);
       if (!s.ok()) return s.status();
       at::Tensor chunk_sum = (*s)[0];  // [Hkv, n]
       const int64_t n_prev = n - chunk_len;

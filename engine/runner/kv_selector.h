@@ -43,7 +43,9 @@ class KvSelector {
   // ascending, the same k for every head of the layer; std::nullopt keeps everything.
   virtual absl::StatusOr<std::optional<at::Tensor>> Select(const LayerKvView& view) = 0;
   // How many of the chunk's last attention rows (output + LSE) Select can use; 0 = none, and the
-  // runner then slices nothing.
+  // runner then slices nothing; kAllAttentionRows = every row of the chunk (H2O sums over all
+  // prompt queries). The runner gives min(this, chunk_len) rows.
+  static constexpr int64_t kAllAttentionRows = INT64_MAX;
   virtual int64_t num_attention_rows() const { return 0; }
 };
 

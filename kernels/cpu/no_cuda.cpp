@@ -21,6 +21,13 @@ absl::StatusOr<at::Tensor> DropKvScoresFromAttention(const at::Tensor&, const at
                                                      const at::Tensor&, const DropKvParams&) {
   return NotBuilt();
 }
+bool H2oKernelApplies(const at::Tensor&, const at::Tensor&) {
+  return false;
+}
+absl::StatusOr<at::Tensor> H2oColumnSums(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                         double) {
+  return NotBuilt();
+}
 absl::Status WriteKv(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&,
                      const at::Tensor&) {
   return NotBuilt();

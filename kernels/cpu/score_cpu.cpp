@@ -1,9 +1,11 @@
 // CPU reference of the scorers (dropkv_score.h, scorers.h) and the device dispatch.
-// The reference materialises one KV head's [g*W, n] attention block at a time: fine on the CPU,
-// and the exact definition the CUDA kernels are tested against.
+// The reference materialises one KV head's [g*W, n] attention block at a time (H2O: a bounded
+// chunk of its rows): fine on the CPU, and the exact definition the CUDA kernels are tested
+// against.
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -204,8 +206,10 @@ absl::StatusOr<at::Tensor> DropKvScoresVarlen(const at::Tensor& q_window, const 
   });
 }
 
-absl::StatusOr<at::Tensor> H2oScores(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                     const H2oParams& params) {
+namespace {
+
+absl::Status CheckH2o(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                      const H2oParams& params) {
   if (auto s = CheckQkv(q, k, &v, "q"); !s.ok()) return s;
   if (q.size(2) > k.size(2)) {
     return absl::InvalidArgumentError(
@@ -215,33 +219,121 @@ absl::StatusOr<at::Tensor> H2oScores(const at::Tensor& q, const at::Tensor& k, c
     return absl::InvalidArgumentError(
         absl::StrCat("value_norm_p must be 0, 1 or 2, got ", params.value_norm_p));
   }
-  return CatchTorch("H2oScores", [&]() -> absl::StatusOr<at::Tensor> {
-    const int64_t b = q.size(0), hq = q.size(1), nq = q.size(2), d = q.size(3);
-    const int64_t hkv = k.size(1), n = k.size(2), g = hq / hkv;
-    const auto acc = AccType(q);
-    const double scale = Scale(params.scale, d);
-    auto out = at::empty({b, hkv, n}, k.options().dtype(acc));
-    auto mask = CausalWindowMask(nq, n, k.device()).repeat({g, 1});  // [g*nq, n]
-    for (int64_t i = 0; i < b; ++i) {
-      for (int64_t h = 0; h < hkv; ++h) {
-        auto qg = q[i].slice(0, h * g, (h + 1) * g).to(acc).reshape({-1, d});  // [g*nq, D]
-        auto logits = at::matmul(qg, k[i][h].to(acc).t()).mul_(scale);         // [g*nq, n]
-        logits.masked_fill_(mask.logical_not(), -std::numeric_limits<double>::infinity());
-        out[i][h].copy_(at::softmax(logits, -1).sum(0) / static_cast<double>(g));
+  if (!(params.scale >= 0)) {
+    return absl::InvalidArgumentError(absl::StrCat("scale must be >= 0, got ", params.scale));
+  }
+  return absl::OkStatus();
+}
+
+// One sequence's raw column sums / g. q [Hq, nq, D], k [Hkv, n, D], lse [Hq, nq] or undefined
+// (then a softmax per row) -> [Hkv, n] in the accumulation dtype. Rows go in chunks whose
+// [g * rows, keys] block stays within block_bytes; a chunk's rows see only the keys before
+// n - nq + its last row, so the block is cut there too.
+at::Tensor H2oOneSequence(const at::Tensor& q, const at::Tensor& k, const at::Tensor& lse,
+                          double scale, int64_t block_bytes) {
+  const int64_t hq = q.size(0), nq = q.size(1), d = q.size(2);
+  const int64_t hkv = k.size(0), n = k.size(1), g = hq / hkv;
+  const auto acc = AccType(q);
+  auto out = at::zeros({hkv, n}, k.options().dtype(acc));
+  if (n == 0 || nq == 0) return out;
+  const int64_t elem_bytes = acc == at::kDouble ? 8 : 4;
+  const int64_t chunk_rows = std::clamp<int64_t>(block_bytes / (g * n * elem_bytes), 1, nq);
+  for (int64_t h = 0; h < hkv; ++h) {
+    auto kh = k[h].to(acc);  // [n, D]
+    auto qh = q.slice(0, h * g, (h + 1) * g);
+    for (int64_t r0 = 0; r0 < nq; r0 += chunk_rows) {
+      const int64_t r1 = std::min(nq, r0 + chunk_rows), rows = r1 - r0;
+      const int64_t num_keys = n - nq + r1;  // keys the chunk's last row sees
+      auto qg = qh.slice(1, r0, r1).to(acc).reshape({-1, d});                        // [g*rows, D]
+      auto logits = at::matmul(qg, kh.slice(0, 0, num_keys).t()).mul_(scale);        // [g*rows, keys]
+      auto mask = CausalWindowMask(rows, num_keys, k.device()).repeat({g, 1});       // row i at
+      logits.masked_fill_(mask.logical_not(), -std::numeric_limits<double>::infinity());  // keys-rows+i
+      at::Tensor p;
+      if (lse.defined()) {
+        auto lse_rows = lse.slice(0, h * g, (h + 1) * g).slice(1, r0, r1).to(acc).reshape({-1, 1});
+        p = logits.sub_(lse_rows).exp_();
+      } else {
+        p = at::softmax(logits, -1);
       }
+      out[h].slice(0, 0, num_keys).add_(p.sum(0));
     }
-    if (params.divide_by_num_queries) {
-      // Query i (position n - nq + i) sees key j iff j <= n - nq + i: count = nq - max(0,
-      // j-(n-nq)).
-      auto j = at::arange(n, out.options());
-      auto count = (nq - (j - (n - nq)).clamp_min(0)).clamp_min(1);
-      out.div_(count);
+  }
+  return out.div_(static_cast<double>(g));
+}
+
+// divide_by_num_queries and the ||v||_p factor on the raw sums / g, [B, Hkv, n] in place.
+void H2oFinish(at::Tensor& out, const at::Tensor& v, int64_t nq, const H2oParams& params) {
+  const int64_t n = out.size(2);
+  if (params.divide_by_num_queries) {
+    // Query i (position n - nq + i) sees key j iff j <= n - nq + i: count = nq - max(0,
+    // j - (n - nq)).
+    auto j = at::arange(n, out.options());
+    auto count = (nq - (j - (n - nq)).clamp_min(0)).clamp_min(1);
+    out.div_(count);
+  }
+  if (params.value_norm_p > 0) {
+    out.mul_(at::linalg_vector_norm(v.to(out.scalar_type()), params.value_norm_p, {-1}));
+  }
+}
+
+absl::Status CheckLse(const at::Tensor& lse, const at::Tensor& q) {
+  if (auto s = CheckDim(lse, "lse", 3, "[B, Hq, nq]"); !s.ok()) return s;
+  for (int64_t i = 0; i < 3; ++i) {
+    if (auto s = CheckSize(lse, "lse", i, q.size(i), "q's"); !s.ok()) return s;
+  }
+  if (lse.device() != q.device()) {
+    return absl::InvalidArgumentError("lse: on a different device than q");
+  }
+  if (!at::isFloatingType(lse.scalar_type())) {
+    return absl::InvalidArgumentError("lse: must be a floating-point tensor");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+namespace internal {
+absl::StatusOr<at::Tensor> H2oScoresAten(const at::Tensor& q, const at::Tensor& k,
+                                         const at::Tensor& v, const at::Tensor& lse,
+                                         const H2oParams& params, int64_t block_bytes) {
+  if (auto s = CheckH2o(q, k, v, params); !s.ok()) return s;
+  if (lse.defined()) {
+    if (auto s = CheckLse(lse, q); !s.ok()) return s;
+  }
+  return CatchTorch("H2oScores", [&]() -> absl::StatusOr<at::Tensor> {
+    const int64_t b = q.size(0);
+    const double scale = Scale(params.scale, q.size(3));
+    auto out = at::empty({b, k.size(1), k.size(2)}, k.options().dtype(AccType(q)));
+    for (int64_t i = 0; i < b; ++i) {
+      out[i].copy_(H2oOneSequence(q[i], k[i], lse.defined() ? lse[i] : at::Tensor(), scale,
+                                  block_bytes));
     }
-    if (params.value_norm_p > 0) {
-      out.mul_(at::linalg_vector_norm(v.to(acc), params.value_norm_p, {-1}));
-    }
+    H2oFinish(out, v, q.size(2), params);
     return out;
   });
+}
+}  // namespace internal
+
+absl::StatusOr<at::Tensor> H2oScores(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                     const H2oParams& params) {
+  return internal::H2oScoresAten(q, k, v, at::Tensor(), params, kH2oBlockBytes);
+}
+
+absl::StatusOr<at::Tensor> H2oScoresFromLse(const at::Tensor& q, const at::Tensor& k,
+                                            const at::Tensor& v, const at::Tensor& lse,
+                                            const H2oParams& params) {
+  if (!lse.defined()) return absl::InvalidArgumentError("lse: undefined");
+  if (auto s = CheckH2o(q, k, v, params); !s.ok()) return s;
+  if (auto s = CheckLse(lse, q); !s.ok()) return s;
+  if (k.is_cuda() && cuda::H2oKernelApplies(q, k)) {
+    auto sums = cuda::H2oColumnSums(q, k, lse, Scale(params.scale, q.size(3)));
+    if (!sums.ok()) return sums.status();
+    return CatchTorch("H2oScoresFromLse", [&]() -> absl::StatusOr<at::Tensor> {
+      H2oFinish(*sums, v, q.size(2), params);
+      return std::move(*sums);
+    });
+  }
+  return internal::H2oScoresAten(q, k, v, lse, params, kH2oBlockBytes);
 }
 
 absl::StatusOr<at::Tensor> SnapKvScores(const at::Tensor& q_window, const at::Tensor& k,

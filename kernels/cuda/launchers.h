@@ -31,6 +31,13 @@ absl::StatusOr<at::Tensor> DropKvScoresFromAttention(const at::Tensor& q_window,
                                                      const at::Tensor& lse,
                                                      const DropKvParams& params);
 
+// H2O column sums from the rows' lse (scorers.h H2oScoresFromLse, shapes checked by the caller):
+// q [B, Hq, nq, D], k [B, Hkv, n, D] (bf16 / fp16, D 64 or 128: see H2oKernelApplies), lse fp32
+// [B, Hq, nq] -> fp32 [B, Hkv, n], the raw sums / g.
+bool H2oKernelApplies(const at::Tensor& q, const at::Tensor& k);
+absl::StatusOr<at::Tensor> H2oColumnSums(const at::Tensor& q, const at::Tensor& k,
+                                         const at::Tensor& lse, double scale);
+
 absl::Status WriteKv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k_new,
                      const at::Tensor& v_new, const at::Tensor& slot_mapping);
 absl::Status WriteKeptKv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k,
