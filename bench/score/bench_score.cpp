@@ -1,4 +1,4 @@
-// dropkv-bench-score [--n N ...] [--runs R] [--json] [--no-decode] [--decode-only]
+// dropkv-bench-score [--n N ...] [--runs R] [--json] [--no-decode] [--decode-only] [--h2o]
 // One layer of Llama-3.1-8B geometry (Hq 32, Hkv 8, D 128), W = 8, bf16:
 //  - fused DropKV scoring (kernels/dropkv_score.h) vs a naive LibTorch version that materialises
 //    the window attention and the differences a_t - v_j, as a PyTorch user would write it;
@@ -12,6 +12,9 @@
 //  - paged decode attention, batch 1, 8K context, all 32 layers (one call per layer), and
 //    batch 16 x 2K, eager and as a CUDA graph of the 32 calls; split-count sweeps of the graphs
 //    (DROPKV_DECODE_KERNELS=v7 / v11 selects an older kernel for an A/B run).
+//  - --h2o (alone): H2O column sums over the prompt rows, the row-chunked ATen H2oScores (and the
+//    old single [g*nq, n] block per head) vs the fused H2oScoresFromLse, at nq 2048 over n 32768
+//    and nq = n = 8192: ms, scratch, tensor-core TFLOP/s of the fused kernel (visible logits).
 // Median of `runs` timed runs with CUDA events after warm-up, L2 flushed (256 MiB memset) before
 // each run.
 #include <ATen/ATen.h>
@@ -34,6 +37,7 @@
 
 #include "kernels/dropkv_score.h"
 #include "kernels/paged_attention.h"
+#include "kernels/scorers.h"
 #include "kernels/selection.h"
 
 namespace {
@@ -146,12 +150,74 @@ std::string Human(int64_t bytes) {
   return buf;
 }
 
+// H2O: each row's LSE of its causally masked fp32 logits (the prefill attention's), per query
+// head so that setup stays within one [nq, n] fp32 block. q [1, Hq, nq, D], k [1, Hkv, n, D].
+at::Tensor H2oRowLse(const at::Tensor& q, const at::Tensor& k) {
+  const int64_t nq = q.size(2), n = k.size(2), g = q.size(1) / k.size(1);
+  auto lse = at::empty({1, q.size(1), nq}, q.options().dtype(at::kFloat));
+  auto rows = at::arange(nq, q.options().dtype(at::kLong)).unsqueeze(1) + (n - nq);
+  auto cols = at::arange(n, q.options().dtype(at::kLong)).unsqueeze(0);
+  auto mask = cols > rows;
+  for (int64_t h = 0; h < q.size(1); ++h) {
+    auto logits = at::matmul(q[0][h].to(at::kFloat), k[0][h / g].to(at::kFloat).t()) /
+                  std::sqrt(double(q.size(3)));
+    lse[0][h].copy_(at::logsumexp(logits.masked_fill_(mask, -INFINITY), -1));
+  }
+  return lse;
+}
+
+int RunH2o(int runs) {
+  namespace kn = dropkv::kernels;
+  const auto bf16 = at::TensorOptions().dtype(at::kBFloat16).device(at::kCUDA);
+  auto* props = at::cuda::getCurrentDeviceProperties();
+  std::printf("H2O column sums, Llama-3.1-8B layer (Hq 32, Hkv 8, D 128, bf16), %s, median of %d\n",
+              props->name, runs);
+  std::printf("%6s %6s %11s %11s %11s %9s %11s %11s %11s %8s %9s\n", "nq", "n", "aten ms",
+              "1-block ms", "fused ms", "speedup", "aten scr", "1-block scr", "fused scr",
+              "TFLOP/s", "rel L2");
+  for (auto [nq, n] : {std::pair<int64_t, int64_t>{2048, 32768}, {8192, 8192}}) {
+    auto q = at::randn({1, kHq, nq, kD}, bf16);
+    auto k = at::randn({1, kHkv, n, kD}, bf16);
+    auto v = at::randn({1, kHkv, n, kD}, bf16);
+    auto lse = H2oRowLse(q, k);
+    kn::H2oParams params;
+    at::Tensor aten, fused;
+    const double aten_ms = TimeMs([&] { aten = *kn::H2oScores(q, k, v, params); }, runs);
+    const double block_ms = TimeMs(
+        [&] {
+          (void)*kn::internal::H2oScoresAten(q, k, v, at::Tensor(), params,
+                                             std::numeric_limits<int64_t>::max());
+        },
+        runs);
+    const double fused_ms =
+        TimeMs([&] { fused = *kn::H2oScoresFromLse(q, k, v, lse, params); }, runs);
+    const int64_t aten_scr = ScratchBytes([&] { return *kn::H2oScores(q, k, v, params); });
+    const int64_t block_scr = ScratchBytes([&] {
+      return *kn::internal::H2oScoresAten(q, k, v, at::Tensor(), params,
+                                          std::numeric_limits<int64_t>::max());
+    });
+    const int64_t fused_scr =
+        ScratchBytes([&] { return *kn::H2oScoresFromLse(q, k, v, lse, params); });
+    // Logits each query head computes that some row sees: nq (n - nq) + nq (nq + 1) / 2.
+    const double visible = double(nq) * double(n - nq) + double(nq) * double(nq + 1) / 2;
+    const double tflops = 2.0 * kHq * kD * visible / (fused_ms * 1e-3) / 1e12;
+    const double rel =
+        ((fused.to(at::kDouble) - aten.to(at::kDouble)).norm() / aten.to(at::kDouble).norm())
+            .item<double>();
+    std::printf("%6lld %6lld %11.3f %11.3f %11.3f %8.1fx %11s %11s %11s %8.1f %9.2e\n",
+                static_cast<long long>(nq), static_cast<long long>(n), aten_ms, block_ms, fused_ms,
+                aten_ms / fused_ms, Human(aten_scr).c_str(), Human(block_scr).c_str(),
+                Human(fused_scr).c_str(), tflops, rel);
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::vector<int64_t> ns;
   int runs = 20;
-  bool json = false, decode = true, score = true;
+  bool json = false, decode = true, score = true, h2o = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--n") && i + 1 < argc) {
       while (i + 1 < argc && argv[i + 1][0] != '-') ns.push_back(std::atoll(argv[++i]));
@@ -163,9 +229,13 @@ int main(int argc, char** argv) {
       decode = false;
     } else if (!std::strcmp(argv[i], "--decode-only")) {
       score = false;
+    } else if (!std::strcmp(argv[i], "--h2o")) {
+      h2o = true;
     } else {
-      std::printf("usage: %s [--n N ...] [--runs R (20)] [--json] [--no-decode] [--decode-only]\n",
-                  argv[0]);
+      std::printf(
+          "usage: %s [--n N ...] [--runs R (20)] [--json] [--no-decode] [--decode-only] [--h2o "
+          "(the H2O table alone)]\n",
+          argv[0]);
       return std::strcmp(argv[i], "--help") ? 2 : 0;
     }
   }
@@ -176,6 +246,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   try {
+    if (h2o) return RunH2o(runs);
     const auto bf16 = at::TensorOptions().dtype(at::kBFloat16).device(at::kCUDA);
     auto* props = at::cuda::getCurrentDeviceProperties();
     // Device-to-device copy bandwidth, bytes read + written.

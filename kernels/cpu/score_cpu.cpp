@@ -243,11 +243,12 @@ at::Tensor H2oOneSequence(const at::Tensor& q, const at::Tensor& k, const at::Te
     auto qh = q.slice(0, h * g, (h + 1) * g);
     for (int64_t r0 = 0; r0 < nq; r0 += chunk_rows) {
       const int64_t r1 = std::min(nq, r0 + chunk_rows), rows = r1 - r0;
-      const int64_t num_keys = n - nq + r1;  // keys the chunk's last row sees
-      auto qg = qh.slice(1, r0, r1).to(acc).reshape({-1, d});                        // [g*rows, D]
-      auto logits = at::matmul(qg, kh.slice(0, 0, num_keys).t()).mul_(scale);        // [g*rows, keys]
-      auto mask = CausalWindowMask(rows, num_keys, k.device()).repeat({g, 1});       // row i at
-      logits.masked_fill_(mask.logical_not(), -std::numeric_limits<double>::infinity());  // keys-rows+i
+      const int64_t num_keys = n - nq + r1;                    // keys the chunk's last row sees
+      auto qg = qh.slice(1, r0, r1).to(acc).reshape({-1, d});  // [g*rows, D]
+      auto logits = at::matmul(qg, kh.slice(0, 0, num_keys).t()).mul_(scale);  // [g*rows, keys]
+      // Row i of the chunk sits at position num_keys - rows + i.
+      auto mask = CausalWindowMask(rows, num_keys, k.device()).repeat({g, 1});
+      logits.masked_fill_(mask.logical_not(), -std::numeric_limits<double>::infinity());
       at::Tensor p;
       if (lse.defined()) {
         auto lse_rows = lse.slice(0, h * g, (h + 1) * g).slice(1, r0, r1).to(acc).reshape({-1, 1});
@@ -305,8 +306,8 @@ absl::StatusOr<at::Tensor> H2oScoresAten(const at::Tensor& q, const at::Tensor& 
     const double scale = Scale(params.scale, q.size(3));
     auto out = at::empty({b, k.size(1), k.size(2)}, k.options().dtype(AccType(q)));
     for (int64_t i = 0; i < b; ++i) {
-      out[i].copy_(H2oOneSequence(q[i], k[i], lse.defined() ? lse[i] : at::Tensor(), scale,
-                                  block_bytes));
+      out[i].copy_(
+          H2oOneSequence(q[i], k[i], lse.defined() ? lse[i] : at::Tensor(), scale, block_bytes));
     }
     H2oFinish(out, v, q.size(2), params);
     return out;

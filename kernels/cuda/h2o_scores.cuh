@@ -13,9 +13,9 @@ namespace dropkv::kernels::cuda {
 
 constexpr int kH2oWarps = 4;
 constexpr int kH2oThreads = 32 * kH2oWarps;
-constexpr int kH2oWarpKeys = 32;                         // 4 mma n-tiles of 8 keys per warp
+constexpr int kH2oWarpKeys = 32;                        // 4 mma n-tiles of 8 keys per warp
 constexpr int kH2oTileKeys = kH2oWarps * kH2oWarpKeys;  // keys per CTA
-constexpr int kH2oChunkRows = 64;                        // packed rows per stage: 4 m-tiles
+constexpr int kH2oChunkRows = 64;                       // packed rows per stage: 4 m-tiles
 constexpr int kH2oStages = 3;
 
 // Shared memory: a ring of kH2oStages row chunks (T, row stride D + kTcPad) and their lse; the
@@ -64,7 +64,7 @@ __global__ void __launch_bounds__(kH2oThreads, 4) H2oColumnSumKernel(const H2oKe
   constexpr int kNt = kH2oWarpKeys / 8;
   static_assert(sizeof(T) == 2 && D % 16 == 0, "bf16 / fp16, D a multiple of 16");
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  T* ring = reinterpret_cast<T*>(smem_raw);                                  // [stages][64][kLd]
+  T* ring = reinterpret_cast<T*>(smem_raw);                                     // [stages][64][kLd]
   float* lse_ring = reinterpret_cast<float*>(ring + kH2oStages * kChunkElems);  // [stages][64]
 
   const int bh = blockIdx.x, b = bh / p.num_kv_heads, h = bh % p.num_kv_heads;

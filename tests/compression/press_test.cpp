@@ -364,6 +364,51 @@ TEST(Press, DropKvFromPrefillAttentionEqualsScoresFromQkv) {
   EXPECT_NE(bad.status().message().find("lse"), std::string::npos) << bad.status();
 }
 
+// H2O scored from every chunk row's LSE (H2oScoresFromLse) selects what H2oScores selects from
+// q and K alone: single pass and chunked (with a short last chunk), with and without ||v||_p.
+TEST(Press, H2oFromPrefillLseEqualsScoresFromQk) {
+  Geometry g;
+  const int64_t n = 203;
+  LayerInputs in = RandomInputs(g, n, 12);
+  for (ScoreMethod method : {ScoreMethod::kH2O, ScoreMethod::kH2OVl1, ScoreMethod::kH2OVl2}) {
+    for (int64_t chunk : {int64_t{0}, int64_t{64}}) {
+      CompressionParams p;
+      p.method = method;
+      p.keep_ratio = 0.25;
+      p.chunk_policy = ChunkPolicy::kEveryChunk;
+      if (chunk > 0) p.chunk_size = chunk;
+      SCOPED_TRACE(absl::StrCat(std::string(ScoreMethodName(method)), " chunk ", chunk));
+      auto with_lse = MakeSelector(p, g);
+      EXPECT_EQ(with_lse->num_attention_rows(), KvSelector::kAllAttentionRows);
+      SimResult from_qk = Simulate(*MakeSelector(p, g), g, in, n, chunk);
+      SimResult from_lse = Simulate(*with_lse, g, in, n, chunk, {}, true);
+      for (int32_t l = 0; l < g.num_layers; ++l) {
+        EXPECT_TRUE(at::equal(from_qk.positions[l], from_lse.positions[l])) << "layer " << l;
+      }
+    }
+  }
+  // The LSE path is taken: a wrong LSE changes the selection.
+  CompressionParams p;
+  p.method = ScoreMethod::kH2O;
+  p.keep_ratio = 0.5;
+  p.window = 8;
+  auto sel = MakeSelector(p, g);
+  LayerKvView view;
+  view.num_layers = g.num_layers;
+  view.logical_len = n;
+  view.queries = in.q[0];
+  view.keys = in.k[0];
+  view.values = in.v[0];
+  view.positions = at::arange(n, at::kLong).expand({g.num_kv_heads, n});
+  auto plain = MakeSelector(p, g)->Select(view);
+  AddWindowAttention(view, n);
+  // Row i weighted e^(i / 5): the late rows' (recent) keys win.
+  view.window_lse.sub_(at::arange(n, view.window_lse.options()) / 5.0);
+  auto skewed = sel->Select(view);
+  ASSERT_TRUE(plain.ok() && skewed.ok());
+  EXPECT_FALSE(at::equal(**plain, **skewed));
+}
+
 TEST(Press, RandomIsSeededAndNoneKeepsEverything) {
   Geometry g;
   const int64_t n = 120;

@@ -10,6 +10,7 @@
 #endif
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <iterator>
 #include <string>
@@ -19,6 +20,7 @@
 #include "kernels/cache_ops.h"
 #include "kernels/dropkv_score.h"
 #include "kernels/paged_attention.h"
+#include "kernels/scorers.h"
 #include "kernels/selection.h"
 
 namespace dropkv::kernels {
@@ -227,6 +229,88 @@ TEST_F(KernelsGpuTest, DropKvFromAttentionMatchesCpu) {
       }
     }
   }
+}
+
+// Each query row's LSE as the prefill attention returns it: at::logsumexp of the causally masked
+// fp32 logits (q: [B, Hq, nq, D], k: [B, Hkv, n, D], fp32 CPU) -> fp32 [B, Hq, nq].
+at::Tensor H2oRowLse(const at::Tensor& q, const at::Tensor& k) {
+  const int64_t nq = q.size(2), n = k.size(2), g = q.size(1) / k.size(1);
+  auto logits = at::matmul(q, k.repeat_interleave(g, 1).transpose(2, 3)) /
+                std::sqrt(static_cast<double>(q.size(3)));
+  auto row = at::arange(nq, at::kLong).unsqueeze(1) + (n - nq);
+  auto col = at::arange(n, at::kLong).unsqueeze(0);
+  return at::logsumexp(logits.masked_fill(col > row, -INFINITY), -1);
+}
+
+// The fused H2O column-sum kernel against the CPU reference fed the same fp32 LSE: bf16 / fp16,
+// g 1/4/7, D 64/128, odd n (several key tiles, rows in many chunks), nq = n and nq = 100 < n,
+// random and sink inputs, a strided q (the runner's [T, Hq, D] transposed) and B = 2.
+// Tolerance: both sides read the same rounded inputs; the kernel's fp32 tensor-core sums and
+// ex2.approx differ from ATen's fp32 by ~1e-6 relative, so relative L2 < 1e-2 is loose, and the
+// top 10% (what selection keeps) must agree to 0.99.
+TEST_F(KernelsGpuTest, H2oFromLseMatchesCpuReference) {
+  struct Case {
+    int64_t b, hq, hkv, nq, n, d;
+    bool sink, strided;
+  };
+  const std::vector<Case> cases = {
+      {1, 8, 8, 777, 777, 128, false, false}, {1, 16, 4, 100, 1001, 128, false, true},
+      {1, 14, 2, 555, 555, 64, true, false},  {2, 8, 2, 100, 999, 64, false, false},
+      {1, 28, 4, 100, 2049, 128, true, true}, {1, 7, 1, 333, 333, 128, false, false}};
+  for (const Case& c : cases) {
+    for (auto dtype : {at::kBFloat16, at::kHalf}) {
+      auto q = c.strided ? at::randn({c.b, c.nq, c.hq, c.d}).transpose(1, 2)
+                         : at::randn({c.b, c.hq, c.nq, c.d});
+      auto k = at::randn({c.b, c.hkv, c.n, c.d});
+      auto v = at::randn({c.b, c.hkv, c.n, c.d}).to(dtype);
+      if (c.sink) {  // key 3 aligned with every query of its group: most of each row's mass
+        k.select(2, 3).copy_(q.reshape({c.b, c.hkv, -1, c.d}).mean(2) * 60.0);
+      }
+      q = q.to(dtype);
+      k = k.to(dtype);
+      auto qf = q.to(at::kFloat), kf = k.to(at::kFloat), vf = v.to(at::kFloat);
+      auto lse = H2oRowLse(qf, kf);
+      for (bool post : {false, true}) {
+        H2oParams params;
+        params.divide_by_num_queries = post;
+        params.value_norm_p = post ? 2 : 0;
+        auto want = H2oScoresFromLse(qf, kf, vf, lse, params);
+        ASSERT_TRUE(want.ok()) << want.status();
+        auto qc = c.strided ? q.transpose(1, 2).contiguous().to(at::kCUDA).transpose(1, 2)
+                            : q.to(at::kCUDA);
+        Poison();
+        auto got =
+            H2oScoresFromLse(qc, k.to(at::kCUDA), v.to(at::kCUDA), lse.to(at::kCUDA), params);
+        ASSERT_TRUE(got.ok()) << got.status();
+        auto g64 = got->cpu().to(at::kDouble), w64 = want->to(at::kDouble);
+        ASSERT_FALSE(g64.isnan().any().item<bool>()) << "NaN (unwritten?)";
+        const double rel = ((g64 - w64).norm() / w64.norm()).item<double>();
+        const double overlap = TopOverlap(*got, *want);
+        std::printf(
+            "h2o-from-lse %s B=%lld g=%lld nq=%lld n=%lld D=%lld %s%s%s: overlap %.4f, "
+            "relative L2 error %.2e\n",
+            c10::toString(dtype), static_cast<long long>(c.b), static_cast<long long>(c.hq / c.hkv),
+            static_cast<long long>(c.nq), static_cast<long long>(c.n), static_cast<long long>(c.d),
+            c.sink ? "sink" : "random", c.strided ? " strided-q" : "", post ? " divide+||v||2" : "",
+            overlap, rel);
+        EXPECT_LT(rel, 1e-2);
+        EXPECT_GE(overlap, 0.99);
+      }
+    }
+  }
+}
+
+// The CUDA fallback of H2oScores (ATen in row chunks) and the kernel agree on the device.
+TEST_F(KernelsGpuTest, H2oFromLseEqualsAtenOnDevice) {
+  const int64_t hq = 32, hkv = 8, nq = 300, n = 1500, d = 128;
+  auto q = at::randn({1, hq, nq, d}).to(at::kBFloat16).to(at::kCUDA);
+  auto k = at::randn({1, hkv, n, d}).to(at::kBFloat16).to(at::kCUDA);
+  auto lse = H2oRowLse(q.cpu().to(at::kFloat), k.cpu().to(at::kFloat)).to(at::kCUDA);
+  auto aten = H2oScores(q, k, k);
+  Poison();
+  auto fused = H2oScoresFromLse(q, k, k, lse);
+  ASSERT_TRUE(aten.ok() && fused.ok()) << aten.status() << fused.status();
+  ExpectClose(*fused, *aten, 1e-3, 1e-4, "h2o fused vs ATen on CUDA");
 }
 
 TEST_F(KernelsGpuTest, SplitAndUnsplitAgree) {

@@ -67,6 +67,89 @@ TEST(ScorersTest, H2oMatchesColumnSums) {
   }
 }
 
+// Each query row's log-sum-exp of its scaled, causally masked logits, [B, Hq, nq] in q's dtype
+// (the prefill attention's LSE).
+at::Tensor RowLse(const at::Tensor& q, const at::Tensor& k) {
+  const int64_t nq = q.size(2), n = k.size(2), g = q.size(1) / k.size(1);
+  auto kq = k.repeat_interleave(g, 1);  // [B, Hq, n, D]
+  auto logits = at::matmul(q, kq.transpose(2, 3)) / std::sqrt(static_cast<double>(q.size(3)));
+  auto row = at::arange(nq, at::kLong).unsqueeze(1) + (n - nq);
+  auto col = at::arange(n, at::kLong).unsqueeze(0);
+  return at::logsumexp(logits.masked_fill(col > row, -INFINITY), -1);
+}
+
+// The fp64 loop oracle of H2O (column sums of each row's softmax, algorithms.md section 2).
+at::Tensor H2oOracle(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const H2oParams& params) {
+  const int64_t hq = q.size(1), nq = q.size(2), hkv = k.size(1), n = k.size(2), g = hq / hkv;
+  auto qd = q[0].to(at::kDouble), kd = k[0].to(at::kDouble), vd = v[0].to(at::kDouble);
+  auto want = at::zeros({hkv, n}, at::kDouble);
+  auto count = at::zeros({n}, at::kDouble);
+  for (int64_t hh = 0; hh < hq; ++hh) {
+    for (int64_t i = 0; i < nq; ++i) {
+      const int64_t pos = n - nq + i;
+      auto p = AttentionRow(qd, kd, hh, i, hh / g, pos);
+      for (int64_t j = 0; j <= pos; ++j) {
+        want[hh / g][j] += p[j] / g;
+        if (hh == 0) count[j] += 1;
+      }
+    }
+  }
+  if (params.divide_by_num_queries) want /= count.clamp_min(1);
+  if (params.value_norm_p == 1) want *= vd.abs().sum(-1);
+  if (params.value_norm_p == 2) want *= vd.square().sum(-1).sqrt();
+  return want;
+}
+
+// H2oScoresFromLse == H2oScores == the fp64 oracle; the row-chunked ATen path (a block budget of
+// one row and of a few rows) == the single block. fp64 inputs agree to rounding (1e-9); fp32 to
+// its precision over sums of ~n terms (1e-4).
+TEST(ScorersTest, H2oFromLseAndRowChunksMatchOracle) {
+  at::manual_seed(14);
+  const int64_t d = 16, n = 37;
+  for (auto dtype : {at::kDouble, at::kFloat}) {
+    const double tol = dtype == at::kDouble ? 1e-9 : 1e-4;
+    for (int64_t g : {1, 4, 7}) {
+      for (int64_t nq : {n, int64_t{13}}) {
+        const int64_t hkv = 2, hq = hkv * g;
+        auto q = at::randn({1, hq, nq, d}, dtype);
+        auto k = at::randn({1, hkv, n, d}, dtype);
+        auto v = at::randn({1, hkv, n, d}, dtype);
+        auto lse = RowLse(q.to(at::kDouble), k.to(at::kDouble)).to(dtype);
+        for (int norm_p : {0, 1, 2}) {
+          for (bool divide : {false, true}) {
+            SCOPED_TRACE(::testing::Message() << at::toString(dtype) << " g " << g << " nq " << nq
+                                              << " p " << norm_p << " divide " << divide);
+            H2oParams params;
+            params.value_norm_p = norm_p;
+            params.divide_by_num_queries = divide;
+            auto want = H2oOracle(q, k, v, params);
+            auto plain = H2oScores(q, k, v, params);
+            auto from_lse = H2oScoresFromLse(q, k, v, lse, params);
+            ASSERT_TRUE(plain.ok()) << plain.status();
+            ASSERT_TRUE(from_lse.ok()) << from_lse.status();
+            EXPECT_LT(MaxRelErr((*plain)[0], want), tol);
+            EXPECT_LT(MaxRelErr((*from_lse)[0], want), tol);
+            const int64_t row_bytes = g * n * (dtype == at::kDouble ? 8 : 4);
+            for (int64_t budget : {int64_t{1}, 3 * row_bytes}) {  // 1 row, 3 rows per chunk
+              for (const at::Tensor& l : {at::Tensor(), lse}) {
+                auto chunked = internal::H2oScoresAten(q, k, v, l, params, budget);
+                ASSERT_TRUE(chunked.ok()) << chunked.status();
+                EXPECT_LT(MaxRelErr((*chunked)[0], want), tol) << "budget " << budget;
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  auto q = at::randn({1, 4, 5, 8}), k = at::randn({1, 2, 9, 8});
+  EXPECT_EQ(H2oScoresFromLse(q, k, k, at::zeros({1, 4, 6})).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(H2oScoresFromLse(q, k, k, at::Tensor()).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 TEST(ScorersTest, SnapKvMatchesKvpressDefinition) {
   at::manual_seed(12);
   const int64_t hq = 4, hkv = 2, g = 2, w = 6, n = 40, d = 16, kern = 5;
