@@ -246,17 +246,19 @@ at::Tensor H2oOneSequence(const at::Tensor& q, const at::Tensor& k, const at::Te
       const int64_t num_keys = n - nq + r1;                    // keys the chunk's last row sees
       auto qg = qh.slice(1, r0, r1).to(acc).reshape({-1, d});  // [g*rows, D]
       auto logits = at::matmul(qg, kh.slice(0, 0, num_keys).t()).mul_(scale);  // [g*rows, keys]
-      // Row i of the chunk sits at position num_keys - rows + i.
-      auto mask = CausalWindowMask(rows, num_keys, k.device()).repeat({g, 1});
-      logits.masked_fill_(mask.logical_not(), -std::numeric_limits<double>::infinity());
-      at::Tensor p;
+      // In place from here on, so that the block is the only one of its size. Row i of the
+      // chunk sits at position num_keys - rows + i; the mask broadcasts over the g heads.
+      auto hidden = CausalWindowMask(rows, num_keys, k.device()).logical_not_();  // [rows, keys]
+      logits.view({g, rows, num_keys})
+          .masked_fill_(hidden, -std::numeric_limits<double>::infinity());
       if (lse.defined()) {
         auto lse_rows = lse.slice(0, h * g, (h + 1) * g).slice(1, r0, r1).to(acc).reshape({-1, 1});
-        p = logits.sub_(lse_rows).exp_();
-      } else {
-        p = at::softmax(logits, -1);
+        logits.sub_(lse_rows).exp_();
+      } else {  // the row's softmax (at::softmax and at::logsumexp would allocate a second block)
+        logits.sub_(logits.amax(-1, /*keepdim=*/true)).exp_();
+        logits.div_(logits.sum(-1, /*keepdim=*/true));
       }
-      out[h].slice(0, 0, num_keys).add_(p.sum(0));
+      out[h].slice(0, 0, num_keys).add_(logits.sum(0));
     }
   }
   return out.div_(static_cast<double>(g));
