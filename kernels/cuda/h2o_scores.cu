@@ -64,7 +64,8 @@ bool H2oKernelApplies(const at::Tensor& q, const at::Tensor& k) {
   const auto dt = q.scalar_type();
   return enabled && q.is_cuda() && k.scalar_type() == dt &&
          (dt == at::kBFloat16 || dt == at::kHalf) && (q.size(3) == 64 || q.size(3) == 128) &&
-         k.size(2) < (int64_t{1} << 30) && q.size(1) * q.size(2) < (int64_t{1} << 30);
+         k.size(2) <= int64_t{65535} * kH2oTileKeys  // grid.y: key tiles
+         && q.size(1) * q.size(2) < (int64_t{1} << 30);
 }
 
 absl::StatusOr<at::Tensor> H2oColumnSums(const at::Tensor& q, const at::Tensor& k,
