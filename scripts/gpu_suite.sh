@@ -7,7 +7,7 @@
 #   bash scripts/gpu_suite.sh --pack
 # then the device call, with carry [".gpu-pack"], from the repo root:
 #   bash scripts/gpu_suite.sh
-# Env: SKIP_HF=1 (no HF transformers peer), SKIP_SCORE=1, E2E_REPEATS (default 3),
+# Env: SKIP_HF=1 (no HF transformers peer), SKIP_SCORE=1, SKIP_E2E=1, E2E_REPEATS (default 3),
 #   BASELINE=1: dropkv-bench-e2e first with the previous kernels (DROPKV_DECODE_KERNELS=v7: the
 #   two-launch paged decode; DROPKV_PREFILL_ATTENTION=sdpa: at::scaled_dot_product_attention
 #   prefill, DropKV's three passes), so old and new are compared in one call.
@@ -45,10 +45,13 @@ done
 if [[ -z "${SKIP_SCORE:-}" ]]; then
   timeout 150 dropkv-bench-score --n 4096 131072 524288 > "$OUT/bench_score.txt" 2>&1
   result[bench_score]="rc=$?"
+  timeout 60 dropkv-bench-score --h2o --runs 10 > "$OUT/bench_h2o.txt" 2>&1
+  result[bench_h2o]="rc=$?"
 fi
 
 e2e=(--geometry llama-3.1-8b --write-config /tmp/geo/llama-3.1-8b --prefill 32768
      --decode 1x8192,16x2048 --keep 1.0,0.1 --repeats "${E2E_REPEATS:-3}" --graphs on --json)
+[[ -n "${SKIP_E2E:-}" ]] && BASELINE=
 if [[ -n "${BASELINE:-}" ]]; then
   DROPKV_DECODE_KERNELS=v7 DROPKV_PREFILL_ATTENTION=sdpa timeout 200 dropkv-bench-e2e "${e2e[@]}" \
     > "$OUT/e2e_llama_baseline.json" 2> "$OUT/e2e_llama_baseline.err"
@@ -56,18 +59,23 @@ if [[ -n "${BASELINE:-}" ]]; then
 fi
 hf=(--hf-python python3 --hf-script bench/e2e/hf_peer.py)
 [[ -n "${SKIP_HF:-}" ]] && hf=()
-timeout 300 dropkv-bench-e2e "${e2e[@]}" "${hf[@]}" > "$OUT/e2e_llama.json" 2> "$OUT/e2e_llama.err"
-result[bench_e2e]="rc=$?"
+if [[ -z "${SKIP_E2E:-}" ]]; then
+  timeout 300 dropkv-bench-e2e "${e2e[@]}" "${hf[@]}" > "$OUT/e2e_llama.json" 2> "$OUT/e2e_llama.err"
+  result[bench_e2e]="rc=$?"
+fi
 
 echo "==================== dropkv-bench-score (one layer, Llama-3.1-8B geometry)"
 grep -v '^\s*$' "$OUT/bench_score.txt" 2>/dev/null | tail -40
+grep -v '^\s*$' "$OUT/bench_h2o.txt" 2>/dev/null | tail -12
 if [[ -n "${BASELINE:-}" ]]; then
   echo "==================== dropkv-bench-e2e, previous kernels (v7 decode, SDPA prefill)"
   python3 bench/e2e/summarize.py "$OUT/e2e_llama_baseline.json" || tail -20 "$OUT/e2e_llama_baseline.err"
 fi
-echo "==================== dropkv-bench-e2e (Llama-3.1-8B geometry)"
-python3 bench/e2e/summarize.py "$OUT/e2e_llama.json" || tail -20 "$OUT/e2e_llama.err"
+if [[ -z "${SKIP_E2E:-}" ]]; then
+  echo "==================== dropkv-bench-e2e (Llama-3.1-8B geometry)"
+  python3 bench/e2e/summarize.py "$OUT/e2e_llama.json" || tail -20 "$OUT/e2e_llama.err"
+fi
 echo "==================== GPU tests ($((SECONDS - t_start)) s in all)"
-for k in "${tests[@]}" bench_score bench_e2e_baseline bench_e2e; do
+for k in "${tests[@]}" bench_score bench_h2o bench_e2e_baseline bench_e2e; do
   [[ -n "${result[$k]:-}" ]] && printf '%-28s %s\n' "$k" "${result[$k]}"
 done
