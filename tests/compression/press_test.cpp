@@ -56,9 +56,18 @@ struct ChunkFailure {
   int32_t num_failures = 1;
 };
 
-// Chunked prefill of `in` through `selector` (chunk_len 0 = one pass). Memory in tokens per KV
-// head: while layer l runs, the other layers hold their stored entries and layer l holds
-// stored + chunk (only one layer's uncompressed K/V is alive at a time).
+// Layer 0's view of a one-pass prefill of all n tokens.
+LayerKvView OnePassView(const Geometry& g, const LayerInputs& in, int64_t n) {
+  LayerKvView view;
+  view.num_layers = g.num_layers;
+  view.logical_len = n;
+  view.queries = in.q[0];
+  view.keys = in.k[0];
+  view.values = in.v[0];
+  view.positions = at::arange(n, at::kLong).expand({g.num_kv_heads, n});
+  return view;
+}
+
 // The runner's CUDA flash path in fp32 math: the last `rows` rows of the chunk's attention over
 // the view's n entries (row i sees entries j <= n - rows + i) and their LSE; [Hq, rows, D] and
 // [Hq, rows]; scale 1/sqrt(D) as the press's scorer uses.
@@ -79,6 +88,9 @@ void AddWindowAttention(LayerKvView& view, int64_t rows) {
   view.window_attn_out = at::bmm(at::softmax(logits, -1), v);  // [Hq, w, D]
 }
 
+// Chunked prefill of `in` through `selector` (chunk_len 0 = one pass). Memory in tokens per KV
+// head: while layer l runs, the other layers hold their stored entries and layer l holds
+// stored + chunk (only one layer's uncompressed K/V is alive at a time).
 SimResult Simulate(KvSelector& selector, const Geometry& g, const LayerInputs& in, int64_t n,
                    int64_t chunk_len, const ChunkFailure& failure = {},
                    bool with_attention = false) {
@@ -350,13 +362,7 @@ TEST(Press, DropKvFromPrefillAttentionEqualsScoresFromQkv) {
   p.keep_ratio = 0.2;
   auto sel = MakeSelector(p, g);
   EXPECT_EQ(sel->num_attention_rows(), p.window);
-  LayerKvView view;
-  view.num_layers = g.num_layers;
-  view.logical_len = n;
-  view.queries = in.q[0];
-  view.keys = in.k[0];
-  view.values = in.v[0];
-  view.positions = at::arange(n, at::kLong).expand({g.num_kv_heads, n});
+  LayerKvView view = OnePassView(g, in, n);
   AddWindowAttention(view, p.window);
   view.window_lse = view.window_lse.unsqueeze(-1);  // [Hq, w, 1]
   auto bad = sel->Select(view);
@@ -393,13 +399,7 @@ TEST(Press, H2oFromPrefillLseEqualsScoresFromQk) {
   p.keep_ratio = 0.5;
   p.window = 8;
   auto sel = MakeSelector(p, g);
-  LayerKvView view;
-  view.num_layers = g.num_layers;
-  view.logical_len = n;
-  view.queries = in.q[0];
-  view.keys = in.k[0];
-  view.values = in.v[0];
-  view.positions = at::arange(n, at::kLong).expand({g.num_kv_heads, n});
+  LayerKvView view = OnePassView(g, in, n);
   auto plain = MakeSelector(p, g)->Select(view);
   AddWindowAttention(view, n);
   // Row i weighted e^(i / 5): the late rows' (recent) keys win.
