@@ -1,0 +1,81 @@
+// Programmatic dependent launch (PDL, sm_90+) for the decode step's kernels (issue 8). A decode
+// step is ~10 dependent kernels per layer, each a few to ~60 us; launched the usual way, each
+// starts only after its predecessor has fully drained (launch latency + ramp-up every time).
+// Launched with LaunchMaybePdl, a kernel may start while its predecessor still runs: it does
+// what does not depend on the predecessor first (e.g. requests its weights, which no kernel
+// writes), then PdlWaitForPrimary() before it reads the predecessor's output or writes anything
+// (its output buffer may be memory the predecessor still reads: the caching allocator reuses
+// blocks in stream order). Inside a CUDA graph capture the overlap becomes a programmatic edge.
+//
+// Rules for a kernel launched with LaunchMaybePdl:
+//   - every thread calls PdlWaitForPrimary() before its first dependent read and its first
+//     global write (a no-op when the launch had no PDL attribute or the device is older);
+//   - it may call PdlLaunchDependents() once it no longer needs its SM resources for the rest of
+//     its grid to be scheduled (e.g. at its start when its grid fits one wave); without the
+//     call, its dependents are released when its CTAs exit.
+// Transitivity holds: a kernel's PdlWaitForPrimary() returns only after its predecessor has
+// completed and flushed, and that predecessor waited for its own.
+// DROPKV_PDL=0 (read once) launches everything the usual way, for A/B runs.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <utility>
+
+namespace dropkv::kernels::cuda {
+
+__device__ __forceinline__ void PdlWaitForPrimary() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void PdlLaunchDependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// True when launches on the current device may carry the PDL attribute (compute capability
+// >= 9.0 and DROPKV_PDL is not "0"). The device answer is cached per device index.
+inline bool PdlEnabled() {
+  static const bool env_allows = [] {
+    const char* env = std::getenv("DROPKV_PDL");
+    return env == nullptr || std::strcmp(env, "0") != 0;
+  }();
+  if (!env_allows) return false;
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> major_by_device[kMaxDevices] = {};  // 0: not asked yet
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) return false;
+  int major = major_by_device[device].load(std::memory_order_relaxed);
+  if (major == 0) {
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess)
+      major = -1;
+    major_by_device[device].store(major, std::memory_order_relaxed);
+  }
+  return major >= 9;
+}
+
+// kernel<<<grid, block, smem, stream>>>(args...), with the PDL attribute when PdlEnabled().
+// The kernel must follow the rules above.
+template <typename... KernelArgs, typename... Args>
+cudaError_t LaunchMaybePdl(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem,
+                           cudaStream_t stream, Args&&... args) {
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = attribute;
+  config.numAttrs = PdlEnabled() ? 1 : 0;
+  return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+}
+
+}  // namespace dropkv::kernels::cuda
