@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <optional>
+#include <vector>
 
 namespace dropkv {
 
@@ -48,19 +49,34 @@ PrefillAttentionOutput FlashPrefill(const at::Tensor& q, const at::Tensor& k, co
   return {out.squeeze(0).transpose(0, 1).contiguous(), lse.squeeze(0).narrow(1, 0, t_len)};
 }
 
+// x with zero rows appended along `dim` up to `length` (x itself when it has that many).
+at::Tensor PadWithZeros(const at::Tensor& x, int64_t dim, int64_t length) {
+  const int64_t extra = length - x.size(dim);
+  if (extra == 0) return x;
+  std::vector<int64_t> pad(2 * (x.dim() - dim), 0);  // (low, high) pairs from the last dim on
+  pad.back() = extra;
+  return at::constant_pad_nd(x, pad, 0.0);
+}
+
 // cuDNN's fused attention (Hopper kernels). Its causal mask is top-left aligned, so it serves
-// only a first chunk (T == n); later chunks go to flash. Each new (T, n) builds a cuDNN graph.
+// only a first chunk (T == n); later chunks go to flash. It builds (45-60 ms) and keeps a graph
+// per shape, so T is padded with zero rows to CudnnPaddedLength(T): under a causal mask the
+// appended keys come after every real query and change none of their rows, which are returned.
 PrefillAttentionOutput CudnnPrefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                     double scale) {
   const int64_t t_len = q.size(0);
   const int64_t num_heads = q.size(1);
+  const int64_t padded = CudnnPaddedLength(t_len);
   auto result = at::_scaled_dot_product_cudnn_attention(
-      q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), /*attn_bias=*/std::nullopt,
-      /*compute_log_sumexp=*/true, /*dropout_p=*/0.0, /*is_causal=*/true,
-      /*return_debug_mask=*/false, scale);
-  const at::Tensor& out = std::get<0>(result);  // [1, Hq, T, D]
-  const at::Tensor& lse = std::get<1>(result);  // fp32 [1, Hq, T, 1]
-  return {out.squeeze(0).transpose(0, 1).contiguous(), lse.reshape({num_heads, t_len})};
+      PadWithZeros(q, 0, padded).transpose(0, 1).unsqueeze(0),
+      PadWithZeros(k, 1, padded).unsqueeze(0), PadWithZeros(v, 1, padded).unsqueeze(0),
+      /*attn_bias=*/std::nullopt, /*compute_log_sumexp=*/true, /*dropout_p=*/0.0,
+      /*is_causal=*/true, /*return_debug_mask=*/false, scale);
+  const at::Tensor& out = std::get<0>(result);              // [1, Hq, T', D]
+  const at::Tensor& lse = std::get<1>(result);              // fp32 [1, Hq, T', 1]
+  auto rows = out.squeeze(0).transpose(0, 1).contiguous();  // [T', Hq, D]
+  return {padded == t_len ? rows : rows.narrow(0, 0, t_len),
+          lse.reshape({num_heads, padded}).narrow(1, 0, t_len)};
 }
 
 bool FlashApplies(const at::Tensor& q, const at::Tensor& k) {
@@ -91,6 +107,14 @@ std::optional<PrefillAttentionImpl> ImplFromEnv() {
 }
 
 }  // namespace
+
+int64_t CudnnPaddedLength(int64_t t_len) {
+  if (t_len <= 16) return t_len;
+  int64_t octave = 1;  // the largest power of two <= t_len
+  while (octave * 2 <= t_len) octave *= 2;
+  const int64_t step = octave / 16;
+  return (t_len + step - 1) / step * step;
+}
 
 PrefillAttentionOutput PrefillAttentionWithLse(const at::Tensor& q, const at::Tensor& k,
                                                const at::Tensor& v, double scale,

@@ -2,6 +2,8 @@
 // can replace the ATen reference without touching the callers.
 #pragma once
 
+#include <cstdint>
+
 #include <ATen/core/Tensor.h>
 
 namespace dropkv {
@@ -39,6 +41,13 @@ struct PrefillAttentionOutput {
   // Undefined when the implementation gives none (kSdpa).
   at::Tensor lse;
 };
+
+// The query length kCudnn runs a first chunk of t_len tokens at: t_len rounded up to a multiple
+// of 1/16 of the largest power of two <= t_len (<= 6.25% more rows; t_len itself up to 16).
+// cuDNN builds and keeps one execution graph per shape (45-60 ms each on the H200), so a server
+// that sees every prompt length would build one per request and never stop growing; with the
+// padding it builds at most 16 per octave of lengths.
+int64_t CudnnPaddedLength(int64_t t_len);
 
 // PrefillAttention with the choice of implementation; arguments as PrefillAttention.
 PrefillAttentionOutput PrefillAttentionWithLse(

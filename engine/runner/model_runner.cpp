@@ -31,6 +31,15 @@
 namespace dropkv {
 namespace {
 
+// A host tensor on `device` without a host sync: a plain .to() from pageable memory waits for the
+// whole stream (PyTorch synchronizes after a blocking copy), which in prefill meant one stall per
+// layer. Pinned (the caching host allocator, which keeps the block until the copy has run) and
+// copied in stream order instead. CPU: the tensor itself.
+at::Tensor ToDeviceAsync(const at::Tensor& host, const at::Device& device) {
+  if (device.is_cpu()) return host;
+  return host.pin_memory().to(device, /*non_blocking=*/true);
+}
+
 absl::StatusOr<at::ScalarType> ParseDtype(const std::string& s, bool cuda) {
   if (s == "auto") return cuda ? at::kBFloat16 : at::kFloat;
   if (s == "float32" || s == "fp32") return at::kFloat;
@@ -339,7 +348,7 @@ class TorchModelRunner : public ModelRunner {
         auto host = at::empty({lay.num_bytes()}, at::kByte);
         FillDecodeInputs(host.data_ptr<uint8_t>(), lay, ids, tokens);
         const auto dev = model_->device();
-        auto bytes = dev.is_cpu() ? host : host.to(dev);
+        auto bytes = ToDeviceAsync(host, dev);
         DecodeInputs in = DecodeInputs::View(bytes, lay);
         DecodeBackend backend(*pool_, in, static_cast<int32_t>(max_len), model_->attention_scale(),
                               UseDecodeKernel());
@@ -435,7 +444,7 @@ class TorchModelRunner : public ModelRunner {
     const auto& kc = pool_->key_cache();
     const int64_t hkv = kc.size(2);
     const int64_t d = kc.size(3);
-    auto slots = pool_->SlotIndices(seq, layer_idx, 0, s).to(kc.device());
+    auto slots = ToDeviceAsync(pool_->SlotIndices(seq, layer_idx, 0, s), kc.device());
     return {kc.view({-1, hkv, d}).index_select(0, slots).transpose(0, 1),
             pool_->value_cache().view({-1, hkv, d}).index_select(0, slots).transpose(0, 1)};
   }
@@ -446,7 +455,8 @@ class TorchModelRunner : public ModelRunner {
     const auto& kc = pool_->key_cache();
     const int64_t hkv = kc.size(2);
     const int64_t d = kc.size(3);
-    auto slots = pool_->SlotIndices(seq, layer_idx, begin, begin + new_k.size(0)).to(kc.device());
+    auto slots = ToDeviceAsync(pool_->SlotIndices(seq, layer_idx, begin, begin + new_k.size(0)),
+                               kc.device());
     kc.view({-1, hkv, d}).index_copy_(0, slots, new_k.to(kc.scalar_type()));
     pool_->value_cache().view({-1, hkv, d}).index_copy_(0, slots, new_v.to(kc.scalar_type()));
   }
@@ -614,8 +624,8 @@ class TorchModelRunner : public ModelRunner {
     return absl::OkStatus();
   }
   at::Tensor TokensTensor(std::span<const int32_t> tokens) const {
-    return at::tensor(std::vector<int64_t>(tokens.begin(), tokens.end()), at::kLong)
-        .to(model_->device());
+    return ToDeviceAsync(at::tensor(std::vector<int64_t>(tokens.begin(), tokens.end()), at::kLong),
+                         model_->device());
   }
 
   RunnerOptions options_;

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <numeric>
 #include <random>
+#include <set>
 
 namespace dropkv {
 namespace {
@@ -74,6 +75,26 @@ TEST(AttentionTest, PrefillWithEarlierEntriesMatchesBruteForce) {
           << i << " " << h;
     }
   }
+}
+
+// The cuDNN prefill's padded lengths: never shorter, at most 1/16 longer, monotone, fixed points
+// are fixed (a padded length pads to itself, powers of two too), and a bounded set per octave.
+TEST(AttentionTest, CudnnPaddedLengthIsBoundedAndIdempotent) {
+  int64_t previous = 0;
+  std::set<int64_t> distinct_8k_to_128k;
+  for (int64_t t = 1; t <= 140000; ++t) {
+    const int64_t padded = CudnnPaddedLength(t);
+    ASSERT_GE(padded, t);
+    ASSERT_LE(padded * 16, t * 17) << t;
+    ASSERT_GE(padded, previous) << t;
+    ASSERT_EQ(CudnnPaddedLength(padded), padded) << t;
+    if (t >= 8192 && t <= 131072) distinct_8k_to_128k.insert(padded);
+    previous = padded;
+  }
+  for (int64_t p = 1; p <= (int64_t{1} << 20); p *= 2) EXPECT_EQ(CudnnPaddedLength(p), p);
+  EXPECT_EQ(CudnnPaddedLength(8193), 8192 + 512);
+  EXPECT_EQ(CudnnPaddedLength(33000), 32768 + 2048);
+  EXPECT_LE(distinct_8k_to_128k.size(), 4u * 16 + 1);
 }
 
 }  // namespace
