@@ -10,6 +10,9 @@
 // the fused and unfused paths differ by the order of a reduction at most. No host syncs, no
 // allocations beyond the outputs: safe inside a CUDA graph capture.
 // Dtypes: bf16, fp16, fp32 (all tensors of one call share it, except where a comment says fp32).
+// Launched with programmatic dependent launch (kernels/cuda/pdl.cuh): a kernel may start while
+// the kernel queued before it still runs, and reads AddRmsNorm's weight and RoPE's inv_freq
+// before waiting for it. Those must be model constants, not written by a kernel of the chain.
 #pragma once
 
 #include <cstdint>

@@ -20,6 +20,15 @@ struct PagedAttentionParams {
   // capacity), >= every seq_lens[b] (keys past it are not read). Sizes the split-K grid without a
   // device sync; a tighter bound is faster.
   int32_t max_seq_len = 0;
+  // CUDA only: true when no kernel queued after block_tables and seq_lens were last copied from
+  // the host writes them (the runner's decode inputs, uploaded before the step's first kernel).
+  // The kernel, launched with programmatic dependent launch (kernels/cuda/pdl.cuh), then reads
+  // them before it waits for the kernel queued before it, off the critical path. False: after.
+  bool metadata_uploaded = false;
+  // CUDA only, with metadata_uploaded: true when the kernel queued before this call writes no K/V
+  // of these sequences but each one's last key (entry seq_lens[b] - 1), as a decode step's RoPE +
+  // K/V store: the kernel then starts copying older keys before it waits for that kernel.
+  bool older_keys_ready = false;
 };
 
 //   q:            [B, Hq, D]

@@ -2,6 +2,12 @@
 // first (raw pointers, no torch), then the launchers, then the entry points that check the
 // tensors and dispatch on the dtype.
 //
+// Launches: LaunchMaybePdl (kernels/cuda/pdl.cuh). Each kernel waits for the kernel queued before
+// it (PdlWaitForPrimary) before its first read of an activation or cache and its first global
+// write, and releases its own dependents right after that wait: they launch while it runs and
+// wait in turn. Only model constants (the norm weight, RoPE's inv_freq) are read before the
+// wait: no kernel of a decode step writes them.
+//
 // Rounding: every op rounds to the model dtype exactly where the ATen chain it replaces does
 // (fp32 math inside each op, ATen's round-to-nearest-even conversions between ops), so a fused
 // decode step computes the same numbers as the unfused one up to the order of RMSNorm's sum.
@@ -19,6 +25,7 @@
 #include "kernels/check.h"
 #include "kernels/cuda/activations.cuh"
 #include "kernels/cuda/dtype_convert.cuh"
+#include "kernels/cuda/pdl.cuh"
 #include "kernels/fused_ops.h"
 
 // Returns a failed status from the enclosing function (kernels/ does not depend on engine/'s
@@ -79,6 +86,15 @@ __global__ void AddRmsNormKernel(T* __restrict__ residual, const T* __restrict__
   const P* d = delta != nullptr ? reinterpret_cast<const P*>(delta + row * delta_stride) : nullptr;
   P* o = reinterpret_cast<P*>(out + row * hidden);
   const int64_t num_packs = hidden / kVec;
+  // The weight of this thread's first pack (its only one when H <= kVec * blockDim.x, as in
+  // every model we run) before the wait: off the critical path after the block reduction.
+  const int64_t i_first = threadIdx.x;
+  float w_first[kVec];
+#pragma unroll
+  for (int k = 0; k < kVec; ++k)
+    w_first[k] = i_first < num_packs ? ToFloat(weight[i_first * kVec + k]) : 0.f;
+  cuda::PdlWaitForPrimary();
+  cuda::PdlLaunchDependents();
   float sum_sq = 0.f;
   for (int64_t i = threadIdx.x; i < num_packs; i += blockDim.x) {
     P x = r[i];
@@ -100,7 +116,8 @@ __global__ void AddRmsNormKernel(T* __restrict__ residual, const T* __restrict__
     P y;
 #pragma unroll
     for (int k = 0; k < kVec; ++k) {
-      y.v[k] = FromFloat<T>(ToFloat(x.v[k]) * rstd * ToFloat(weight[i * kVec + k]));
+      const float w = i == i_first ? w_first[k] : ToFloat(weight[i * kVec + k]);
+      y.v[k] = FromFloat<T>(ToFloat(x.v[k]) * rstd * w);
     }
     o[i] = y;
   }
@@ -121,6 +138,9 @@ __global__ void RopeQkvKernel(const T* __restrict__ qkv, int64_t qkv_stride,
   const int64_t t = blockIdx.x;
   const int h = blockIdx.y * blockDim.y + threadIdx.y;
   const int j = threadIdx.x, half = head_dim / 2;
+  const float freq = inv_freq[j];  // a model constant: before the wait
+  cuda::PdlWaitForPrimary();
+  cuda::PdlLaunchDependents();
   if (h >= num_heads + 2 * num_kv_heads) return;
   const T* src = qkv + t * qkv_stride + static_cast<int64_t>(h) * head_dim;
   float x1 = ToFloat(src[j]), x2 = ToFloat(src[j + half]);
@@ -137,7 +157,7 @@ __global__ void RopeQkvKernel(const T* __restrict__ qkv, int64_t qkv_stride,
   if (h < num_heads + num_kv_heads) {
     // The model's cos/sin tables hold these values rounded to T; (q * cos) and
     // (rotate_half(q) * sin) are rounded before the add, as separate ATen ops round them.
-    const float angle = static_cast<float>(positions[t]) * inv_freq[j];
+    const float angle = static_cast<float>(positions[t]) * freq;
     const float c = Round<T>(cosf(angle)), s = Round<T>(sinf(angle));
     const float y1 = Round<T>(x1 * c) + Round<T>(-x2 * s);
     const float y2 = Round<T>(x2 * c) + Round<T>(x1 * s);
@@ -157,6 +177,8 @@ __global__ void GatedActivationKernel(const T* __restrict__ gate_up, int64_t gu_
   using P = Pack<T, kVec>;
   const int64_t packs_per_row = inter / kVec;
   const int64_t total = num_rows * packs_per_row;
+  cuda::PdlWaitForPrimary();
+  cuda::PdlLaunchDependents();
   for (int64_t p = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; p < total;
        p += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t n = p / packs_per_row, i = p % packs_per_row;
@@ -198,14 +220,12 @@ void LaunchAddRmsNorm(at::Tensor& residual, const at::Tensor& delta, const at::T
   const bool vec = hidden % kVec == 0 && Aligned(r, 16) && Aligned(o, 16) &&
                    (d == nullptr || (Aligned(d, 16) && (d_stride * sizeof(T)) % 16 == 0));
   auto stream = at::cuda::getCurrentCUDAStream();
-  if (vec) {
-    AddRmsNormKernel<T, W, kVec>
-        <<<rows, RowThreads(hidden / kVec), 0, stream>>>(r, d, d_stride, w, o, hidden, eps);
-  } else {
-    AddRmsNormKernel<T, W, 1>
-        <<<rows, RowThreads(hidden), 0, stream>>>(r, d, d_stride, w, o, hidden, eps);
-  }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const dim3 grid(static_cast<unsigned>(rows));
+  C10_CUDA_CHECK(vec ? cuda::LaunchMaybePdl(AddRmsNormKernel<T, W, kVec>, grid,
+                                            RowThreads(hidden / kVec), 0, stream, r, d, d_stride, w,
+                                            o, hidden, eps)
+                     : cuda::LaunchMaybePdl(AddRmsNormKernel<T, W, 1>, grid, RowThreads(hidden), 0,
+                                            stream, r, d, d_stride, w, o, hidden, eps));
 }
 
 template <typename T>
@@ -218,13 +238,13 @@ void LaunchRopeQkv(const at::Tensor& qkv, const QkvGeometry& geo, const at::Tens
   const int64_t total_heads = geo.num_heads + 2 * geo.num_kv_heads;
   const dim3 grid(static_cast<unsigned>(rows),
                   static_cast<unsigned>((total_heads + heads_per_cta - 1) / heads_per_cta));
-  RopeQkvKernel<T><<<grid, dim3(half, heads_per_cta), 0, at::cuda::getCurrentCUDAStream()>>>(
-      static_cast<const T*>(qkv.data_ptr()), qkv.stride(0), positions.data_ptr<int64_t>(),
-      inv_freq.data_ptr<float>(), static_cast<int>(geo.num_heads),
-      static_cast<int>(geo.num_kv_heads), static_cast<int>(geo.head_dim), slots,
-      static_cast<T*>(q_out.data_ptr()), static_cast<T*>(k_out.data_ptr()),
-      static_cast<T*>(v_out.data_ptr()));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  C10_CUDA_CHECK(
+      cuda::LaunchMaybePdl(RopeQkvKernel<T>, grid, dim3(half, heads_per_cta), 0,
+                           at::cuda::getCurrentCUDAStream(), static_cast<const T*>(qkv.data_ptr()),
+                           qkv.stride(0), positions.data_ptr<int64_t>(), inv_freq.data_ptr<float>(),
+                           static_cast<int>(geo.num_heads), static_cast<int>(geo.num_kv_heads),
+                           static_cast<int>(geo.head_dim), slots, static_cast<T*>(q_out.data_ptr()),
+                           static_cast<T*>(k_out.data_ptr()), static_cast<T*>(v_out.data_ptr())));
 }
 
 template <typename T, GateActivation kAct>
@@ -243,14 +263,11 @@ void LaunchGatedActivation(const at::Tensor& gate_up, at::Tensor& out) {
   const auto ctas =
       static_cast<unsigned>(std::clamp<int64_t>((total + kThreads - 1) / kThreads, 1, max_ctas));
   auto stream = at::cuda::getCurrentCUDAStream();
-  if (vec) {
-    GatedActivationKernel<T, kAct, kVec>
-        <<<ctas, kThreads, 0, stream>>>(gu, gate_up.stride(0), inter, rows, o);
-  } else {
-    GatedActivationKernel<T, kAct, 1>
-        <<<ctas, kThreads, 0, stream>>>(gu, gate_up.stride(0), inter, rows, o);
-  }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const int64_t gu_stride = gate_up.stride(0);
+  C10_CUDA_CHECK(vec ? cuda::LaunchMaybePdl(GatedActivationKernel<T, kAct, kVec>, dim3(ctas),
+                                            kThreads, 0, stream, gu, gu_stride, inter, rows, o)
+                     : cuda::LaunchMaybePdl(GatedActivationKernel<T, kAct, 1>, dim3(ctas), kThreads,
+                                            0, stream, gu, gu_stride, inter, rows, o));
 }
 
 // Calls f with the CUDA element type of `dtype` as a value of that type (bf16, fp16, fp32).

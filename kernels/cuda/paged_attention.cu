@@ -2,7 +2,8 @@
 // v12 PagedDecodeMmaKernel (tensor cores, bf16 / fp16 with head_dim 64 / 128) or v11
 // PagedDecodeKernel<kFused> (CUDA cores, the rest), both with the split-K merge folded in. v7b
 // (the partial kernel, then MergeKernel of attention_common.cuh) stays behind
-// DROPKV_DECODE_KERNELS=v7 for A/B runs.
+// DROPKV_DECODE_KERNELS=v7 for A/B runs. v11 and v12 are launched with programmatic dependent
+// launch (pdl.cuh; DROPKV_PDL=0 turns it off), v7b the usual way.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
@@ -20,6 +21,7 @@
 #include "kernels/cuda/attention_common.cuh"
 #include "kernels/cuda/launchers.h"
 #include "kernels/cuda/paged_decode_kernels.cuh"
+#include "kernels/cuda/pdl.cuh"
 
 namespace dropkv::kernels::cuda {
 namespace {
@@ -80,6 +82,8 @@ struct DecodeArgs {
   float scale;
   int requested_splits;
   int64_t max_len_hint;
+  bool metadata_uploaded;
+  bool older_keys_ready;
   at::Tensor& out;
 };
 
@@ -146,6 +150,8 @@ PagedDecodeParams<T> BaseParams(const DecodeArgs& a, int64_t rows_pad, int64_t n
   pa.table_len = plan.table_len <= kDecMaxTableEntries ? static_cast<int32_t>(plan.table_len) : 0;
   pa.scale_log2 = a.scale * 1.4426950408889634f;
   pa.num_chunks = static_cast<int32_t>(num_chunks);
+  pa.metadata_before_wait = fused && a.metadata_uploaded ? 1 : 0;
+  pa.older_keys_before_wait = pa.metadata_before_wait && a.older_keys_ready ? 1 : 0;
   pa.out = reinterpret_cast<T*>(a.out.data_ptr());
   const int64_t bh = a.q.size(0) * hkv;
   if (fused) {
@@ -185,8 +191,13 @@ void LaunchCudaCores(const DecodeArgs& a) {
   const PagedDecodeParams<T> pa = BaseParams<T>(a, rows_pad, num_chunks, plan, kFused, part);
   auto stream = at::cuda::getCurrentCUDAStream();
   const int smem = base_smem + pa.table_len * 4;
-  kernel<<<dim3(bh, plan.splits, num_chunks), kDecThreads, smem, stream>>>(pa);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const dim3 grid(bh, plan.splits, num_chunks);
+  if constexpr (kFused) {
+    C10_CUDA_CHECK(LaunchMaybePdl(kernel, grid, kDecThreads, smem, stream, pa));
+  } else {  // v7b as it was: the A/B baseline
+    kernel<<<grid, kDecThreads, smem, stream>>>(pa);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
   if constexpr (!kFused) {
     MergeKernel<T, D><<<dim3(bh, rows_pad), D, 0, stream>>>(
         pa.part_m, pa.part_l, pa.part_acc, pa.num_splits, pa.rows_pad, pa.group, pa.out, nullptr);
@@ -206,8 +217,8 @@ void LaunchMma(const DecodeArgs& a) {
   at::Tensor part;
   const PagedDecodeParams<T> pa = BaseParams<T>(a, g, 1, plan, true, part);
   const int smem = base_smem + pa.table_len * 4;
-  kernel<<<dim3(bh, plan.splits), kDecMmaThreads, smem, at::cuda::getCurrentCUDAStream()>>>(pa);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  C10_CUDA_CHECK(LaunchMaybePdl(kernel, dim3(bh, plan.splits), kDecMmaThreads, smem,
+                                at::cuda::getCurrentCUDAStream(), pa));
 }
 
 template <typename T, int D, int RC>
@@ -284,8 +295,19 @@ absl::StatusOr<at::Tensor> PagedDecodeAttention(const at::Tensor& q_in, const at
     if (q.size(0) == 0) return out;
     const float scale =
         static_cast<float>(params.scale > 0 ? params.scale : 1.0 / std::sqrt(double(d)));
-    const DecodeArgs args{q,        k_cache, v_cache,           block_tables,
-                          seq_lens, scale,   params.num_splits, params.max_seq_len,
+    // .contiguous() above may have copied them: that copy kernel precedes the launch.
+    const bool uploaded =
+        params.metadata_uploaded && block_tables_in.is_contiguous() && seq_lens_in.is_contiguous();
+    const DecodeArgs args{q,
+                          k_cache,
+                          v_cache,
+                          block_tables,
+                          seq_lens,
+                          scale,
+                          params.num_splits,
+                          params.max_seq_len,
+                          uploaded,
+                          params.older_keys_ready,
                           out};
     auto launch = [&](auto type_tag) { return DispatchHeadDim<decltype(type_tag)>(d, g, args); };
     const absl::Status st = dtype == at::kFloat  ? launch(float{})

@@ -18,6 +18,14 @@
 //   registers, exponentials in base 2. The states of the lane groups are merged at the end
 //   (shuffles inside a warp, shared memory across the 4 warps).
 // - the split's block ids are read once into shared memory (one coalesced load, one barrier).
+//
+// Programmatic dependent launch (pdl.cuh; v11 and v12 are launched with LaunchMaybePdl, v7b the
+// usual way): q and the cache (the kernel before stores the newest K/V) are read, and anything is
+// written, only after PdlWaitForPrimary(); the CTAs release their dependents right after it.
+// Block ids and lengths come before the wait when the caller says no kernel of the chain writes
+// them (metadata_before_wait: the runner uploads them before the step's first kernel); v12 also
+// starts its first K/V copies before it when they hold only keys older than a sequence's last
+// (older_keys_before_wait: the kernel before stores just the newest key).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -28,6 +36,7 @@
 
 #include "kernels/cuda/attention_common.cuh"
 #include "kernels/cuda/dropkv_score_warp.cuh"  // LdMatrixX4(Trans), Mma16816, PackPair
+#include "kernels/cuda/pdl.cuh"
 
 namespace dropkv::kernels::cuda {
 
@@ -65,6 +74,12 @@ struct PagedDecodeParams {
   T* out;              // [B, Hq, D] = [B*Hkv, g, D]
   int32_t* counters;   // [B*Hkv, num_chunks] arrival counts, 0 between launches (see below)
   int32_t num_chunks;  // row chunks per KV head (gridDim.z of PagedDecodeKernel, 1 for mma)
+  // 1: block_tables and seq_lens are read before PdlWaitForPrimary (no kernel of the launch chain
+  // writes them); 0: after it.
+  int32_t metadata_before_wait;
+  // 1 (v12, with metadata_before_wait): keys before seq_lens[b] - 1 are not written by the kernel
+  // queued before; copies of slabs that hold only such keys go out before PdlWaitForPrimary.
+  int32_t older_keys_before_wait;
 };
 
 // Splits of a sequence that hold keys: ceil(n / split_len), at least 1 (n = 0: split 0 writes
@@ -86,9 +101,11 @@ __device__ __forceinline__ int ActiveSplits(int n, int split_len, int num_splits
 // The merge: each thread owns 4 columns of a row and walks the splits in order, kMergeChunk at a
 // time with a running max (every load of a chunk is independent: one L2 round trip per chunk; a
 // first version computed the split weights in shared memory first, two more round trips and a
-// barrier on the critical path of the last CTA).
+// barrier on the critical path of the last CTA). kChunk 16 (v12: its default split counts are
+// <= 16 at batch 1, so one round trip instead of two; 2026-12-01) needs 96 registers for the
+// loads: v11's 4-CTA register budget keeps 8.
 constexpr int kMergeChunk = 8;
-template <typename T, int D, int kThreads>
+template <typename T, int D, int kThreads, int kChunk = kMergeChunk>
 __device__ __forceinline__ void MergeSplitsIfLast(const PagedDecodeParams<T>& p, int bh, int chunk,
                                                   int row0, int rows, int num_active) {
   __shared__ int last_s;
@@ -112,11 +129,11 @@ __device__ __forceinline__ void MergeSplitsIfLast(const PagedDecodeParams<T>& p,
     const int r = idx / kQuads, c = (idx % kQuads) * 4;
     float m_run = -INFINITY, l_run = 0.f;
     float4 a_run = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int s0 = 0; s0 < num_active; s0 += kMergeChunk) {
-      float m[kMergeChunk], l[kMergeChunk];
-      float4 v[kMergeChunk];
+    for (int s0 = 0; s0 < num_active; s0 += kChunk) {
+      float m[kChunk], l[kChunk];
+      float4 v[kChunk];
 #pragma unroll
-      for (int i = 0; i < kMergeChunk; ++i) {
+      for (int i = 0; i < kChunk; ++i) {
         const int64_t i_part = base + static_cast<int64_t>(s0 + i) * p.rows_pad + r;
         const bool ok = s0 + i < num_active;
         m[i] = ok ? __ldcg(p.part_m + i_part) : -INFINITY;
@@ -126,7 +143,7 @@ __device__ __forceinline__ void MergeSplitsIfLast(const PagedDecodeParams<T>& p,
       }
       float m_new = m_run;
 #pragma unroll
-      for (int i = 0; i < kMergeChunk; ++i) m_new = fmaxf(m_new, m[i]);
+      for (int i = 0; i < kChunk; ++i) m_new = fmaxf(m_new, m[i]);
       const float alpha = m_run == -INFINITY ? 0.f : FastExp2(m_run - m_new);
       l_run *= alpha;
       a_run.x *= alpha;
@@ -134,7 +151,7 @@ __device__ __forceinline__ void MergeSplitsIfLast(const PagedDecodeParams<T>& p,
       a_run.z *= alpha;
       a_run.w *= alpha;
 #pragma unroll
-      for (int i = 0; i < kMergeChunk; ++i) {
+      for (int i = 0; i < kChunk; ++i) {
         const float f = m[i] == -INFINITY ? 0.f : FastExp2(m[i] - m_new);
         l_run = fmaf(l[i], f, l_run);
         a_run.x = fmaf(v[i].x, f, a_run.x);
@@ -203,7 +220,6 @@ __global__ void __launch_bounds__(kDecThreads, RC <= 4 ? 4 : 2)
   const int bh = blockIdx.x, split = blockIdx.y, chunk = blockIdx.z;
   const int b = bh / p.num_kv_heads, h = bh % p.num_kv_heads;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int n = p.seq_lens[b];  // used below: the block-id loads go out before it returns
   const int key_begin = split * p.split_len;
   const int row0 = chunk * RC;
   const int64_t part_row0 = (static_cast<int64_t>(bh) * p.num_splits + split) * p.rows_pad + row0;
@@ -214,10 +230,18 @@ __global__ void __launch_bounds__(kDecThreads, RC <= 4 ? 4 : 2)
   const int blk0 = key_begin / p.block_size;
   const int32_t* table_g = p.block_tables + static_cast<int64_t>(b) * p.max_blocks + blk0;
   const bool cached = p.table_len > 0;  // the host sized the cache for the longest split
-  if (cached) {
-    const int avail = min(p.table_len, p.max_blocks - blk0);
-    for (int i = tid; i < avail; i += kDecThreads) table_s[i] = table_g[i];
-  }
+  int n = 0;                            // the length's load goes out with the block ids'
+  auto load_metadata = [&] {
+    n = p.seq_lens[b];
+    if (cached) {
+      const int avail = min(p.table_len, p.max_blocks - blk0);
+      for (int i = tid; i < avail; i += kDecThreads) table_s[i] = table_g[i];
+    }
+  };
+  if (p.metadata_before_wait) load_metadata();
+  PdlWaitForPrimary();
+  PdlLaunchDependents();
+  if (!p.metadata_before_wait) load_metadata();
 
   const int key_end = min(n, key_begin + p.split_len);
   [[maybe_unused]] const int rows = min(RC, p.group - row0);  // query heads of this chunk
@@ -474,6 +498,10 @@ __global__ void __launch_bounds__(kDecThreads, RC <= 4 ? 4 : 2)
 // one mma m16 tile (rows past g are zero), so a 16-key slab costs D / 8 ldmatrix.x4 and D / 4
 // mma.sync m16n8k16 per warp instead of ~75 warp instructions per key on the CUDA cores (v7b's
 // FMAs, lane-group shuffles and the softmax every lane of a group repeats).
+// 4 warps per CTA. 8 (one CTA per SM at batch 1, each warp half the slabs, twice the bytes in
+// flight per SM) measured no faster: 8K 0.460 vs 0.456 ms, 819 keys 0.201 vs 0.194 (2026-12-01,
+// graphs of 32 layers): the stream runs near the copy rate already; the time above it is the
+// per-launch fixed part (prologue, the merge's fence / atomic / L2 reads, the tail).
 constexpr int kDecMmaWarps = 4;
 constexpr int kDecMmaThreads = 32 * kDecMmaWarps;
 // Ring slabs per warp: 2 in flight while one is used. 4 (a 143 KB CTA, one per SM) measured the
@@ -503,6 +531,8 @@ constexpr int PagedDecodeMmaSmemBytes() {
 template <typename T, int D, bool kHigh>
 __global__ void __launch_bounds__(kDecMmaThreads, 3)
     PagedDecodeMmaKernel(const PagedDecodeParams<T> p) {
+  constexpr int kWarps = kDecMmaWarps;
+  constexpr int kThreads = kDecMmaThreads;
   constexpr int kStages = kDecMmaStages;
   constexpr int kLd = D + kTcPad;                  // row stride in elements: conflict-free ldmatrix
   constexpr int kSlabElems = 2 * kSlabKeys * kLd;  // K rows, then V rows
@@ -523,34 +553,26 @@ __global__ void __launch_bounds__(kDecMmaThreads, 3)
   const int b = bh / p.num_kv_heads, h = bh % p.num_kv_heads;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = p.group;
-  const int n = p.seq_lens[b];  // used below: the block-id and Q loads go out before it returns
   const int key_begin = split * p.split_len;
   const int blk0 = key_begin / p.block_size;
   const int32_t* table_g = p.block_tables + static_cast<int64_t>(b) * p.max_blocks + blk0;
   const bool cached = p.table_len > 0;
-  if (cached) {
-    const int avail = min(p.table_len, p.max_blocks - blk0);
-    for (int i = tid; i < avail; i += kDecMmaThreads) table_s[i] = table_g[i];
-  }
-  const T* q_head = p.q + static_cast<int64_t>(bh) * g * D;
-  for (int idx = tid; idx < 16 * kVecsPerRow; idx += kDecMmaThreads) {
-    const int r = idx / kVecsPerRow, c = (idx % kVecsPerRow) * 8;
-    uint4 val = make_uint4(0, 0, 0, 0);
-    if (r < g) val = *reinterpret_cast<const uint4*>(q_head + r * D + c);
-    *reinterpret_cast<uint4*>(q_s + r * kLd + c) = val;
-  }
-
-  const int key_end = min(n, key_begin + p.split_len);
-  if (key_begin >= key_end) {  // uniform over the CTA
-    if (split == 0) {          // an empty sequence: zeros
-      T* out = p.out + static_cast<int64_t>(bh) * g * D;
-      for (int idx = tid; idx < g * D; idx += kDecMmaThreads) out[idx] = FromFloat<T>(0.f);
+  int n = 0;  // the length's load goes out with the block ids'
+  auto load_metadata = [&] {
+    n = p.seq_lens[b];
+    if (cached) {
+      const int avail = min(p.table_len, p.max_blocks - blk0);
+      for (int i = tid; i < avail; i += kThreads) table_s[i] = table_g[i];
     }
-    return;
+  };
+  const bool early = p.metadata_before_wait;
+  if (early) {
+    load_metadata();
+    __syncthreads();  // table_s, for the copies below
   }
-  __syncthreads();  // table_s, q_s
+  int key_end = min(n, key_begin + p.split_len);  // set again after the wait when !early
+  int num_slabs = (key_end - key_begin + kSlabKeys - 1) / kSlabKeys;
   const int32_t* table = cached ? table_s : table_g;
-  const int num_slabs = (key_end - key_begin + kSlabKeys - 1) / kSlabKeys;
 
   // Copies: lane l moves the 16-byte piece l % kVecsPerRow of keys l / kVecsPerRow + i
   // kKeysPerCopy (each warp-wide copy covers whole rows: coalesced). Lane j < 16 looks up the
@@ -584,11 +606,49 @@ __global__ void __launch_bounds__(kDecMmaThreads, 3)
     }
   };
   int slab = warp;
+  auto issue_prologue = [&] {  // slabs warp, warp + 4, ...: stages 0 .. kStages - 2
 #pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (slab + s * kDecMmaWarps < num_slabs) issue(slab + s * kDecMmaWarps, s);
-    CpAsyncCommit();
+    for (int s = 0; s < kStages - 1; ++s) {
+      if (slab + s * kWarps < num_slabs) issue(slab + s * kWarps, s);
+      CpAsyncCommit();
+    }
+  };
+  // This warp's prologue before the wait when its slabs end before the newest key (warp-uniform).
+  const int prologue_end = key_begin + (warp + (kStages - 2) * kWarps + 1) * kSlabKeys;
+  const bool kv_early = early && p.older_keys_before_wait && key_begin < key_end &&
+                        min(key_end, prologue_end) <= n - 1;
+  if (kv_early) issue_prologue();
+
+  PdlWaitForPrimary();
+  PdlLaunchDependents();
+  if (!early) {
+    load_metadata();
+    key_end = min(n, key_begin + p.split_len);
+    num_slabs = (key_end - key_begin + kSlabKeys - 1) / kSlabKeys;
   }
+  if (key_begin >= key_end) {  // uniform over the CTA
+    if (split == 0) {          // an empty sequence: zeros
+      T* out = p.out + static_cast<int64_t>(bh) * g * D;
+      for (int idx = tid; idx < g * D; idx += kThreads) out[idx] = FromFloat<T>(0.f);
+    }
+    return;
+  }
+  if (!early) __syncthreads();  // table_s
+  // Q rows into q_s (rows past g zero-filled): a cp.async group whose round trip overlaps the K/V
+  // prologue's instead of preceding it.
+  const T* q_head = p.q + static_cast<int64_t>(bh) * g * D;
+  for (int idx = tid; idx < 16 * kVecsPerRow; idx += kThreads) {
+    const int r = idx / kVecsPerRow, c = (idx % kVecsPerRow) * 8;
+    CpAsync16(q_s + r * kLd + c, q_head + (r < g ? r * D + c : 0), r < g);
+  }
+  CpAsyncCommit();
+  if (!kv_early) {
+    issue_prologue();
+    CpAsyncWait<kStages - 1>();  // Q (the oldest group) has landed; the slabs may not have
+  } else {
+    CpAsyncWait<0>();  // Q is the newest group; the slabs went out before the wait
+  }
+  __syncthreads();  // every thread's Q copies
 
   // ldmatrix row addresses of this lane: A (Q rows x d), B (keys x d), V^T (keys x d, .trans).
   const int a_row = (lane % 8) + ((lane / 8) % 2) * 8, a_col = (lane / 16) * 8;
@@ -607,8 +667,8 @@ __global__ void __launch_bounds__(kDecMmaThreads, 3)
   m_row[0] = m_row[1] = -INFINITY;
   l_part[0] = l_part[1] = 0.f;
 
-  for (int stage = 0, fill = kStages - 1; slab < num_slabs; slab += kDecMmaWarps) {
-    const int ahead = slab + (kStages - 1) * kDecMmaWarps;
+  for (int stage = 0, fill = kStages - 1; slab < num_slabs; slab += kWarps) {
+    const int ahead = slab + (kStages - 1) * kWarps;
     if (ahead < num_slabs) issue(ahead, fill);
     CpAsyncCommit();
     CpAsyncWait<kStages - 1>();  // this lane's copies of `stage` have landed
@@ -712,15 +772,14 @@ __global__ void __launch_bounds__(kDecMmaThreads, 3)
   __syncthreads();
   const int num_active = ActiveSplits(n, p.split_len, p.num_splits);
   const int64_t part_row0 = (static_cast<int64_t>(bh) * p.num_splits + split) * p.rows_pad;
-  for (int idx = tid; idx < g * D; idx += kDecMmaThreads) {
+  for (int idx = tid; idx < g * D; idx += kThreads) {
     const int r = idx / D, c = idx % D;
     float m_max = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < kDecMmaWarps; ++w)
-      m_max = fmaxf(m_max, merge_s[(w * 16 + r) * (D + 2) + D]);
+    for (int w = 0; w < kWarps; ++w) m_max = fmaxf(m_max, merge_s[(w * 16 + r) * (D + 2) + D]);
     float l = 0.f, a = 0.f;
 #pragma unroll
-    for (int w = 0; w < kDecMmaWarps; ++w) {
+    for (int w = 0; w < kWarps; ++w) {
       const float* row = merge_s + (w * 16 + r) * (D + 2);
       const float f = row[D] == -INFINITY ? 0.f : FastExp2(row[D] - m_max);
       l = fmaf(row[D + 1], f, l);
@@ -737,7 +796,7 @@ __global__ void __launch_bounds__(kDecMmaThreads, 3)
     }
   }
   if (num_active > 1) {
-    MergeSplitsIfLast<T, D, kDecMmaThreads>(p, bh, 0, 0, g, num_active);
+    MergeSplitsIfLast<T, D, kThreads, 16>(p, bh, 0, 0, g, num_active);
   }
 }
 

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <iterator>
 #include <string>
 #include <utility>
@@ -19,6 +20,7 @@
 
 #include "kernels/cache_ops.h"
 #include "kernels/dropkv_score.h"
+#include "kernels/fused_ops.h"
 #include "kernels/paged_attention.h"
 #include "kernels/scorers.h"
 #include "kernels/selection.h"
@@ -535,6 +537,141 @@ TEST_F(KernelsGpuTest, PagedDecodeGraphReplayEqualsEager) {
         ExpectClose(out1, PagedCpu({q_cpu, c.kc, c.vc, tables_cpu, lens_cpu}), tol, tol, what);
         ExpectClose(out2, PagedCpu({q_cpu, c.vc, c.kc, tables_cpu, lens_cpu}), tol, tol, what);
       }
+    }
+  }
+#endif
+}
+
+// Programmatic dependent launch: a chain of decode ops launched back to back, each reading what
+// the one before wrote (AddRmsNorm -> RopeWriteKv with the norm's output as qkv -> paged
+// attention over the K/V just stored -> GatedActivation of its output -> AddRmsNorm adding that
+// into a second residual, in place), three times as three layers. Run eagerly back to back (the
+// kernels overlap their predecessors' tails), and captured in a CUDA graph (programmatic edges),
+// it must equal bit for bit the same chain with the device synchronized after every op (no
+// overlap possible, as with DROPKV_PDL=0). Batch 2: one CTA per SM (16 splits); batch 12: about 2.
+TEST_F(KernelsGpuTest, PdlChainGraphAndEagerEqualSynchronized) {
+#ifndef DROPKV_CUDA_ENABLED
+  GTEST_SKIP() << "built without CUDA";
+#else
+  if (!FusedOpsBuilt()) GTEST_SKIP() << "fused ops not built";
+  const char* pdl_env = std::getenv("DROPKV_PDL");
+  std::printf("DROPKV_PDL=%s\n", pdl_env != nullptr ? pdl_env : "(unset: on)");
+  const int64_t hq = 32, hkv = 8, d = 128, bs = 16, layers = 3;
+  const int64_t width = (hq + 2 * hkv) * d, inter = hq * d / 2;
+  const QkvGeometry geo{hq, hkv, d};
+  const auto bf16 = kCuda.dtype(at::kBFloat16);
+  for (int64_t b : {2, 12}) {
+    const int64_t max_blocks = 260, nb = b * max_blocks + 5;
+    auto kc = at::randn({nb, bs, hkv, d}, bf16), vc = at::randn({nb, bs, hkv, d}, bf16);
+    auto norm_w = at::randn({width}, bf16), norm2_w = at::randn({inter}, bf16);
+    auto inv_freq = (1.0 / at::pow(500000.0, at::arange(0, d, 2, at::kFloat) / d)).to(at::kCUDA);
+    // Inputs copied from the host (as the runner uploads its decode step's).
+    std::vector<int> lens_v;
+    for (int64_t i = 0; i < b; ++i) lens_v.push_back(static_cast<int>(4096 - 301 * i));
+    auto lens_cpu = at::tensor(lens_v, at::kInt);
+    auto tables = at::randperm(nb, at::kInt)
+                      .slice(0, 0, b * max_blocks)
+                      .view({b, max_blocks})
+                      .contiguous()
+                      .to(at::kCUDA);
+    auto lens = lens_cpu.to(at::kCUDA);
+    // The newest key of sequence i is stored at entry lens[i] - 1.
+    auto tables_cpu = tables.cpu();
+    std::vector<int64_t> slot_v;
+    for (int64_t i = 0; i < b; ++i) {
+      const int64_t t = lens_v[i] - 1;
+      slot_v.push_back(tables_cpu[i][t / bs].item<int32_t>() * bs + t % bs);
+    }
+    auto slots = at::tensor(slot_v, at::kLong).to(at::kCUDA);
+    auto positions = (lens_cpu.to(at::kLong) - 1).to(at::kCUDA);
+    PagedAttentionParams params;
+    params.max_seq_len = 4096;
+    params.metadata_uploaded = true;
+    params.older_keys_ready = true;  // RopeWriteKv stores each sequence's last key only
+    // Static inputs of the chain (the graph reads these addresses).
+    auto residual = at::empty({b, width}, bf16), delta = at::empty({b, width}, bf16);
+    auto residual2 = at::empty({b, inter}, bf16);
+    auto kc0 = kc.clone(), vc0 = vc.clone();
+    auto chain = [&](bool sync) -> std::vector<at::Tensor> {
+      auto step = [&](auto&& r) {
+        EXPECT_TRUE(r.ok()) << r.status();
+        if (sync) C10_CUDA_CHECK(cudaDeviceSynchronize());
+        return *std::move(r);
+      };
+      std::vector<at::Tensor> outs;
+      at::Tensor d_in = delta;
+      for (int64_t l = 0; l < layers; ++l) {
+        at::Tensor qkv = step(AddRmsNorm(residual, d_in, norm_w, 1e-5));
+        at::Tensor q = step(RopeWriteKv(qkv, geo, positions, inv_freq, kc, vc, slots));
+        at::Tensor attn = step(PagedDecodeAttention(q, kc, vc, tables, lens, params));
+        at::Tensor gated = step(GatedActivation(attn.view({b, hq * d}), GateActivation::kSilu));
+        at::Tensor y = step(AddRmsNorm(residual2, gated, norm2_w, 1e-5));
+        d_in = qkv;  // the next layer adds this layer's normed rows into the residual
+        outs.push_back(attn);
+        outs.push_back(y);
+      }
+      outs.push_back(residual);
+      outs.push_back(residual2);
+      return outs;
+    };
+    at::Tensor res_cpu, delta_cpu, res2_cpu;
+    auto reset = [&] {  // the same inputs and caches before every run
+      residual.copy_(res_cpu);
+      delta.copy_(delta_cpu);
+      residual2.copy_(res2_cpu);
+      kc.copy_(kc0);
+      vc.copy_(vc0);
+    };
+    auto clone_all = [](const std::vector<at::Tensor>& ts) {
+      std::vector<at::Tensor> out;
+      for (const auto& t : ts) out.push_back(t.clone());
+      return out;
+    };
+    res_cpu = at::randn({b, width}).to(at::kBFloat16);
+    delta_cpu = at::randn({b, width}).to(at::kBFloat16);
+    res2_cpu = at::randn({b, inter}).to(at::kBFloat16);
+    reset();
+    (void)chain(false);  // lazy initialisation (split plans, counters) before the capture
+    C10_CUDA_CHECK(cudaDeviceSynchronize());
+    at::cuda::CUDAGraph graph;
+    std::vector<at::Tensor> graph_outs;
+    {
+      auto side = at::cuda::getStreamFromPool();
+      c10::cuda::CUDAStreamGuard guard(side);
+      graph.capture_begin();
+      graph_outs = chain(false);
+      graph.capture_end();
+    }
+    for (int iter = 0; iter < 3; ++iter) {
+      res_cpu = at::randn({b, width}).to(at::kBFloat16);
+      delta_cpu = at::randn({b, width}).to(at::kBFloat16);
+      res2_cpu = at::randn({b, inter}).to(at::kBFloat16);
+      reset();
+      Poison();
+      const auto want = clone_all(chain(true));
+      const auto kc_want = kc.clone();
+      reset();
+      Poison();
+      const auto eager = clone_all(chain(false));
+      reset();
+      graph.replay();
+      C10_CUDA_CHECK(cudaDeviceSynchronize());
+      EXPECT_TRUE(at::equal(kc, kc_want)) << "batch " << b << ": key cache after the graph";
+      ASSERT_EQ(want.size(), graph_outs.size());
+      for (size_t i = 0; i < want.size(); ++i) {
+        const std::string what = "batch " + std::to_string(b) + " replay " + std::to_string(iter) +
+                                 " output " + std::to_string(i);
+        ASSERT_FALSE(want[i].isnan().any().item<bool>()) << what << ": NaN (unwritten?)";
+        EXPECT_TRUE(at::equal(eager[i], want[i])) << what << ": eager back to back != synced";
+        EXPECT_TRUE(at::equal(graph_outs[i], want[i])) << what << ": graph != synced";
+      }
+      // The synchronized chain itself: layer 1's attention against the CPU reference over the
+      // caches it read.
+      reset();
+      at::Tensor q1 = *RopeWriteKv(*AddRmsNorm(residual, delta, norm_w, 1e-5), geo, positions,
+                                   inv_freq, kc, vc, slots);
+      ExpectClose(want[0], PagedCpu({q1.cpu(), kc.cpu(), vc.cpu(), tables_cpu, lens_cpu}), 1e-2,
+                  1e-2, "batch " + std::to_string(b) + " layer 1 attention vs CPU");
     }
   }
 #endif
