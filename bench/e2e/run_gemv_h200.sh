@@ -6,8 +6,10 @@
 # then dropkv-bench-e2e on Llama-3.1-8B geometry with --fused-gemv off and on in the same call; a
 # short table last. Run from the repo root after `source scripts/gpu_pack.sh --unpack`.
 # Env: SKIP_TESTS=1, SKIP_MEMCHECK=1, SKIP_TABLE=1, SKIP_E2E=1, GEOMETRY (default llama-3.1-8b),
-# TESTS (default: the four), VARIANTS (table; default "8:1 4:1 8:0"), E2E_VARIANTS ("8:1 4:1"),
-# PREFILL (2048), T_TEST / T_TABLE / T_E2E / T_MEMCHECK (timeouts, s).
+# TESTS (default: the four), VARIANTS (table; default "stream:1 stream:0 ring:1"), E2E_VARIANTS
+# ("stream:1 stream:0 ring:1"), PREFILL (2048), T_TEST / T_TABLE / T_E2E / T_MEMCHECK (timeouts,
+# s). A variant is "KERNEL:PDL": DROPKV_GEMV_KERNEL (stream, the default, or ring, the previous
+# register-ring kernel) and DROPKV_PDL (1 or 0).
 set -uo pipefail
 OUT=${OUT:-/tmp/gemv-out}
 mkdir -p "$OUT"
@@ -28,15 +30,14 @@ if [[ -z "${SKIP_TESTS:-}" ]]; then
   done
   grep -E "^\[  (FAILED|PASSED)|worst relative|max rows|Failure|Expected|max \|ours" "$OUT/tests.log" | head -40
 fi
-# Launch variants "UNROLL:PERSISTENT" (DROPKV_GEMV_UNROLL, DROPKV_GEMV_PERSISTENT); the first is
-# the default build's.
-variants=${VARIANTS:-8:1 4:1 8:0}
+# Launch variants "KERNEL:PDL" (DROPKV_GEMV_KERNEL, DROPKV_PDL); the first is the default build's.
+variants=${VARIANTS:-stream:1 stream:0 ring:1}
 if [[ -z "${SKIP_TABLE:-}" ]]; then
   for v in $variants; do
-    DROPKV_GEMV_UNROLL=${v%:*} DROPKV_GEMV_PERSISTENT=${v#*:} timeout "${T_TABLE:-90}" \
+    DROPKV_GEMV_KERNEL=${v%:*} DROPKV_PDL=${v#*:} timeout "${T_TABLE:-90}" \
       dropkv-bench-e2e --geometry "$geo" --gemv-table > "/tmp/gemv_table_${v/:/-}.md" 2>&1
     echo "gemv table $v rc=$?"
-    { echo "### unroll:persistent $v"; cat "/tmp/gemv_table_${v/:/-}.md"; } >> "$OUT/gemv_tables.md"
+    { echo "### kernel:pdl $v"; cat "/tmp/gemv_table_${v/:/-}.md"; } >> "$OUT/gemv_tables.md"
   done
 fi
 if [[ -z "${SKIP_E2E:-}" ]]; then
@@ -45,8 +46,8 @@ if [[ -z "${SKIP_E2E:-}" ]]; then
   timeout "${T_E2E:-120}" dropkv-bench-e2e "${common[@]}" --fused-gemv off > "$OUT/e2e_off.json" \
     2> /tmp/e2e_off.err
   echo "e2e gemv off rc=$?"
-  for v in ${E2E_VARIANTS:-8:1 4:1}; do
-    DROPKV_GEMV_UNROLL=${v%:*} DROPKV_GEMV_PERSISTENT=${v#*:} timeout "${T_E2E:-120}" \
+  for v in ${E2E_VARIANTS:-stream:1 stream:0 ring:1}; do
+    DROPKV_GEMV_KERNEL=${v%:*} DROPKV_PDL=${v#*:} timeout "${T_E2E:-120}" \
       dropkv-bench-e2e "${common[@]}" --fused-gemv on > "$OUT/e2e_on_${v/:/-}.json" \
       2> "/tmp/e2e_on_${v/:/-}.err"
     echo "e2e gemv on $v rc=$?"

@@ -34,6 +34,7 @@ struct Params {
   void* y = nullptr;             // [M, N] contiguous
   int m = 0, n = 0, k = 0;
   int x_smem_stride = 0;  // elements per token row of x in shared memory (XSmemStride(k))
+  int stages = 0;         // the streaming kernel's weight stages in shared memory (StreamStages)
 };
 
 // Row stride of x in shared memory: K rounded up to 64 elements plus 32, so that the 8 lanes of a
@@ -53,11 +54,47 @@ inline size_t SmemBytes(int m, int k, size_t elem_bytes) {
 // Static shared memory of the kernel (the norm prologue's warp sums), with room to spare.
 constexpr size_t kStaticSmemBytes = 1024;
 
+// --- the streaming kernel (kernels/cuda/fused_gemv_stream.cuh): W through shared memory.
+// A stage is 16 rows x kStageK elements of W, one bulk copy (1 KB in bf16) per row; each row
+// segment is padded by 64 bytes so that the 8 lanes of a quarter warp (rows g, g + 1; 4 lanes
+// each) read 16-byte pieces from all 32 banks once.
+constexpr int kStageK = 512;
+constexpr int kStageRowBytes = kStageK * 2 + 64;
+constexpr int kStageBytes = kRowsPerCta * kStageRowBytes;
+constexpr int kMaxStages = 8;
+
+// Dynamic shared memory of the streaming kernel: the weight ring, the partials, then x.
+inline size_t StreamSmemBytes(int m, int k, int stages, size_t elem_bytes) {
+  return static_cast<size_t>(stages) * kStageBytes + PartialsBytes(m <= 8 ? 1 : 2) +
+         static_cast<size_t>(m) * XSmemStride(k) * elem_bytes;
+}
+
+// The streaming kernel's stage count for m tokens at inner dimension k: as many as fit (up to
+// max_stages) while two CTAs still share an SM (`half_sm`: the dynamic shared memory each may
+// take; the second is the next kernel's, started early by PDL), as long as that is >= 3; else
+// up to 4 within the opt-in limit `optin` (large m x k); 0 when not even 2 fit.
+inline int StreamStages(int m, int k, size_t elem_bytes, size_t half_sm, size_t optin,
+                        int max_stages) {
+  const size_t fixed = StreamSmemBytes(m, k, 0, elem_bytes) + kStaticSmemBytes;
+  const auto fit = [&](size_t budget) {
+    return budget > fixed ? static_cast<int>((budget - fixed) / kStageBytes) : 0;
+  };
+  int stages = fit(half_sm) < max_stages ? fit(half_sm) : max_stages;
+  if (stages < 3) stages = fit(optin) < 4 ? fit(optin) : 4;
+  return stages >= 2 ? stages : 0;
+}
+
 // How a call is launched (the defaults are the tuned ones; the others are for comparison).
 struct LaunchOptions {
   int unroll = 8;          // chunks in flight per lane: 4 or 8
   bool persistent = true;  // grid <= one wave of resident CTAs; false: one CTA per 16 rows
   int num_sms = 0;         // the device's multiprocessors (persistent grid)
+  // Which kernel: the streaming one (default) or the register ring (for comparison).
+  bool stream = true;
+  // The streaming kernel: CTAs per SM in its grid (1: one wave of one CTA per SM), and the most
+  // weight stages per CTA.
+  int ctas_per_sm = 1;
+  int max_stages = 6;
 };
 
 // Launches y = prologue(x) W^T (+ bias) on `stream`. T: __nv_bfloat16 or __half; NW: the norm
@@ -65,5 +102,10 @@ struct LaunchOptions {
 // within the device's opt-in limit.
 template <typename T, typename NW, Prologue kP>
 cudaError_t LaunchFusedGemv(const Params& p, const LaunchOptions& options, cudaStream_t stream);
+
+// The same with the streaming kernel (p.stages set by StreamStages), launched with programmatic
+// dependent launch (kernels/cuda/pdl.cuh).
+template <typename T, typename NW, Prologue kP>
+cudaError_t LaunchStreamGemv(const Params& p, const LaunchOptions& options, cudaStream_t stream);
 
 }  // namespace dropkv::kernels::cuda::gemv
