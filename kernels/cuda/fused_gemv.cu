@@ -42,7 +42,8 @@ int EnvInt(const char* name, int lo, int hi, int fallback) {
 // instead of the streaming one), for the ring DROPKV_GEMV_UNROLL=4 (chunks in flight per lane;
 // default 8) and DROPKV_GEMV_PERSISTENT=0 (one CTA per 16 rows instead of one wave), for the
 // streaming kernel DROPKV_GEMV_CTAS_PER_SM (1-2, default 1) and DROPKV_GEMV_STAGES (the most
-// weight stages per CTA, 2-8, default 6).
+// weight stages per CTA, 2-12, default 12) and DROPKV_GEMV_FILL=bulk (stages filled by
+// cp.async.bulk instead of cp.async).
 cuda::gemv::LaunchOptions Options() {
   static const cuda::gemv::LaunchOptions options = [] {
     cuda::gemv::LaunchOptions o;
@@ -51,7 +52,9 @@ cuda::gemv::LaunchOptions Options() {
     o.unroll = EnvInt("DROPKV_GEMV_UNROLL", 4, 8, 8) == 4 ? 4 : 8;
     o.persistent = EnvInt("DROPKV_GEMV_PERSISTENT", 0, 1, 1) == 1;
     o.ctas_per_sm = EnvInt("DROPKV_GEMV_CTAS_PER_SM", 1, 2, 1);
-    o.max_stages = EnvInt("DROPKV_GEMV_STAGES", 2, cuda::gemv::kMaxStages, 6);
+    o.max_stages = EnvInt("DROPKV_GEMV_STAGES", 2, cuda::gemv::kMaxStages, cuda::gemv::kMaxStages);
+    const char* fill = std::getenv("DROPKV_GEMV_FILL");
+    o.bulk_copies = fill != nullptr && std::string(fill) == "bulk";
     return o;
   }();
   cuda::gemv::LaunchOptions o = options;
@@ -63,9 +66,9 @@ cuda::gemv::LaunchOptions Options() {
 int StreamStages(int64_t m, int64_t k, int64_t elem_bytes) {
   const auto* props = at::cuda::getCurrentDeviceProperties();
   const size_t half_sm = props->sharedMemPerMultiprocessor / 2 - props->reservedSharedMemPerBlock;
-  return cuda::gemv::StreamStages(static_cast<int>(m), static_cast<int>(k),
-                                  static_cast<size_t>(elem_bytes), half_sm,
-                                  props->sharedMemPerBlockOptin, Options().max_stages);
+  return cuda::gemv::StreamStages(
+      static_cast<int>(m), static_cast<int>(k), static_cast<size_t>(elem_bytes), half_sm,
+      props->sharedMemPerBlockOptin, Options().max_stages, Options().ctas_per_sm);
 }
 
 bool IsHalfType(at::ScalarType t) {

@@ -63,19 +63,33 @@ cudaError_t LaunchFusedGemv(const Params& p, const LaunchOptions& options, cudaS
   return LaunchWithSmem<FusedGemvKernel<T, NW, kP, 2, 8>>(p, options, smem, stream);
 }
 
+// One wave: at most ctas_per_sm CTAs per SM, and no more than are resident at once (occupancy
+// API, a host-side query), so no CTA waits for another to finish.
+template <auto kKernel>
+cudaError_t LaunchStream(const Params& p, const LaunchOptions& options, size_t smem,
+                         cudaStream_t stream) {
+  if (const cudaError_t err = RaiseSmemLimit<kKernel>(smem); err != cudaSuccess) return err;
+  int per_sm = 0;
+  const cudaError_t err =
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, kThreads, smem);
+  if (err != cudaSuccess) return err;
+  const int groups = (p.n + kRowsPerCta - 1) / kRowsPerCta;
+  const int ctas = std::max(
+      1, std::min(groups, std::min(per_sm, options.ctas_per_sm) * std::max(options.num_sms, 1)));
+  return LaunchMaybePdl(kKernel, dim3(ctas), dim3(kThreads), smem, stream, p);
+}
+
 template <typename T, typename NW, Prologue kP>
 cudaError_t LaunchStreamGemv(const Params& p, const LaunchOptions& options, cudaStream_t stream) {
   const size_t smem = StreamSmemBytes(p.m, p.k, p.stages, sizeof(T));
-  const int groups = (p.n + kRowsPerCta - 1) / kRowsPerCta;
-  const int ctas = std::max(1, std::min(groups, options.num_sms * options.ctas_per_sm));
-  if (p.m <= 8) {
-    constexpr auto kernel = StreamGemvKernel<T, NW, kP, 1>;
-    if (const cudaError_t err = RaiseSmemLimit<kernel>(smem); err != cudaSuccess) return err;
-    return LaunchMaybePdl(kernel, dim3(ctas), dim3(kThreads), smem, stream, p);
+  if (options.bulk_copies) {
+    if (p.m <= 8)
+      return LaunchStream<StreamGemvKernel<T, NW, kP, 1, true>>(p, options, smem, stream);
+    return LaunchStream<StreamGemvKernel<T, NW, kP, 2, true>>(p, options, smem, stream);
   }
-  constexpr auto kernel = StreamGemvKernel<T, NW, kP, 2>;
-  if (const cudaError_t err = RaiseSmemLimit<kernel>(smem); err != cudaSuccess) return err;
-  return LaunchMaybePdl(kernel, dim3(ctas), dim3(kThreads), smem, stream, p);
+  if (p.m <= 8)
+    return LaunchStream<StreamGemvKernel<T, NW, kP, 1, false>>(p, options, smem, stream);
+  return LaunchStream<StreamGemvKernel<T, NW, kP, 2, false>>(p, options, smem, stream);
 }
 
 #define FUSED_GEMV_INSTANTIATE(T, NW, P)                                               \

@@ -61,7 +61,7 @@ constexpr size_t kStaticSmemBytes = 1024;
 constexpr int kStageK = 512;
 constexpr int kStageRowBytes = kStageK * 2 + 64;
 constexpr int kStageBytes = kRowsPerCta * kStageRowBytes;
-constexpr int kMaxStages = 8;
+constexpr int kMaxStages = 12;
 
 // Dynamic shared memory of the streaming kernel: the weight ring, the partials, then x.
 inline size_t StreamSmemBytes(int m, int k, int stages, size_t elem_bytes) {
@@ -69,19 +69,19 @@ inline size_t StreamSmemBytes(int m, int k, int stages, size_t elem_bytes) {
          static_cast<size_t>(m) * XSmemStride(k) * elem_bytes;
 }
 
-// The streaming kernel's stage count for m tokens at inner dimension k: as many as fit (up to
-// max_stages) while two CTAs still share an SM (`half_sm`: the dynamic shared memory each may
-// take; the second is the next kernel's, started early by PDL), as long as that is >= 3; else
-// up to 4 within the opt-in limit `optin` (large m x k); 0 when not even 2 fit.
+// The streaming kernel's stage count for m tokens at inner dimension k: as many as fit, up to
+// max_stages, in the opt-in limit `optin` (one CTA per SM), or with ctas_per_sm = 2 in
+// `half_sm` (the dynamic shared memory each of two CTAs per SM may take) when >= 3 fit there.
+// 0 when not even 2 fit (m x k too large).
 inline int StreamStages(int m, int k, size_t elem_bytes, size_t half_sm, size_t optin,
-                        int max_stages) {
+                        int max_stages, int ctas_per_sm) {
   const size_t fixed = StreamSmemBytes(m, k, 0, elem_bytes) + kStaticSmemBytes;
   const auto fit = [&](size_t budget) {
-    return budget > fixed ? static_cast<int>((budget - fixed) / kStageBytes) : 0;
+    const int n = budget > fixed ? static_cast<int>((budget - fixed) / kStageBytes) : 0;
+    return n < max_stages ? n : max_stages;
   };
-  int stages = fit(half_sm) < max_stages ? fit(half_sm) : max_stages;
-  if (stages < 3) stages = fit(optin) < 4 ? fit(optin) : 4;
-  return stages >= 2 ? stages : 0;
+  if (ctas_per_sm >= 2 && fit(half_sm) >= 3) return fit(half_sm);
+  return fit(optin) >= 2 ? fit(optin) : 0;
 }
 
 // How a call is launched (the defaults are the tuned ones; the others are for comparison).
@@ -94,7 +94,8 @@ struct LaunchOptions {
   // The streaming kernel: CTAs per SM in its grid (1: one wave of one CTA per SM), and the most
   // weight stages per CTA.
   int ctas_per_sm = 1;
-  int max_stages = 6;
+  int max_stages = kMaxStages;
+  bool bulk_copies = false;  // fill the stages with cp.async.bulk (true) or cp.async (false)
 };
 
 // Launches y = prologue(x) W^T (+ bias) on `stream`. T: __nv_bfloat16 or __half; NW: the norm

@@ -78,6 +78,23 @@ __device__ __forceinline__ void BulkCopyToShared(uint32_t dst, const void* src, 
       : "memory");
 }
 
+// 16 bytes global -> shared by this thread (cp.async, L1 bypassed), zeros when !valid.
+__device__ __forceinline__ void CopyAsync16(uint32_t dst, const void* src, bool valid,
+                                            uint64_t policy) {
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;" ::"r"(dst),
+               "l"(src), "r"(valid ? 16 : 0), "l"(policy)
+               : "memory");
+}
+
+__device__ __forceinline__ void CopyAsyncCommit() {
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+template <int kPending>
+__device__ __forceinline__ void CopyAsyncWait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
+}
+
 __device__ __forceinline__ uint4 LoadShared128(uint32_t addr) {
   uint4 r;
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
@@ -89,7 +106,37 @@ __device__ __forceinline__ uint4 LoadShared128(uint32_t addr) {
 // grid <= num_sms * ctas_per_sm, block 256 = 8 warps. Dynamic shared memory: the ring of
 // p.stages stages [16 rows][kStageRowBytes], two buffers of partials [8 warps][kTiles * 8
 // tokens][16 rows] (fp32, alternating by group), then x [M][x_smem_stride] (T).
-template <typename T, typename NW, Prologue kP, int kTiles>
+// cp.async.wait_group with a run-time count (the ring's depth - 2).
+__device__ __forceinline__ void CopyAsyncWaitAllBut(int pending) {
+  switch (pending) {
+    case 0:
+      CopyAsyncWait<0>();
+      break;
+    case 1:
+      CopyAsyncWait<1>();
+      break;
+    case 2:
+      CopyAsyncWait<2>();
+      break;
+    case 3:
+      CopyAsyncWait<3>();
+      break;
+    case 4:
+      CopyAsyncWait<4>();
+      break;
+    case 5:
+      CopyAsyncWait<5>();
+      break;
+    default:
+      CopyAsyncWait<6>();
+      break;
+  }
+}
+
+// kBulk: the stages are filled by bulk copies (one per row, issued by warp 0, completion on the
+// slot's mbarrier; p.stages in flight); else by every thread with 16-byte cp.async (a warp
+// copies 512 contiguous bytes of a row per instruction; p.stages - 1 in flight).
+template <typename T, typename NW, Prologue kP, int kTiles, bool kBulk>
 __global__ void __launch_bounds__(kThreads, 2) StreamGemvKernel(const Params p) {
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ __align__(8) uint64_t full[kMaxStages];
@@ -110,7 +157,7 @@ __global__ void __launch_bounds__(kThreads, 2) StreamGemvKernel(const Params p) 
 
   // Warp 0 requests stage i (group i / stages_per_group, k stage i % stages_per_group) into slot
   // i % stages: lane 0 arms the slot's barrier with the bytes, lanes 0..15 copy a row each.
-  const uint64_t policy = warp == 0 ? EvictFirstPolicy() : 0;
+  const uint64_t policy = EvictFirstPolicy();
   auto request = [&](int i) {
     if (i >= my_stages) return;
     const int slot = i % stages, gi = i / stages_per_group, ks = i % stages_per_group;
@@ -128,14 +175,40 @@ __global__ void __launch_bounds__(kThreads, 2) StreamGemvKernel(const Params p) 
     }
   };
 
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < stages; ++s) MbarrierInit(SharedAddress(&full[s]), 1);
-    // Make the initialised barriers visible to the async proxy (the copies' completions).
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
-  if (warp == 0) {
-    for (int i = 0; i < stages; ++i) request(i);
+  // Every thread requests stage i into slot i % stages (16-byte pieces, zeros past N and K), and
+  // commits a group even when there is none left, so that the group count stays uniform.
+  auto request_async = [&](int i) {
+    if (i < my_stages) {
+      const int slot = i % stages, gi = i / stages_per_group, ks = i % stages_per_group;
+      const int row0 =
+          (static_cast<int>(blockIdx.x) + gi * static_cast<int>(gridDim.x)) * kRowsPerCta;
+      constexpr int kPiecesPerRow = kStageK * 2 / 16;
+#pragma unroll
+      for (int pass = 0; pass < kRowsPerCta * kPiecesPerRow / kThreads; ++pass) {
+        const int idx = pass * kThreads + static_cast<int>(threadIdx.x);
+        const int r = idx / kPiecesPerRow, piece = idx % kPiecesPerRow;
+        const int kk = ks * kStageK + piece * (16 / static_cast<int>(sizeof(T)));
+        const bool valid = row0 + r < p.n && kk < p.k;
+        const T* src = valid ? weight + static_cast<int64_t>(row0 + r) * p.k + kk : weight;
+        CopyAsync16(ring + slot * kStageBytes + r * kStageRowBytes + piece * 16, src, valid,
+                    policy);
+      }
+    }
+    CopyAsyncCommit();
+  };
+
+  if constexpr (kBulk) {
+    if (threadIdx.x == 0) {
+      for (int s = 0; s < stages; ++s) MbarrierInit(SharedAddress(&full[s]), 1);
+      // Make the initialised barriers visible to the async proxy (the copies' completions).
+      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    if (warp == 0) {
+      for (int i = 0; i < stages; ++i) request(i);
+    }
+  } else {
+    for (int i = 0; i < stages - 1; ++i) request_async(i);
   }
   PdlLaunchDependents();
   PdlWaitForPrimary();  // x, the residual, the gate are the previous kernel's outputs
@@ -162,7 +235,15 @@ __global__ void __launch_bounds__(kThreads, 2) StreamGemvKernel(const Params p) 
     float* buffer = partials + (gi % 2) * kPartialFloats;
     for (int ks = 0; ks < stages_per_group; ++ks, ++i) {
       const int slot = i % stages;
-      MbarrierWait(SharedAddress(&full[slot]), (i / stages) & 1);
+      if constexpr (kBulk) {
+        MbarrierWait(SharedAddress(&full[slot]), (i / stages) & 1);
+      } else {
+        // This thread's pieces of stage i have landed; the barrier makes everyone's visible and
+        // frees slot (i - 1) % stages, which the next request refills.
+        CopyAsyncWaitAllBut(stages - 2);
+        __syncthreads();
+        request_async(i + stages - 1);
+      }
       const uint32_t stage = ring + slot * kStageBytes;
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
@@ -197,16 +278,19 @@ __global__ void __launch_bounds__(kThreads, 2) StreamGemvKernel(const Params p) 
           mine[(t0 + 1) * kRowsPerCta + g + 8] = acc[tile][3];
         }
       }
-      // Every warp is done with the slot (and, at a group's end, has written its partials; the
-      // other buffer is written next, and this one again only after the next group's last
-      // barrier, which the threads reducing it pass once they are done).
-      __syncthreads();
-      if (warp == 0) {
-        // The slot's generic-proxy reads are ordered before the copy engine's writes.
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        request(i + stages);
+      if constexpr (kBulk) {
+        // Every warp is done with the slot (and, at a group's end, has written its partials).
+        __syncthreads();
+        if (warp == 0) {
+          // The slot's generic-proxy reads are ordered before the copy engine's writes.
+          asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+          request(i + stages);
+        }
       }
     }
+    // The partials of every warp are written. (The other buffer is written next, and this one
+    // again only after the next group's barrier, which the threads reducing it pass once done.)
+    if constexpr (!kBulk) __syncthreads();
     const int row0 =
         (static_cast<int>(blockIdx.x) + gi * static_cast<int>(gridDim.x)) * kRowsPerCta;
     for (int e = threadIdx.x; e < p.m * kRowsPerCta; e += kThreads) {
