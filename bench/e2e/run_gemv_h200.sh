@@ -11,7 +11,7 @@
 # environment settings ("default": none), e.g. "DROPKV_GEMV_KERNEL=ring" (the previous
 # register-ring kernel), "DROPKV_PDL=0", "DROPKV_GEMV_FILL=bulk,DROPKV_GEMV_CTAS_PER_SM=2".
 # E2E_VARIANTS=best: the table variant whose fused M = 1 qkv + o_proj + gate_up + down sum is
-# least, then the same with DROPKV_PDL=0.
+# least, then the same with DROPKV_PDL=0 (and the default, if another won).
 set -uo pipefail
 OUT=${OUT:-/tmp/gemv-out}
 mkdir -p "$OUT"
@@ -52,7 +52,7 @@ if [[ -z "${SKIP_TABLE:-}" ]]; then
 fi
 e2e_variants=${E2E_VARIANTS:-default DROPKV_PDL=0}
 if [[ "$e2e_variants" == best ]]; then
-  e2e_variants="$best $([[ $best == default ]] && echo DROPKV_PDL=0 || echo "$best,DROPKV_PDL=0")"
+  e2e_variants="$best $([[ $best == default ]] && echo DROPKV_PDL=0 || echo "$best,DROPKV_PDL=0 default")"
   echo "e2e variants: $e2e_variants"
 fi
 if [[ -z "${SKIP_E2E:-}" ]]; then

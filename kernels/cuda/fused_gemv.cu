@@ -41,7 +41,8 @@ int EnvInt(const char* name, int lo, int hi, int fallback) {
 // The launch, read once, for comparison runs: DROPKV_GEMV_KERNEL=ring (the register-ring kernel
 // instead of the streaming one), for the ring DROPKV_GEMV_UNROLL=4 (chunks in flight per lane;
 // default 8) and DROPKV_GEMV_PERSISTENT=0 (one CTA per 16 rows instead of one wave), for the
-// streaming kernel DROPKV_GEMV_CTAS_PER_SM (1-2, default 1) and DROPKV_GEMV_STAGES (the most
+// streaming kernel DROPKV_GEMV_CTAS_PER_SM (1-3, default 2), DROPKV_GEMV_STAGE_K (512 or 1024,
+// default 512) and DROPKV_GEMV_STAGES (the most
 // weight stages per CTA, 2-12, default 12) and DROPKV_GEMV_FILL=bulk (stages filled by
 // cp.async.bulk instead of cp.async).
 cuda::gemv::LaunchOptions Options() {
@@ -51,7 +52,8 @@ cuda::gemv::LaunchOptions Options() {
     o.stream = !(kernel != nullptr && std::string(kernel) == "ring");
     o.unroll = EnvInt("DROPKV_GEMV_UNROLL", 4, 8, 8) == 4 ? 4 : 8;
     o.persistent = EnvInt("DROPKV_GEMV_PERSISTENT", 0, 1, 1) == 1;
-    o.ctas_per_sm = EnvInt("DROPKV_GEMV_CTAS_PER_SM", 1, 2, 1);
+    o.ctas_per_sm = EnvInt("DROPKV_GEMV_CTAS_PER_SM", 1, 3, 2);
+    o.stage_k = EnvInt("DROPKV_GEMV_STAGE_K", 512, 1024, 512) == 1024 ? 1024 : 512;
     o.max_stages = EnvInt("DROPKV_GEMV_STAGES", 2, cuda::gemv::kMaxStages, cuda::gemv::kMaxStages);
     const char* fill = std::getenv("DROPKV_GEMV_FILL");
     o.bulk_copies = fill != nullptr && std::string(fill) == "bulk";
@@ -65,10 +67,12 @@ cuda::gemv::LaunchOptions Options() {
 // The streaming kernel's stages for m tokens at inner dimension k on the current device.
 int StreamStages(int64_t m, int64_t k, int64_t elem_bytes) {
   const auto* props = at::cuda::getCurrentDeviceProperties();
-  const size_t half_sm = props->sharedMemPerMultiprocessor / 2 - props->reservedSharedMemPerBlock;
+  const cuda::gemv::LaunchOptions o = Options();
+  const int stage_k = o.bulk_copies ? 512 : o.stage_k;
   return cuda::gemv::StreamStages(
-      static_cast<int>(m), static_cast<int>(k), static_cast<size_t>(elem_bytes), half_sm,
-      props->sharedMemPerBlockOptin, Options().max_stages, Options().ctas_per_sm);
+      static_cast<int>(m), static_cast<int>(k), static_cast<size_t>(elem_bytes), stage_k,
+      props->sharedMemPerMultiprocessor, props->reservedSharedMemPerBlock,
+      props->sharedMemPerBlockOptin, o.max_stages, o.ctas_per_sm);
 }
 
 bool IsHalfType(at::ScalarType t) {
@@ -151,6 +155,7 @@ Params GemvParams(const at::Tensor& weight, const at::Tensor& bias, at::Tensor& 
   p.k = static_cast<int>(weight.size(1));
   p.x_smem_stride = cuda::gemv::XSmemStride(p.k);
   p.stages = Options().stream ? StreamStages(m, p.k, weight.element_size()) : 0;
+  p.stage_k = Options().bulk_copies ? 512 : Options().stage_k;
   return p;
 }
 

@@ -84,10 +84,8 @@ __device__ __forceinline__ void LoadPack(const E* src, float (&dst)[kPackElems])
 // --- prologues: build x [M, K] (the dtype) in shared memory; every thread of the CTA takes part.
 
 // Packs a thread loads before it stores any (the stores to shared memory would otherwise keep the
-// compiler from hoisting the next iteration's global load: one L2 round trip per pack). The gated
-// prologue takes 8: K = 14336 at M = 1 is 7 packs per thread, one round trip.
+// compiler from hoisting the next iteration's global load: one L2 round trip per pack).
 constexpr int kPrologueBatch = 4;
-constexpr int kGatedPrologueBatch = 8;
 
 // x as it is.
 template <typename T>
@@ -203,10 +201,10 @@ __device__ void GatedPrologue(const Params& p, T* xs) {
   const int packs = p.k / kPackElems;
   const int total = p.m * packs;
   const T* gate_up = static_cast<const T*>(p.x);
-  for (int base = threadIdx.x; base < total; base += kThreads * kGatedPrologueBatch) {
-    Pack8<T> g[kGatedPrologueBatch], u[kGatedPrologueBatch];
+  for (int base = threadIdx.x; base < total; base += kThreads * kPrologueBatch) {
+    Pack8<T> g[kPrologueBatch], u[kPrologueBatch];
 #pragma unroll
-    for (int b = 0; b < kGatedPrologueBatch; ++b) {
+    for (int b = 0; b < kPrologueBatch; ++b) {
       const int i = base + b * kThreads, t = i / packs, j = i % packs;
       if (i >= total) continue;
       const T* row = gate_up + t * p.x_stride;
@@ -214,7 +212,7 @@ __device__ void GatedPrologue(const Params& p, T* xs) {
       u[b] = *reinterpret_cast<const Pack8<T>*>(row + p.k + j * kPackElems);
     }
 #pragma unroll
-    for (int b = 0; b < kGatedPrologueBatch; ++b) {
+    for (int b = 0; b < kPrologueBatch; ++b) {
       const int i = base + b * kThreads, t = i / packs, j = i % packs;
       if (i >= total) continue;
       Pack8<T> x;

@@ -81,15 +81,20 @@ cudaError_t LaunchStream(const Params& p, const LaunchOptions& options, size_t s
 
 template <typename T, typename NW, Prologue kP>
 cudaError_t LaunchStreamGemv(const Params& p, const LaunchOptions& options, cudaStream_t stream) {
-  const size_t smem = StreamSmemBytes(p.m, p.k, p.stages, sizeof(T));
+  const size_t smem = StreamSmemBytes(p.m, p.k, p.stages, sizeof(T), p.stage_k);
   if (options.bulk_copies) {
     if (p.m <= 8)
-      return LaunchStream<StreamGemvKernel<T, NW, kP, 1, true>>(p, options, smem, stream);
-    return LaunchStream<StreamGemvKernel<T, NW, kP, 2, true>>(p, options, smem, stream);
+      return LaunchStream<StreamGemvKernel<T, NW, kP, 1, true, 512>>(p, options, smem, stream);
+    return LaunchStream<StreamGemvKernel<T, NW, kP, 2, true, 512>>(p, options, smem, stream);
+  }
+  if (p.stage_k == 1024) {
+    if (p.m <= 8)
+      return LaunchStream<StreamGemvKernel<T, NW, kP, 1, false, 1024>>(p, options, smem, stream);
+    return LaunchStream<StreamGemvKernel<T, NW, kP, 2, false, 1024>>(p, options, smem, stream);
   }
   if (p.m <= 8)
-    return LaunchStream<StreamGemvKernel<T, NW, kP, 1, false>>(p, options, smem, stream);
-  return LaunchStream<StreamGemvKernel<T, NW, kP, 2, false>>(p, options, smem, stream);
+    return LaunchStream<StreamGemvKernel<T, NW, kP, 1, false, 512>>(p, options, smem, stream);
+  return LaunchStream<StreamGemvKernel<T, NW, kP, 2, false, 512>>(p, options, smem, stream);
 }
 
 #define FUSED_GEMV_INSTANTIATE(T, NW, P)                                               \

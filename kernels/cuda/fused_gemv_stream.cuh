@@ -136,8 +136,11 @@ __device__ __forceinline__ void CopyAsyncWaitAllBut(int pending) {
 // kBulk: the stages are filled by bulk copies (one per row, issued by warp 0, completion on the
 // slot's mbarrier; p.stages in flight); else by every thread with 16-byte cp.async (a warp
 // copies 512 contiguous bytes of a row per instruction; p.stages - 1 in flight).
-template <typename T, typename NW, Prologue kP, int kTiles, bool kBulk>
+template <typename T, typename NW, Prologue kP, int kTiles, bool kBulk, int kStageK>
 __global__ void __launch_bounds__(kThreads, 2) StreamGemvKernel(const Params p) {
+  constexpr int kStageRowBytes = StageRowBytes(kStageK);
+  constexpr int kStageBytes = StageBytes(kStageK);
+  static_assert(!kBulk || kStageK == 512, "bulk copies: 1 KB per row");
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ __align__(8) uint64_t full[kMaxStages];
   constexpr int kPartialFloats = kWarps * kTiles * 8 * kRowsPerCta;  // one buffer
@@ -246,8 +249,8 @@ __global__ void __launch_bounds__(kThreads, 2) StreamGemvKernel(const Params p) 
       }
       const uint32_t stage = ring + slot * kStageBytes;
 #pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        const int k_in_stage = warp * 64 + c * 32;
+      for (int c = 0; c < kStageK / (kWarps * kChunk); ++c) {
+        const int k_in_stage = warp * (kStageK / kWarps) + c * kChunk;
         // Warp-uniform: mma.sync is .aligned. Lanes past K (K % 32 != 0) take part with zeros
         // for both W (the slot holds stale data there) and x.
         if (ks * kStageK + k_in_stage >= p.k) break;
