@@ -6,7 +6,8 @@
 # then dropkv-bench-e2e on Llama-3.1-8B geometry with --fused-gemv off and on in the same call; a
 # short table last. Run from the repo root after `source scripts/gpu_pack.sh --unpack`.
 # Env: SKIP_TESTS=1, SKIP_MEMCHECK=1, SKIP_TABLE=1, SKIP_E2E=1, GEOMETRY (default llama-3.1-8b),
-# TESTS (default: the four), VARIANTS (table) and E2E_VARIANTS (GEMV on), PREFILL (2048),
+# TESTS (default: the four), TEST_VARIANTS (fused_gemv_gpu_test again under each), VARIANTS
+# (table) and E2E_VARIANTS (GEMV on), PREFILL (2048),
 # T_TEST / T_TABLE / T_E2E / T_MEMCHECK (timeouts, s). A variant is a comma-joined list of
 # environment settings ("default": none), e.g. "DROPKV_GEMV_KERNEL=ring" (the previous
 # register-ring kernel), "DROPKV_PDL=0", "DROPKV_GEMV_FILL=bulk,DROPKV_GEMV_CTAS_PER_SM=2".
@@ -29,6 +30,12 @@ if [[ -z "${SKIP_TESTS:-}" ]]; then
     echo "=== $t" >> "$OUT/tests.log"
     timeout "${T_TEST:-150}" "$t" >> "$OUT/tests.log" 2>&1
     echo "$t rc=$?" | tee -a "$OUT/tests.log"
+  done
+  # The GEMV test again under the other launch variants (TEST_VARIANTS, same syntax as VARIANTS).
+  for v in ${TEST_VARIANTS:-DROPKV_GEMV_STAGE_K=1024 DROPKV_GEMV_FILL=bulk DROPKV_GEMV_KERNEL=ring}; do
+    echo "=== fused_gemv_gpu_test $v" >> "$OUT/tests.log"
+    env $(tr , ' ' <<< "$v") timeout "${T_TEST:-150}" fused_gemv_gpu_test >> "$OUT/tests.log" 2>&1
+    echo "fused_gemv_gpu_test $v rc=$?" | tee -a "$OUT/tests.log"
   done
   grep -E "^\[  (FAILED|PASSED)|worst relative|max rows|Failure|Expected|max \|ours" "$OUT/tests.log" | head -40
 fi

@@ -1,25 +1,28 @@
 // The streaming decode GEMV of kernels/fused_gemv.h (the default; DROPKV_GEMV_KERNEL=ring selects
 // the register-ring kernel of fused_gemv_kernels.cuh for comparison). Raw pointers, no torch.
 //
-// Why: the register ring has each warp load touch 8 rows x 64 bytes and holds only 16 registers'
-// worth of W per lane in flight; it streamed 7-8% slower than cuBLAS. Here W goes through a ring
-// of shared-memory stages filled by bulk async copies (cp.async.bulk, the copy engine: one copy
-// of 1 KB per row segment, completion counted in bytes on the stage's mbarrier), so each CTA
-// keeps 4-6 stages of 16 KB in flight with no registers held and DRAM sees long contiguous runs.
+// Why: the register ring holds only 16 registers' worth of W per lane in flight and has each warp
+// load touch 8 rows x 64 bytes; it streamed 7-8% slower than cuBLAS. Here W goes through a ring of
+// shared-memory stages of 16 rows x stage_k (512 or 1024) k: each warp instruction copies 512
+// contiguous bytes of a row (cp.async, 16 bytes a thread, zeros past N and K), and no registers
+// wait on the loads. (DROPKV_GEMV_FILL=bulk fills the stages with cp.async.bulk instead, one copy
+// per 1 KB row segment completing on the slot's mbarrier: measured 2.0-2.1 TB/s at one CTA per SM,
+// slower than cp.async; docs/benchmarks.md.)
 //
 // Mapping. As in the ring kernel: a CTA of 8 warps owns 16 rows of W at a time (mma.sync
-// m16n8k16's A operand; the tokens are its n, 1 or 2 tiles of 8). A stage holds the 16 rows x 512
-// k; warp w takes k [64 w, 64 w + 64) of it, two 32-wide chunks, with the ring kernel's permuted
-// k (lane (g, q) reads 8 consecutive k of rows g and g + 8 and the same 8 k of x). Each warp sums
-// its share over the stages of a group in order, then the CTA sums the warps' fp32 partials in
-// warp order: deterministic, no atomics. Grid: one CTA per SM (one wave; qkv's 384 groups over
-// 132 CTAs is a 97% balance, over 264 it would be 73%), each looping over groups b, b + grid, ...
-// with the ring running on from one group into the next.
+// m16n8k16's A operand; the tokens are its n, 1 or 2 tiles of 8). Warp w takes k [w stage_k / 8,
+// (w + 1) stage_k / 8) of each stage in 32-wide chunks with the ring kernel's permuted k (lane
+// (g, q) reads 8 consecutive k of rows g and g + 8 and the same 8 k of x). Each warp sums its
+// share over the stages of a group in order, then the CTA sums the warps' fp32 partials in warp
+// order: deterministic, no atomics. Grid: one wave of ctas_per_sm CTAs per SM (default 2; one
+// CTA alone measured ~22 GB/s at stage_k 512, whatever its depth: the per-stage wait + barrier
+// bounds it), each looping over groups b, b + grid, ... with the ring running on from one group
+// into the next.
 //
 // PDL (kernels/cuda/pdl.cuh): the first stages are requested before PdlWaitForPrimary() (no kernel
-// writes W), and PdlLaunchDependents() follows right after, so the next GEMV's CTAs can take the
-// other half of each SM's shared memory and start their own stream during this one's tail. After
-// the wait, the prologue builds x in shared memory while those first stages arrive.
+// writes W), and PdlLaunchDependents() follows right after, so that the next GEMV's CTAs start
+// (and request their own first stages) as soon as this one's CTAs leave their SMs. After the
+// wait, the prologue builds x in shared memory while those first stages arrive.
 #pragma once
 
 #include <cuda_bf16.h>
