@@ -220,11 +220,11 @@ __global__ void __launch_bounds__(kThreads, 2) StreamGemvKernel(const Params p) 
   PdlWaitForPrimary();  // x, the residual, the gate are the previous kernel's outputs
 
   if constexpr (kP == Prologue::kPlain) {
-    PlainPrologue<T>(p, xs);
+    PlainPrologue<T, kPrologueBatch>(p, xs);
   } else if constexpr (kP == Prologue::kAddRmsNorm) {
-    AddRmsNormPrologue<T, NW, kTiles * 8>(p, xs);
+    AddRmsNormPrologue<T, NW, kTiles * 8, kPrologueBatch>(p, xs);
   } else {
-    GatedPrologue<T, kP>(p, xs);
+    GatedPrologue<T, kP, kPrologueBatch>(p, xs);
   }
   __syncthreads();
 
