@@ -26,9 +26,10 @@ namespace dropkv::kernels {
 bool FusedGemvBuilt();
 
 // The most rows x (tokens) one call takes for inner dimension k in `dtype` on the current CUDA
-// device: the prologue's output stays in shared memory, [rows, k], so the limit falls with k
-// (H200, bf16: 16 at k <= 6.9K, 7 at 14336, 4 at 24576). 0 when the dtype or k is unsupported
-// (k % 8 != 0) or there is no CUDA device. Larger batches: the unfused ops + cuBLAS.
+// device: the prologue's output stays in shared memory, [rows, k], beside the weight stages, so
+// the limit falls with k (H200, bf16: 16 at k <= 5.1K, 6 at 14336, 3 at 24576). 0 when the dtype
+// or k is unsupported (k % 8 != 0) or there is no CUDA device. Larger batches: the unfused ops +
+// cuBLAS.
 int64_t FusedGemvMaxRows(int64_t k, at::ScalarType dtype);
 
 // y = x W^T (+ bias).

@@ -14,6 +14,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -227,6 +228,13 @@ int RunGemvTable(const Json& geo) {
                         {"down (act)", hidden, inter, Pre::kGated},
                         {"lm_head", vocab, hidden, Pre::kPlain}};
   const auto opts = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
+  // The GEMV's launch variant (kernels/cuda/fused_gemv.cu reads these once). With PDL on, the
+  // graph's consecutive GEMV calls overlap as they do in a decode step; cuBLAS's do not.
+  const char* kernel_env = std::getenv("DROPKV_GEMV_KERNEL");
+  const char* pdl_env = std::getenv("DROPKV_PDL");
+  std::printf("GEMV kernel: %s, PDL %s\n\n",
+              kernel_env != nullptr && std::string(kernel_env) == "ring" ? "ring" : "stream",
+              pdl_env != nullptr && std::string(pdl_env) == "0" ? "off" : "on");
   std::printf(
       "| proj | N x K | M | cuBLAS us | cuBLAS GB/s | GEMV us | GEMV GB/s | GEMV / cuBLAS |"
       " chain us | fused us | fused / chain |\n|---|---|---|---|---|---|---|---|---|---|---|\n");

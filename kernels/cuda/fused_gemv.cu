@@ -30,20 +30,49 @@ using cuda::gemv::Prologue;
 constexpr int64_t kMaxTokens = 16;  // two 8-token mma tiles
 constexpr int64_t kMaxK = int64_t{1} << 20;
 
-// The launch: DROPKV_GEMV_UNROLL=4 (chunks in flight per lane; default 8) and
-// DROPKV_GEMV_PERSISTENT=0 (one CTA per 16 rows instead of one wave) for comparison.
+// Reads an integer environment variable in [lo, hi], or returns `fallback`.
+int EnvInt(const char* name, int lo, int hi, int fallback) {
+  const char* v = std::getenv(name);
+  if (v == nullptr) return fallback;
+  const int i = std::atoi(v);
+  return i >= lo && i <= hi ? i : fallback;
+}
+
+// The launch, read once, for comparison runs: DROPKV_GEMV_KERNEL=ring (the register-ring kernel
+// instead of the streaming one), for the ring DROPKV_GEMV_UNROLL=4 (chunks in flight per lane;
+// default 8) and DROPKV_GEMV_PERSISTENT=0 (one CTA per 16 rows instead of one wave), for the
+// streaming kernel DROPKV_GEMV_CTAS_PER_SM (1-3, default 2), DROPKV_GEMV_STAGE_K (512 or 1024,
+// default 512) and DROPKV_GEMV_STAGES (the most
+// weight stages per CTA, 2-12, default 12) and DROPKV_GEMV_FILL=bulk (stages filled by
+// cp.async.bulk instead of cp.async).
 cuda::gemv::LaunchOptions Options() {
   static const cuda::gemv::LaunchOptions options = [] {
     cuda::gemv::LaunchOptions o;
-    const char* unroll = std::getenv("DROPKV_GEMV_UNROLL");
-    o.unroll = unroll != nullptr && std::string(unroll) == "4" ? 4 : 8;
-    const char* persistent = std::getenv("DROPKV_GEMV_PERSISTENT");
-    o.persistent = !(persistent != nullptr && std::string(persistent) == "0");
+    const char* kernel = std::getenv("DROPKV_GEMV_KERNEL");
+    o.stream = !(kernel != nullptr && std::string(kernel) == "ring");
+    o.unroll = EnvInt("DROPKV_GEMV_UNROLL", 4, 8, 8) == 4 ? 4 : 8;
+    o.persistent = EnvInt("DROPKV_GEMV_PERSISTENT", 0, 1, 1) == 1;
+    o.ctas_per_sm = EnvInt("DROPKV_GEMV_CTAS_PER_SM", 1, 3, 2);
+    o.stage_k = EnvInt("DROPKV_GEMV_STAGE_K", 512, 1024, 512) == 1024 ? 1024 : 512;
+    o.max_stages = EnvInt("DROPKV_GEMV_STAGES", 2, cuda::gemv::kMaxStages, cuda::gemv::kMaxStages);
+    const char* fill = std::getenv("DROPKV_GEMV_FILL");
+    o.bulk_copies = fill != nullptr && std::string(fill) == "bulk";
     return o;
   }();
   cuda::gemv::LaunchOptions o = options;
   o.num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   return o;
+}
+
+// The streaming kernel's stages for m tokens at inner dimension k on the current device.
+int StreamStages(int64_t m, int64_t k, int64_t elem_bytes) {
+  const auto* props = at::cuda::getCurrentDeviceProperties();
+  const cuda::gemv::LaunchOptions o = Options();
+  const int stage_k = o.bulk_copies ? 512 : o.stage_k;
+  return cuda::gemv::StreamStages(
+      static_cast<int>(m), static_cast<int>(k), static_cast<size_t>(elem_bytes), stage_k,
+      props->sharedMemPerMultiprocessor, props->reservedSharedMemPerBlock,
+      props->sharedMemPerBlockOptin, o.max_stages, o.ctas_per_sm);
 }
 
 bool IsHalfType(at::ScalarType t) {
@@ -125,16 +154,23 @@ Params GemvParams(const at::Tensor& weight, const at::Tensor& bias, at::Tensor& 
   p.n = static_cast<int>(weight.size(0));
   p.k = static_cast<int>(weight.size(1));
   p.x_smem_stride = cuda::gemv::XSmemStride(p.k);
+  p.stages = Options().stream ? StreamStages(m, p.k, weight.element_size()) : 0;
+  p.stage_k = Options().bulk_copies ? 512 : Options().stage_k;
   return p;
 }
 
 // The norm weight may be fp32 only in the norm prologue (the others are instantiated with T).
 template <typename T, Prologue kP>
 cudaError_t LaunchTyped(const Params& p, bool fp32_norm_weight, cudaStream_t stream) {
+  const cuda::gemv::LaunchOptions options = Options();
   if constexpr (kP == Prologue::kAddRmsNorm) {
-    if (fp32_norm_weight) return cuda::gemv::LaunchFusedGemv<T, float, kP>(p, Options(), stream);
+    if (fp32_norm_weight) {
+      return options.stream ? cuda::gemv::LaunchStreamGemv<T, float, kP>(p, options, stream)
+                            : cuda::gemv::LaunchFusedGemv<T, float, kP>(p, options, stream);
+    }
   }
-  return cuda::gemv::LaunchFusedGemv<T, T, kP>(p, Options(), stream);
+  return options.stream ? cuda::gemv::LaunchStreamGemv<T, T, kP>(p, options, stream)
+                        : cuda::gemv::LaunchFusedGemv<T, T, kP>(p, options, stream);
 }
 
 template <Prologue kP>
@@ -159,8 +195,11 @@ int64_t FusedGemvMaxRows(int64_t k, at::ScalarType dtype) {
   if (!at::cuda::is_available()) return 0;
   const auto* props = at::cuda::getCurrentDeviceProperties();
   const size_t limit = props->sharedMemPerBlockOptin - cuda::gemv::kStaticSmemBytes;
+  const bool stream = Options().stream;
   for (int64_t m = kMaxTokens; m > 0; --m) {
-    if (cuda::gemv::SmemBytes(static_cast<int>(m), static_cast<int>(k), 2) <= limit) return m;
+    if (stream ? StreamStages(m, k, 2) > 0
+               : cuda::gemv::SmemBytes(static_cast<int>(m), static_cast<int>(k), 2) <= limit)
+      return m;
   }
   return 0;
 }

@@ -83,22 +83,37 @@ __device__ __forceinline__ void LoadPack(const E* src, float (&dst)[kPackElems])
 
 // --- prologues: build x [M, K] (the dtype) in shared memory; every thread of the CTA takes part.
 
+// Packs a thread loads before it stores any (the stores to shared memory would otherwise keep the
+// compiler from hoisting the next iteration's global load: one L2 round trip per pack). The
+// streaming kernel takes kPrologueBatch; the ring kernel 1 (its W registers are live across the
+// prologue: with 4 it spills).
+constexpr int kPrologueBatch = 4;
+
 // x as it is.
-template <typename T>
+template <typename T, int kBatch>
 __device__ void PlainPrologue(const Params& p, T* xs) {
   const int packs = p.k / kPackElems;
+  const int total = p.m * packs;
   const T* x = static_cast<const T*>(p.x);
-  for (int i = threadIdx.x; i < p.m * packs; i += kThreads) {
-    const int t = i / packs, j = i % packs;
-    *reinterpret_cast<Pack8<T>*>(xs + t * p.x_smem_stride + j * kPackElems) =
-        *reinterpret_cast<const Pack8<T>*>(x + t * p.x_stride + j * kPackElems);
+  for (int base = threadIdx.x; base < total; base += kThreads * kBatch) {
+    Pack8<T> v[kBatch];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int i = base + b * kThreads, t = i / packs, j = i % packs;
+      if (i < total) v[b] = *reinterpret_cast<const Pack8<T>*>(x + t * p.x_stride + j * kPackElems);
+    }
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int i = base + b * kThreads, t = i / packs, j = i % packs;
+      if (i < total) *reinterpret_cast<Pack8<T>*>(xs + t * p.x_smem_stride + j * kPackElems) = v[b];
+    }
   }
 }
 
 // kernels::AddRmsNorm's arithmetic: s = round(residual + delta); rstd = rsqrt(mean(s^2) + eps)
 // over the fp32 values of the rounded s; x = round(s * rstd * w). Pass 2 re-reads only the
 // packs this thread wrote in pass 1, so one barrier (the reduction's) suffices.
-template <typename T, typename NW, int kMaxRows>
+template <typename T, typename NW, int kMaxRows, int kBatch>
 __device__ void AddRmsNormPrologue(const Params& p, T* xs) {
   __shared__ float warp_sums[kWarps][kMaxRows];
   const int packs = p.k / kPackElems;
@@ -106,49 +121,59 @@ __device__ void AddRmsNormPrologue(const Params& p, T* xs) {
   const T* delta = static_cast<const T*>(p.delta);
   // One CTA writes the updated residual; the others only read the old one.
   T* residual_out = blockIdx.x == 0 ? static_cast<T*>(p.residual_out) : nullptr;
-  float sum_sq[kMaxRows];
-#pragma unroll
-  for (int t = 0; t < kMaxRows; ++t) sum_sq[t] = 0.f;
-  for (int j = threadIdx.x; j < packs; j += kThreads) {
-#pragma unroll
-    for (int t = 0; t < kMaxRows; ++t) {
-      if (t >= p.m) break;
-      Pack8<T> s = *reinterpret_cast<const Pack8<T>*>(residual + t * p.x_stride + j * kPackElems);
-      if (delta != nullptr) {
-        const Pack8<T> d =
-            *reinterpret_cast<const Pack8<T>*>(delta + t * p.delta_stride + j * kPackElems);
-#pragma unroll
-        for (int e = 0; e < kPackElems; ++e)
-          s.v[e] = FromFloat<T>(ToFloat(s.v[e]) + ToFloat(d.v[e]));
-        if (residual_out != nullptr)
-          *reinterpret_cast<Pack8<T>*>(residual_out + static_cast<int64_t>(t) * p.k +
-                                       j * kPackElems) = s;
-      }
-#pragma unroll
-      for (int e = 0; e < kPackElems; ++e) {
-        const float f = ToFloat(s.v[e]);
-        sum_sq[t] += f * f;
-      }
-      *reinterpret_cast<Pack8<T>*>(xs + t * p.x_smem_stride + j * kPackElems) = s;
-    }
-  }
   // This thread's first two packs of the norm weight (all of them for K <= 4096), requested
-  // before the reduction's barrier so that their latency hides behind it.
+  // early so that their latency hides behind the residual's (with kBatch 1, the ring kernel's
+  // registers allow it only after the residual pass).
   const NW* weight = static_cast<const NW*>(p.norm_weight);
   float w_first[2][kPackElems];
+  auto load_w_first = [&] {
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int j = threadIdx.x + i * kThreads;
-    if (j < packs) LoadPack(weight + j * kPackElems, w_first[i]);
-  }
+    for (int i = 0; i < 2; ++i) {
+      const int j = threadIdx.x + i * kThreads;
+      if (j < packs) LoadPack(weight + j * kPackElems, w_first[i]);
+    }
+  };
+  if constexpr (kBatch > 1) load_w_first();
+  // Token by token, kBatch packs per thread per round; each thread sums its packs in
+  // ascending j (the order does not depend on the batching).
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  for (int t = 0; t < p.m; ++t) {
+    float sum_sq = 0.f;
+    for (int base = threadIdx.x; base < packs; base += kThreads * kBatch) {
+      Pack8<T> s[kBatch], d[kBatch];
 #pragma unroll
-  for (int t = 0; t < kMaxRows; ++t) {
-    if (t >= p.m) break;
-    float v = sum_sq[t];
-    for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
-    if (lane == 0) warp_sums[warp][t] = v;
+      for (int b = 0; b < kBatch; ++b) {
+        const int j = base + b * kThreads;
+        if (j >= packs) continue;
+        s[b] = *reinterpret_cast<const Pack8<T>*>(residual + t * p.x_stride + j * kPackElems);
+        if (delta != nullptr)
+          d[b] = *reinterpret_cast<const Pack8<T>*>(delta + t * p.delta_stride + j * kPackElems);
+      }
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        const int j = base + b * kThreads;
+        if (j >= packs) continue;
+        if (delta != nullptr) {
+#pragma unroll
+          for (int e = 0; e < kPackElems; ++e)
+            s[b].v[e] = FromFloat<T>(ToFloat(s[b].v[e]) + ToFloat(d[b].v[e]));
+          if (residual_out != nullptr)
+            *reinterpret_cast<Pack8<T>*>(residual_out + static_cast<int64_t>(t) * p.k +
+                                         j * kPackElems) = s[b];
+        }
+#pragma unroll
+        for (int e = 0; e < kPackElems; ++e) {
+          const float f = ToFloat(s[b].v[e]);
+          sum_sq += f * f;
+        }
+        *reinterpret_cast<Pack8<T>*>(xs + t * p.x_smem_stride + j * kPackElems) = s[b];
+      }
+    }
+    for (int offset = 16; offset > 0; offset /= 2)
+      sum_sq += __shfl_xor_sync(0xffffffffu, sum_sq, offset);
+    if (lane == 0) warp_sums[warp][t] = sum_sq;
   }
+  if constexpr (kBatch == 1) load_w_first();
   __syncthreads();
   float rstd[kMaxRows];
 #pragma unroll
@@ -178,23 +203,34 @@ __device__ void AddRmsNormPrologue(const Params& p, T* xs) {
 }
 
 // kernels::GatedActivation's arithmetic: x = round(round(act(gate)) * up).
-template <typename T, Prologue kP>
+template <typename T, Prologue kP, int kBatch>
 __device__ void GatedPrologue(const Params& p, T* xs) {
   const int packs = p.k / kPackElems;
+  const int total = p.m * packs;
   const T* gate_up = static_cast<const T*>(p.x);
-  for (int i = threadIdx.x; i < p.m * packs; i += kThreads) {
-    const int t = i / packs, j = i % packs;
-    const T* row = gate_up + t * p.x_stride;
-    const Pack8<T> g = *reinterpret_cast<const Pack8<T>*>(row + j * kPackElems);
-    const Pack8<T> u = *reinterpret_cast<const Pack8<T>*>(row + p.k + j * kPackElems);
-    Pack8<T> x;
+  for (int base = threadIdx.x; base < total; base += kThreads * kBatch) {
+    Pack8<T> g[kBatch], u[kBatch];
 #pragma unroll
-    for (int e = 0; e < kPackElems; ++e) {
-      const float gf = ToFloat(g.v[e]);
-      const float a = RoundTo<T>(kP == Prologue::kSiluMul ? Silu(gf) : GeluTanh(gf));
-      x.v[e] = FromFloat<T>(a * ToFloat(u.v[e]));
+    for (int b = 0; b < kBatch; ++b) {
+      const int i = base + b * kThreads, t = i / packs, j = i % packs;
+      if (i >= total) continue;
+      const T* row = gate_up + t * p.x_stride;
+      g[b] = *reinterpret_cast<const Pack8<T>*>(row + j * kPackElems);
+      u[b] = *reinterpret_cast<const Pack8<T>*>(row + p.k + j * kPackElems);
     }
-    *reinterpret_cast<Pack8<T>*>(xs + t * p.x_smem_stride + j * kPackElems) = x;
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int i = base + b * kThreads, t = i / packs, j = i % packs;
+      if (i >= total) continue;
+      Pack8<T> x;
+#pragma unroll
+      for (int e = 0; e < kPackElems; ++e) {
+        const float gf = ToFloat(g[b].v[e]);
+        const float a = RoundTo<T>(kP == Prologue::kSiluMul ? Silu(gf) : GeluTanh(gf));
+        x.v[e] = FromFloat<T>(a * ToFloat(u[b].v[e]));
+      }
+      *reinterpret_cast<Pack8<T>*>(xs + t * p.x_smem_stride + j * kPackElems) = x;
+    }
   }
 }
 
@@ -244,11 +280,11 @@ __global__ void __launch_bounds__(kThreads, 2) FusedGemvKernel(const Params p) {
   for (int u = 0; u < kUnroll; ++u) load(u, 0, u);
 
   if constexpr (kP == Prologue::kPlain) {
-    PlainPrologue<T>(p, xs);
+    PlainPrologue<T, 1>(p, xs);
   } else if constexpr (kP == Prologue::kAddRmsNorm) {
-    AddRmsNormPrologue<T, NW, kTiles * 8>(p, xs);
+    AddRmsNormPrologue<T, NW, kTiles * 8, 1>(p, xs);
   } else {
-    GatedPrologue<T, kP>(p, xs);
+    GatedPrologue<T, kP, 1>(p, xs);
   }
   __syncthreads();
 

@@ -34,6 +34,8 @@ struct Params {
   void* y = nullptr;             // [M, N] contiguous
   int m = 0, n = 0, k = 0;
   int x_smem_stride = 0;  // elements per token row of x in shared memory (XSmemStride(k))
+  int stages = 0;         // the streaming kernel's weight stages in shared memory (StreamStages)
+  int stage_k = 512;      // and the k of each (16 rows x stage_k)
 };
 
 // Row stride of x in shared memory: K rounded up to 64 elements plus 32, so that the 8 lanes of a
@@ -53,11 +55,55 @@ inline size_t SmemBytes(int m, int k, size_t elem_bytes) {
 // Static shared memory of the kernel (the norm prologue's warp sums), with room to spare.
 constexpr size_t kStaticSmemBytes = 1024;
 
+// --- the streaming kernel (kernels/cuda/fused_gemv_stream.cuh): W through shared memory.
+// A stage is 16 rows x stage_k elements of W (stage_k 512 or 1024: 1 or 2 KB per row in bf16);
+// each row segment is padded by 64 bytes so that the 8 lanes of a quarter warp (rows g, g + 1; 4
+// lanes each) read 16-byte pieces from all 32 banks once.
+constexpr int kMaxStages = 12;
+__host__ __device__ constexpr int StageRowBytes(int stage_k) {
+  return stage_k * 2 + 64;
+}
+__host__ __device__ constexpr int StageBytes(int stage_k) {
+  return kRowsPerCta * StageRowBytes(stage_k);
+}
+
+// Dynamic shared memory of the streaming kernel: the weight ring, the partials, then x.
+inline size_t StreamSmemBytes(int m, int k, int stages, size_t elem_bytes, int stage_k) {
+  return static_cast<size_t>(stages) * StageBytes(stage_k) + PartialsBytes(m <= 8 ? 1 : 2) +
+         static_cast<size_t>(m) * XSmemStride(k) * elem_bytes;
+}
+
+// The streaming kernel's stage count for m tokens at inner dimension k: as many as fit, up to
+// max_stages, with ctas_per_sm CTAs per SM (`sm_smem` shared among them, `reserved` per CTA) when
+// >= 3 fit so; else with one CTA per SM in the opt-in limit `optin`. 0 when not even 2 fit there
+// (m x k too large).
+inline int StreamStages(int m, int k, size_t elem_bytes, int stage_k, size_t sm_smem,
+                        size_t reserved, size_t optin, int max_stages, int ctas_per_sm) {
+  const size_t fixed = StreamSmemBytes(m, k, 0, elem_bytes, stage_k) + kStaticSmemBytes;
+  const auto fit = [&](size_t budget) {
+    const int n = budget > fixed ? static_cast<int>((budget - fixed) / StageBytes(stage_k)) : 0;
+    return n < max_stages ? n : max_stages;
+  };
+  if (ctas_per_sm >= 2) {
+    const size_t per_cta = sm_smem / ctas_per_sm - reserved;
+    if (fit(per_cta) >= 3) return fit(per_cta);
+  }
+  return fit(optin) >= 2 ? fit(optin) : 0;
+}
+
 // How a call is launched (the defaults are the tuned ones; the others are for comparison).
 struct LaunchOptions {
   int unroll = 8;          // chunks in flight per lane: 4 or 8
   bool persistent = true;  // grid <= one wave of resident CTAs; false: one CTA per 16 rows
   int num_sms = 0;         // the device's multiprocessors (persistent grid)
+  // Which kernel: the streaming one (default) or the register ring (for comparison).
+  bool stream = true;
+  // The streaming kernel: CTAs per SM in its grid (1: one wave of one CTA per SM), and the most
+  // weight stages per CTA.
+  int ctas_per_sm = 2;
+  int max_stages = kMaxStages;
+  int stage_k = 512;         // 512 or 1024 (cp.async only)
+  bool bulk_copies = false;  // fill the stages with cp.async.bulk (true) or cp.async (false)
 };
 
 // Launches y = prologue(x) W^T (+ bias) on `stream`. T: __nv_bfloat16 or __half; NW: the norm
@@ -65,5 +111,10 @@ struct LaunchOptions {
 // within the device's opt-in limit.
 template <typename T, typename NW, Prologue kP>
 cudaError_t LaunchFusedGemv(const Params& p, const LaunchOptions& options, cudaStream_t stream);
+
+// The same with the streaming kernel (p.stages set by StreamStages), launched with programmatic
+// dependent launch (kernels/cuda/pdl.cuh).
+template <typename T, typename NW, Prologue kP>
+cudaError_t LaunchStreamGemv(const Params& p, const LaunchOptions& options, cudaStream_t stream);
 
 }  // namespace dropkv::kernels::cuda::gemv

@@ -13,6 +13,7 @@
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <gtest/gtest.h>
 
@@ -90,9 +91,11 @@ bool Quick() {
 
 std::vector<Shape> Shapes() {
   if (Quick()) return {{4096, 40}, {14336, 24}, {3584, 37}, {64, 5}};
-  std::vector<Shape> shapes = {{4096, 6144},  {4096, 4104},  {3584, 4608},  {3072, 12288},
-                               {14336, 4096}, {18944, 3584}, {24576, 3072}, {4096, 1000},
-                               {3584, 37},    {24576, 17},   {64, 5},       {8, 3}};
+  // Llama-3.1-8B's five first (qkv, o_proj, gate_up, down, lm_head), whole.
+  std::vector<Shape> shapes = {{4096, 6144},   {4096, 4096},  {4096, 28672}, {14336, 4096},
+                               {4096, 128256}, {4096, 4104},  {3584, 4608},  {3072, 12288},
+                               {18944, 3584},  {24576, 3072}, {4096, 1000},  {3584, 37},
+                               {24576, 17},    {64, 5},       {8, 3}};
   std::mt19937 rng(7);
   for (int i = 0; i < 6; ++i) {
     const int64_t k = 8 * std::uniform_int_distribution<int64_t>(1, 1200)(rng);
@@ -238,6 +241,53 @@ TEST_F(FusedGemvGpuTest, Deterministic) {
   auto second = GatedActivationGemv(gate_up, GateActivation::kSilu, w, at::Tensor());
   ASSERT_TRUE(first.ok() && second.ok());
   EXPECT_TRUE(at::equal(*first, *second));
+}
+
+// A decode layer's chain of GEMVs back to back, each reading its predecessor's output (launched
+// with programmatic dependent launch, they start before it ends and must wait for it before
+// reading): the same bits as the calls separated by device syncs, eagerly and in a CUDA graph.
+TEST_F(FusedGemvGpuTest, ChainedCallsReadTheirPredecessorsOutput) {
+  auto opts = kCuda.dtype(at::kBFloat16);
+  const int64_t hidden = 4096, inter = 2048;
+  auto w_o = at::randn({hidden, hidden}, opts) * 0.02;
+  auto w_gate_up = at::randn({2 * inter, hidden}, opts) * 0.02;
+  auto w_down = at::randn({hidden, inter}, opts) * 0.02;
+  auto norm_w = at::rand({hidden}, opts) + 0.5;
+  // x -> o = x W_o^T -> (h, r) = AddRmsNorm(x + o) W_gate_up^T -> d = act(h) W_down^T -> d W_o^T
+  auto chain = [&](const at::Tensor& x, bool sync) {
+    auto step = [&] {
+      if (sync) c10::cuda::device_synchronize();
+    };
+    auto o = Gemv(x, w_o, at::Tensor());
+    step();
+    auto n = AddRmsNormGemv(x, *o, norm_w, 1e-5, w_gate_up, at::Tensor());
+    step();
+    auto d = GatedActivationGemv(n->y, GateActivation::kSilu, w_down, at::Tensor());
+    step();
+    auto out = Gemv(*d, w_o, at::Tensor());
+    step();
+    EXPECT_TRUE(o.ok() && n.ok() && d.ok() && out.ok());
+    return std::vector<at::Tensor>{*o, n->residual, n->y, *d, *out};
+  };
+  for (int64_t m : {1, 5}) {
+    auto x = at::randn({m, hidden}, opts);
+    const auto want = chain(x, /*sync=*/true);
+    const auto got = chain(x, /*sync=*/false);
+    for (size_t i = 0; i < want.size(); ++i)
+      EXPECT_TRUE(at::equal(got[i], want[i])) << "M " << m << ", output " << i << " (eager)";
+    auto stream = at::cuda::getStreamFromPool();
+    at::cuda::CUDAStreamGuard guard(stream);
+    at::cuda::CUDAGraph graph;
+    auto x_graph = at::zeros_like(x);
+    graph.capture_begin();
+    const auto captured = chain(x_graph, /*sync=*/false);
+    graph.capture_end();
+    x_graph.copy_(x);
+    graph.replay();
+    c10::cuda::device_synchronize();
+    for (size_t i = 0; i < want.size(); ++i)
+      EXPECT_TRUE(at::equal(captured[i], want[i])) << "M " << m << ", output " << i << " (graph)";
+  }
 }
 
 // Captured in a CUDA graph (as the runner's decode step is) and replayed on new inputs.

@@ -1,0 +1,314 @@
+// The streaming decode GEMV of kernels/fused_gemv.h (the default; DROPKV_GEMV_KERNEL=ring selects
+// the register-ring kernel of fused_gemv_kernels.cuh for comparison). Raw pointers, no torch.
+//
+// Why: the register ring holds only 16 registers' worth of W per lane in flight and has each warp
+// load touch 8 rows x 64 bytes; it streamed 7-8% slower than cuBLAS. Here W goes through a ring of
+// shared-memory stages of 16 rows x stage_k (512 or 1024) k: each warp instruction copies 512
+// contiguous bytes of a row (cp.async, 16 bytes a thread, zeros past N and K), and no registers
+// wait on the loads. (DROPKV_GEMV_FILL=bulk fills the stages with cp.async.bulk instead, one copy
+// per 1 KB row segment completing on the slot's mbarrier: measured 2.0-2.1 TB/s at one CTA per SM,
+// slower than cp.async; docs/benchmarks.md.)
+//
+// Mapping. As in the ring kernel: a CTA of 8 warps owns 16 rows of W at a time (mma.sync
+// m16n8k16's A operand; the tokens are its n, 1 or 2 tiles of 8). Warp w takes k [w stage_k / 8,
+// (w + 1) stage_k / 8) of each stage in 32-wide chunks with the ring kernel's permuted k (lane
+// (g, q) reads 8 consecutive k of rows g and g + 8 and the same 8 k of x). Each warp sums its
+// share over the stages of a group in order, then the CTA sums the warps' fp32 partials in warp
+// order: deterministic, no atomics. Grid: one wave of ctas_per_sm CTAs per SM (default 2; one
+// CTA alone measured ~22 GB/s at stage_k 512, whatever its depth: the per-stage wait + barrier
+// bounds it), each looping over groups b, b + grid, ... with the ring running on from one group
+// into the next.
+//
+// PDL (kernels/cuda/pdl.cuh): the first stages are requested before PdlWaitForPrimary() (no kernel
+// writes W), and PdlLaunchDependents() follows right after, so that the next GEMV's CTAs start
+// (and request their own first stages) as soon as this one's CTAs leave their SMs. After the
+// wait, the prologue builds x in shared memory while those first stages arrive.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/fused_gemv_kernels.cuh"
+#include "kernels/cuda/pdl.cuh"
+
+namespace dropkv::kernels::cuda::gemv {
+
+__device__ __forceinline__ uint32_t SharedAddress(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void MbarrierInit(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+
+// One arrival that also expects `bytes` of async copies to complete on the barrier.
+__device__ __forceinline__ void MbarrierArriveExpectTx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void MbarrierWait(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n"
+        "}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (done == 0);
+}
+
+// W is read once per step: evict it from L2 first, so the activations and the KV cache stay.
+__device__ __forceinline__ uint64_t EvictFirstPolicy() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+
+// bytes (a multiple of 16, both addresses 16-byte aligned) global -> shared, completing on bar.
+__device__ __forceinline__ void BulkCopyToShared(uint32_t dst, const void* src, uint32_t bytes,
+                                                 uint32_t bar, uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint "
+      "[%0], [%1], %2, [%3], %4;" ::"r"(dst),
+      "l"(src), "r"(bytes), "r"(bar), "l"(policy)
+      : "memory");
+}
+
+// 16 bytes global -> shared by this thread (cp.async, L1 bypassed), zeros when !valid.
+__device__ __forceinline__ void CopyAsync16(uint32_t dst, const void* src, bool valid,
+                                            uint64_t policy) {
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;" ::"r"(dst),
+               "l"(src), "r"(valid ? 16 : 0), "l"(policy)
+               : "memory");
+}
+
+__device__ __forceinline__ void CopyAsyncCommit() {
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+template <int kPending>
+__device__ __forceinline__ void CopyAsyncWait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
+}
+
+__device__ __forceinline__ uint4 LoadShared128(uint32_t addr) {
+  uint4 r;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "r"(addr));
+  return r;
+}
+
+// grid <= num_sms * ctas_per_sm, block 256 = 8 warps. Dynamic shared memory: the ring of
+// p.stages stages [16 rows][kStageRowBytes], two buffers of partials [8 warps][kTiles * 8
+// tokens][16 rows] (fp32, alternating by group), then x [M][x_smem_stride] (T).
+// cp.async.wait_group with a run-time count (the ring's depth - 2).
+__device__ __forceinline__ void CopyAsyncWaitAllBut(int pending) {
+  switch (pending) {
+    case 0:
+      CopyAsyncWait<0>();
+      break;
+    case 1:
+      CopyAsyncWait<1>();
+      break;
+    case 2:
+      CopyAsyncWait<2>();
+      break;
+    case 3:
+      CopyAsyncWait<3>();
+      break;
+    case 4:
+      CopyAsyncWait<4>();
+      break;
+    case 5:
+      CopyAsyncWait<5>();
+      break;
+    default:
+      CopyAsyncWait<6>();
+      break;
+  }
+}
+
+// kBulk: the stages are filled by bulk copies (one per row, issued by warp 0, completion on the
+// slot's mbarrier; p.stages in flight); else by every thread with 16-byte cp.async (a warp
+// copies 512 contiguous bytes of a row per instruction; p.stages - 1 in flight).
+template <typename T, typename NW, Prologue kP, int kTiles, bool kBulk, int kStageK>
+__global__ void __launch_bounds__(kThreads, 2) StreamGemvKernel(const Params p) {
+  constexpr int kStageRowBytes = StageRowBytes(kStageK);
+  constexpr int kStageBytes = StageBytes(kStageK);
+  static_assert(!kBulk || kStageK == 512, "bulk copies: 1 KB per row");
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ __align__(8) uint64_t full[kMaxStages];
+  constexpr int kPartialFloats = kWarps * kTiles * 8 * kRowsPerCta;  // one buffer
+  const int stages = p.stages;
+  const uint32_t ring = SharedAddress(smem);
+  float* partials = reinterpret_cast<float*>(smem + static_cast<size_t>(stages) * kStageBytes);
+  T* xs = reinterpret_cast<T*>(reinterpret_cast<unsigned char*>(partials) +
+                               2 * kPartialFloats * sizeof(float));
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int g = lane / 4, q = lane % 4;
+  const int num_groups = (p.n + kRowsPerCta - 1) / kRowsPerCta;
+  const int my_groups =
+      (num_groups - static_cast<int>(blockIdx.x) + gridDim.x - 1) / static_cast<int>(gridDim.x);
+  const int stages_per_group = (p.k + kStageK - 1) / kStageK;
+  const int my_stages = my_groups * stages_per_group;
+  const T* weight = static_cast<const T*>(p.weight);
+
+  // Warp 0 requests stage i (group i / stages_per_group, k stage i % stages_per_group) into slot
+  // i % stages: lane 0 arms the slot's barrier with the bytes, lanes 0..15 copy a row each.
+  const uint64_t policy = EvictFirstPolicy();
+  auto request = [&](int i) {
+    if (i >= my_stages) return;
+    const int slot = i % stages, gi = i / stages_per_group, ks = i % stages_per_group;
+    const int row0 =
+        (static_cast<int>(blockIdx.x) + gi * static_cast<int>(gridDim.x)) * kRowsPerCta;
+    const int rows = min(kRowsPerCta, p.n - row0);
+    const int k0 = ks * kStageK;
+    const uint32_t bytes = static_cast<uint32_t>(min(kStageK, p.k - k0)) * sizeof(T);
+    const uint32_t bar = SharedAddress(&full[slot]);
+    if (lane == 0) MbarrierArriveExpectTx(bar, bytes * rows);
+    __syncwarp();
+    if (lane < rows) {
+      BulkCopyToShared(ring + slot * kStageBytes + lane * kStageRowBytes,
+                       weight + static_cast<int64_t>(row0 + lane) * p.k + k0, bytes, bar, policy);
+    }
+  };
+
+  // Every thread requests stage i into slot i % stages (16-byte pieces, zeros past N and K), and
+  // commits a group even when there is none left, so that the group count stays uniform.
+  auto request_async = [&](int i) {
+    if (i < my_stages) {
+      const int slot = i % stages, gi = i / stages_per_group, ks = i % stages_per_group;
+      const int row0 =
+          (static_cast<int>(blockIdx.x) + gi * static_cast<int>(gridDim.x)) * kRowsPerCta;
+      constexpr int kPiecesPerRow = kStageK * 2 / 16;
+#pragma unroll
+      for (int pass = 0; pass < kRowsPerCta * kPiecesPerRow / kThreads; ++pass) {
+        const int idx = pass * kThreads + static_cast<int>(threadIdx.x);
+        const int r = idx / kPiecesPerRow, piece = idx % kPiecesPerRow;
+        const int kk = ks * kStageK + piece * (16 / static_cast<int>(sizeof(T)));
+        const bool valid = row0 + r < p.n && kk < p.k;
+        const T* src = valid ? weight + static_cast<int64_t>(row0 + r) * p.k + kk : weight;
+        CopyAsync16(ring + slot * kStageBytes + r * kStageRowBytes + piece * 16, src, valid,
+                    policy);
+      }
+    }
+    CopyAsyncCommit();
+  };
+
+  if constexpr (kBulk) {
+    if (threadIdx.x == 0) {
+      for (int s = 0; s < stages; ++s) MbarrierInit(SharedAddress(&full[s]), 1);
+      // Make the initialised barriers visible to the async proxy (the copies' completions).
+      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    if (warp == 0) {
+      for (int i = 0; i < stages; ++i) request(i);
+    }
+  } else {
+    for (int i = 0; i < stages - 1; ++i) request_async(i);
+  }
+  PdlLaunchDependents();
+  PdlWaitForPrimary();  // x, the residual, the gate are the previous kernel's outputs
+
+  if constexpr (kP == Prologue::kPlain) {
+    PlainPrologue<T, kPrologueBatch>(p, xs);
+  } else if constexpr (kP == Prologue::kAddRmsNorm) {
+    AddRmsNormPrologue<T, NW, kTiles * 8, kPrologueBatch>(p, xs);
+  } else {
+    GatedPrologue<T, kP, kPrologueBatch>(p, xs);
+  }
+  __syncthreads();
+
+  const T* bias = static_cast<const T*>(p.bias);
+  T* y = static_cast<T*>(p.y);
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  const uint32_t xs_addr = SharedAddress(xs);
+  int i = 0;  // this CTA's stage index
+  for (int gi = 0; gi < my_groups; ++gi) {
+    float acc[kTiles][4];
+#pragma unroll
+    for (int tile = 0; tile < kTiles; ++tile)
+      for (int e = 0; e < 4; ++e) acc[tile][e] = 0.f;
+    float* buffer = partials + (gi % 2) * kPartialFloats;
+    for (int ks = 0; ks < stages_per_group; ++ks, ++i) {
+      const int slot = i % stages;
+      if constexpr (kBulk) {
+        MbarrierWait(SharedAddress(&full[slot]), (i / stages) & 1);
+      } else {
+        // This thread's pieces of stage i have landed; the barrier makes everyone's visible and
+        // frees slot (i - 1) % stages, which the next request refills.
+        CopyAsyncWaitAllBut(stages - 2);
+        __syncthreads();
+        request_async(i + stages - 1);
+      }
+      const uint32_t stage = ring + slot * kStageBytes;
+#pragma unroll
+      for (int c = 0; c < kStageK / (kWarps * kChunk); ++c) {
+        const int k_in_stage = warp * (kStageK / kWarps) + c * kChunk;
+        // Warp-uniform: mma.sync is .aligned. Lanes past K (K % 32 != 0) take part with zeros
+        // for both W (the slot holds stale data there) and x.
+        if (ks * kStageK + k_in_stage >= p.k) break;
+        const int kl = k_in_stage + q * kPackElems;
+        const bool in = ks * kStageK + kl < p.k;
+        const uint4 lo = in ? LoadShared128(stage + g * kStageRowBytes + kl * 2) : zero;
+        const uint4 hi = in ? LoadShared128(stage + (g + 8) * kStageRowBytes + kl * 2) : zero;
+#pragma unroll
+        for (int tile = 0; tile < kTiles; ++tile) {
+          const int token = tile * 8 + g;
+          const uint4 xv =
+              in && token < p.m
+                  ? LoadShared128(xs_addr + (token * p.x_smem_stride + ks * kStageK + kl) * 2)
+                  : zero;
+          Mma16816<T>(acc[tile], lo.x, hi.x, lo.y, hi.y, xv.x, xv.y);
+          Mma16816<T>(acc[tile], lo.z, hi.z, lo.w, hi.w, xv.z, xv.w);
+        }
+      }
+      if (ks == stages_per_group - 1) {
+        // C fragment: acc[0..1] = row g, tokens 2q, 2q + 1; acc[2..3] = row g + 8.
+        float* mine = buffer + warp * (kTiles * 8 * kRowsPerCta);
+#pragma unroll
+        for (int tile = 0; tile < kTiles; ++tile) {
+          const int t0 = tile * 8 + 2 * q;
+          mine[t0 * kRowsPerCta + g] = acc[tile][0];
+          mine[(t0 + 1) * kRowsPerCta + g] = acc[tile][1];
+          mine[t0 * kRowsPerCta + g + 8] = acc[tile][2];
+          mine[(t0 + 1) * kRowsPerCta + g + 8] = acc[tile][3];
+        }
+      }
+      if constexpr (kBulk) {
+        // Every warp is done with the slot (and, at a group's end, has written its partials).
+        __syncthreads();
+        if (warp == 0) {
+          // The slot's generic-proxy reads are ordered before the copy engine's writes.
+          asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+          request(i + stages);
+        }
+      }
+    }
+    // The partials of every warp are written. (The other buffer is written next, and this one
+    // again only after the next group's barrier, which the threads reducing it pass once done.)
+    if constexpr (!kBulk) __syncthreads();
+    const int row0 =
+        (static_cast<int>(blockIdx.x) + gi * static_cast<int>(gridDim.x)) * kRowsPerCta;
+    for (int e = threadIdx.x; e < p.m * kRowsPerCta; e += kThreads) {
+      const int token = e / kRowsPerCta, r = e % kRowsPerCta;
+      const int row = row0 + r;
+      if (row >= p.n) continue;
+      float sum = 0.f;
+      for (int w = 0; w < kWarps; ++w) sum += buffer[w * (kTiles * 8 * kRowsPerCta) + e];
+      if (bias != nullptr) sum += ToFloat(bias[row]);
+      y[static_cast<int64_t>(token) * p.n + row] = FromFloat<T>(sum);
+    }
+  }
+}
+
+}  // namespace dropkv::kernels::cuda::gemv
