@@ -234,6 +234,39 @@ __device__ void GatedPrologue(const Params& p, T* xs) {
   }
 }
 
+// The warp's C fragments into its slice of a partials buffer [warps][kTiles * 8 tokens][16 rows]:
+// acc[tile][0..1] = row g, tokens 2q, 2q + 1; acc[tile][2..3] = row g + 8.
+template <int kTiles>
+__device__ __forceinline__ void StorePartials(float* buffer, int warp, int g, int q,
+                                              const float (&acc)[kTiles][4]) {
+  float* mine = buffer + warp * (kTiles * 8 * kRowsPerCta);
+#pragma unroll
+  for (int tile = 0; tile < kTiles; ++tile) {
+    const int t0 = tile * 8 + 2 * q;
+    mine[t0 * kRowsPerCta + g] = acc[tile][0];
+    mine[(t0 + 1) * kRowsPerCta + g] = acc[tile][1];
+    mine[t0 * kRowsPerCta + g + 8] = acc[tile][2];
+    mine[(t0 + 1) * kRowsPerCta + g + 8] = acc[tile][3];
+  }
+}
+
+// y[token, row0 + r] = the warps' partials summed in warp order (deterministic) + bias, rounded
+// once; every thread of the CTA takes part, after the barrier that made the partials visible.
+template <typename T, int kTiles>
+__device__ __forceinline__ void ReduceAndStoreRows(const Params& p, const float* buffer, int row0) {
+  const T* bias = static_cast<const T*>(p.bias);
+  T* y = static_cast<T*>(p.y);
+  for (int e = threadIdx.x; e < p.m * kRowsPerCta; e += kThreads) {
+    const int token = e / kRowsPerCta, r = e % kRowsPerCta;
+    const int row = row0 + r;
+    if (row >= p.n) continue;
+    float sum = 0.f;
+    for (int w = 0; w < kWarps; ++w) sum += buffer[w * (kTiles * 8 * kRowsPerCta) + e];
+    if (bias != nullptr) sum += ToFloat(bias[row]);
+    y[static_cast<int64_t>(token) * p.n + row] = FromFloat<T>(sum);
+  }
+}
+
 // grid (<= ceil(N / 16)), block 256 = 8 warps: CTA b owns the 16-row groups b, b + gridDim.x, ...
 // (a persistent grid of one wave when N is large: the prologue runs once per CTA, and each lane's
 // ring of loads runs on from one group's last chunks into the next group's first, so the stream
@@ -288,8 +321,6 @@ __global__ void __launch_bounds__(kThreads, 2) FusedGemvKernel(const Params p) {
   }
   __syncthreads();
 
-  const T* bias = static_cast<const T*>(p.bias);
-  T* y = static_cast<T*>(p.y);
   for (int gi = 0; gi < my_groups; ++gi) {
     float acc[kTiles][4];
 #pragma unroll
@@ -321,31 +352,13 @@ __global__ void __launch_bounds__(kThreads, 2) FusedGemvKernel(const Params p) {
       }
     }
 
-    // C fragment: acc[0..1] = rows g, tokens 2q, 2q + 1; acc[2..3] = row g + 8.
     float* buffer = partials + (gi % 2) * kPartialFloats;
-    float* mine = buffer + warp * (kTiles * 8 * kRowsPerCta);
-#pragma unroll
-    for (int tile = 0; tile < kTiles; ++tile) {
-      const int t0 = tile * 8 + 2 * q;
-      mine[t0 * kRowsPerCta + g] = acc[tile][0];
-      mine[(t0 + 1) * kRowsPerCta + g] = acc[tile][1];
-      mine[t0 * kRowsPerCta + g + 8] = acc[tile][2];
-      mine[(t0 + 1) * kRowsPerCta + g + 8] = acc[tile][3];
-    }
+    StorePartials<kTiles>(buffer, warp, g, q, acc);
     // One barrier per group: the other buffer is written next, and this one again only after
     // the next group's barrier, which the threads reducing it pass once they are done.
     __syncthreads();
-    const int row0 =
-        (static_cast<int>(blockIdx.x) + gi * static_cast<int>(gridDim.x)) * kRowsPerCta;
-    for (int i = threadIdx.x; i < p.m * kRowsPerCta; i += kThreads) {
-      const int token = i / kRowsPerCta, r = i % kRowsPerCta;
-      const int row = row0 + r;
-      if (row >= p.n) continue;
-      float sum = 0.f;
-      for (int w = 0; w < kWarps; ++w) sum += buffer[w * (kTiles * 8 * kRowsPerCta) + i];
-      if (bias != nullptr) sum += ToFloat(bias[row]);
-      y[static_cast<int64_t>(token) * p.n + row] = FromFloat<T>(sum);
-    }
+    ReduceAndStoreRows<T, kTiles>(
+        p, buffer, (static_cast<int>(blockIdx.x) + gi * static_cast<int>(gridDim.x)) * kRowsPerCta);
   }
 }
 

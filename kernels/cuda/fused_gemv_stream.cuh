@@ -30,6 +30,7 @@
 
 #include <cstdint>
 
+#include "kernels/cuda/attention_common.cuh"
 #include "kernels/cuda/fused_gemv_kernels.cuh"
 #include "kernels/cuda/pdl.cuh"
 
@@ -89,15 +90,6 @@ __device__ __forceinline__ void CopyAsync16(uint32_t dst, const void* src, bool 
                : "memory");
 }
 
-__device__ __forceinline__ void CopyAsyncCommit() {
-  asm volatile("cp.async.commit_group;" ::: "memory");
-}
-
-template <int kPending>
-__device__ __forceinline__ void CopyAsyncWait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
-}
-
 __device__ __forceinline__ uint4 LoadShared128(uint32_t addr) {
   uint4 r;
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
@@ -106,36 +98,36 @@ __device__ __forceinline__ uint4 LoadShared128(uint32_t addr) {
   return r;
 }
 
-// grid <= num_sms * ctas_per_sm, block 256 = 8 warps. Dynamic shared memory: the ring of
-// p.stages stages [16 rows][kStageRowBytes], two buffers of partials [8 warps][kTiles * 8
-// tokens][16 rows] (fp32, alternating by group), then x [M][x_smem_stride] (T).
 // cp.async.wait_group with a run-time count (the ring's depth - 2).
 __device__ __forceinline__ void CopyAsyncWaitAllBut(int pending) {
   switch (pending) {
     case 0:
-      CopyAsyncWait<0>();
+      CpAsyncWait<0>();
       break;
     case 1:
-      CopyAsyncWait<1>();
+      CpAsyncWait<1>();
       break;
     case 2:
-      CopyAsyncWait<2>();
+      CpAsyncWait<2>();
       break;
     case 3:
-      CopyAsyncWait<3>();
+      CpAsyncWait<3>();
       break;
     case 4:
-      CopyAsyncWait<4>();
+      CpAsyncWait<4>();
       break;
     case 5:
-      CopyAsyncWait<5>();
+      CpAsyncWait<5>();
       break;
     default:
-      CopyAsyncWait<6>();
+      CpAsyncWait<6>();
       break;
   }
 }
 
+// grid <= num_sms * ctas_per_sm, block 256 = 8 warps. Dynamic shared memory: the ring of
+// p.stages stages [16 rows][kStageRowBytes], two buffers of partials [8 warps][kTiles * 8
+// tokens][16 rows] (fp32, alternating by group), then x [M][x_smem_stride] (T).
 // kBulk: the stages are filled by bulk copies (one per row, issued by warp 0, completion on the
 // slot's mbarrier; p.stages in flight); else by every thread with 16-byte cp.async (a warp
 // copies 512 contiguous bytes of a row per instruction; p.stages - 1 in flight).
@@ -200,7 +192,7 @@ __global__ void __launch_bounds__(kThreads, 2) StreamGemvKernel(const Params p) 
                     policy);
       }
     }
-    CopyAsyncCommit();
+    CpAsyncCommit();
   };
 
   if constexpr (kBulk) {
@@ -228,8 +220,6 @@ __global__ void __launch_bounds__(kThreads, 2) StreamGemvKernel(const Params p) 
   }
   __syncthreads();
 
-  const T* bias = static_cast<const T*>(p.bias);
-  T* y = static_cast<T*>(p.y);
   const uint4 zero = make_uint4(0, 0, 0, 0);
   const uint32_t xs_addr = SharedAddress(xs);
   int i = 0;  // this CTA's stage index
@@ -272,18 +262,7 @@ __global__ void __launch_bounds__(kThreads, 2) StreamGemvKernel(const Params p) 
           Mma16816<T>(acc[tile], lo.z, hi.z, lo.w, hi.w, xv.z, xv.w);
         }
       }
-      if (ks == stages_per_group - 1) {
-        // C fragment: acc[0..1] = row g, tokens 2q, 2q + 1; acc[2..3] = row g + 8.
-        float* mine = buffer + warp * (kTiles * 8 * kRowsPerCta);
-#pragma unroll
-        for (int tile = 0; tile < kTiles; ++tile) {
-          const int t0 = tile * 8 + 2 * q;
-          mine[t0 * kRowsPerCta + g] = acc[tile][0];
-          mine[(t0 + 1) * kRowsPerCta + g] = acc[tile][1];
-          mine[t0 * kRowsPerCta + g + 8] = acc[tile][2];
-          mine[(t0 + 1) * kRowsPerCta + g + 8] = acc[tile][3];
-        }
-      }
+      if (ks == stages_per_group - 1) StorePartials<kTiles>(buffer, warp, g, q, acc);
       if constexpr (kBulk) {
         // Every warp is done with the slot (and, at a group's end, has written its partials).
         __syncthreads();
@@ -297,17 +276,8 @@ __global__ void __launch_bounds__(kThreads, 2) StreamGemvKernel(const Params p) 
     // The partials of every warp are written. (The other buffer is written next, and this one
     // again only after the next group's barrier, which the threads reducing it pass once done.)
     if constexpr (!kBulk) __syncthreads();
-    const int row0 =
-        (static_cast<int>(blockIdx.x) + gi * static_cast<int>(gridDim.x)) * kRowsPerCta;
-    for (int e = threadIdx.x; e < p.m * kRowsPerCta; e += kThreads) {
-      const int token = e / kRowsPerCta, r = e % kRowsPerCta;
-      const int row = row0 + r;
-      if (row >= p.n) continue;
-      float sum = 0.f;
-      for (int w = 0; w < kWarps; ++w) sum += buffer[w * (kTiles * 8 * kRowsPerCta) + e];
-      if (bias != nullptr) sum += ToFloat(bias[row]);
-      y[static_cast<int64_t>(token) * p.n + row] = FromFloat<T>(sum);
-    }
+    ReduceAndStoreRows<T, kTiles>(
+        p, buffer, (static_cast<int>(blockIdx.x) + gi * static_cast<int>(gridDim.x)) * kRowsPerCta);
   }
 }
 

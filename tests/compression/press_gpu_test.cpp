@@ -8,8 +8,6 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <filesystem>
-#include <fstream>
 #include <span>
 
 #include "absl/strings/str_cat.h"
@@ -25,15 +23,8 @@ namespace {
 
 // A small Llama at the served geometry's head shape: GQA 4:1, head_dim 128; random weights.
 std::string TinyLlamaDir() {
-  auto dir = testing::ScratchDir("press_gpu") / "tiny-llama";
-  std::filesystem::create_directories(dir);
-  std::ofstream(dir / "config.json") << R"({
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 1024,
-    "intermediate_size": 2048, "num_hidden_layers": 3, "num_attention_heads": 8,
-    "num_key_value_heads": 2, "head_dim": 128, "vocab_size": 512, "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0, "max_position_embeddings": 8192, "tie_word_embeddings": false,
-    "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2})";
-  return dir.string();
+  return testing::WriteTinyLlamaConfig(
+      "press_gpu", {.hidden = 1024, .intermediate = 2048, .head_dim = 128, .max_positions = 8192});
 }
 
 // Forwards to the press; `hide_rows` makes the runner hand it no attention rows (so it scores

@@ -121,6 +121,20 @@ std::vector<int64_t> TokenCounts(int64_t k, int64_t n, at::ScalarType dtype) {
   return ms;
 }
 
+// A shape's weight (std 0.02, as the models'), its fp64 copy for the reference, and a bias.
+struct Weights {
+  at::TensorOptions opts;
+  at::Tensor w, w64, b;
+};
+Weights MakeWeights(at::ScalarType dtype, const Shape& s) {
+  Weights r;
+  r.opts = kCuda.dtype(dtype);
+  r.w = at::randn({s.n, s.k}, r.opts) * 0.02;
+  r.w64 = r.w.to(at::kDouble);
+  r.b = at::randn({s.n}, r.opts);
+  return r;
+}
+
 std::string Name(at::ScalarType dtype, const Shape& s, int64_t m, bool bias) {
   return std::string(c10::toString(dtype)) + " K=" + std::to_string(s.k) +
          " N=" + std::to_string(s.n) + " M=" + std::to_string(m) + (bias ? " bias" : "");
@@ -143,10 +157,7 @@ TEST_F(FusedGemvGpuTest, MaxRowsFollowsSharedMemory) {
 TEST_F(FusedGemvGpuTest, PlainMatchesLinear) {
   for (auto dtype : {at::kBFloat16, at::kHalf}) {
     for (const Shape& s : Shapes()) {
-      auto opts = kCuda.dtype(dtype);
-      auto w = at::randn({s.n, s.k}, opts) * 0.02;
-      auto w64 = w.to(at::kDouble);
-      auto b = at::randn({s.n}, opts);
+      const auto [opts, w, w64, b] = MakeWeights(dtype, s);
       std::cout << "plain " << Name(dtype, s, 0, false) << std::endl;  // progress, if it hangs
       for (int64_t m : TokenCounts(s.k, s.n, dtype)) {
         for (bool with_bias : {false, true}) {
@@ -168,10 +179,7 @@ TEST_F(FusedGemvGpuTest, PlainMatchesLinear) {
 TEST_F(FusedGemvGpuTest, AddRmsNormPrologueMatchesAddRmsNormThenLinear) {
   for (auto dtype : {at::kBFloat16, at::kHalf}) {
     for (const Shape& s : Shapes()) {
-      auto opts = kCuda.dtype(dtype);
-      auto w = at::randn({s.n, s.k}, opts) * 0.02;
-      auto w64 = w.to(at::kDouble);
-      auto b = at::randn({s.n}, opts);
+      const auto [opts, w, w64, b] = MakeWeights(dtype, s);
       std::cout << "norm " << Name(dtype, s, 0, false) << std::endl;
       for (int64_t m : TokenCounts(s.k, s.n, dtype)) {
         // bias x fp32 norm weight x delta: all 8 at M = 1, one per M after (cycling).
@@ -207,10 +215,7 @@ TEST_F(FusedGemvGpuTest, AddRmsNormPrologueMatchesAddRmsNormThenLinear) {
 TEST_F(FusedGemvGpuTest, GatedPrologueMatchesGatedActivationThenLinear) {
   for (auto dtype : {at::kBFloat16, at::kHalf}) {
     for (const Shape& s : Shapes()) {
-      auto opts = kCuda.dtype(dtype);
-      auto w = at::randn({s.n, s.k}, opts) * 0.02;
-      auto w64 = w.to(at::kDouble);
-      auto b = at::randn({s.n}, opts);
+      const auto [opts, w, w64, b] = MakeWeights(dtype, s);
       std::cout << "gated " << Name(dtype, s, 0, false) << std::endl;
       for (int64_t m : TokenCounts(s.k, s.n, dtype)) {
         for (auto act : {GateActivation::kSilu, GateActivation::kGeluTanh}) {

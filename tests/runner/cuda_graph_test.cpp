@@ -11,8 +11,6 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <filesystem>
-#include <fstream>
 #include <map>
 #include <vector>
 
@@ -25,15 +23,7 @@ namespace {
 
 // A small Llama (GQA 4:1, head_dim 64: the paged kernel's geometry), random weights.
 std::string TinyLlamaDir() {
-  auto dir = testing::ScratchDir("cuda_graph") / "tiny-llama";
-  std::filesystem::create_directories(dir);
-  std::ofstream(dir / "config.json") << R"({
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
-    "intermediate_size": 512, "num_hidden_layers": 3, "num_attention_heads": 8,
-    "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 512, "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0, "max_position_embeddings": 4096, "tie_word_embeddings": false,
-    "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2})";
-  return dir.string();
+  return testing::WriteTinyLlamaConfig("cuda_graph", {});
 }
 
 std::unique_ptr<ModelRunner> MakeRunner(bool graphs, bool fused_ops = true,
