@@ -123,27 +123,32 @@ __global__ void AddRmsNormKernel(T* __restrict__ residual, const T* __restrict__
   }
 }
 
-// grid (N, ceil((Hq + 2 Hkv) / blockDim.y)), block (D / 2, heads per CTA): thread (j, y) owns the
-// pair (j, j + D/2) of head h = blockIdx.y * blockDim.y + y of token t = blockIdx.x. Heads
-// [0, Hq) are q, [Hq, Hq + Hkv) k (both rotated), the rest v (copied).
+// grid (N, ceil((Hq + 2 Hkv) / blockDim.y)), block (D / 2 / kVec, heads per CTA): thread (x, y)
+// owns the pairs (j, j + D/2), j in [x kVec, x kVec + kVec), of head h = blockIdx.y * blockDim.y
+// + y of token t = blockIdx.x (kVec 4: 8- or 16-byte loads and stores; 1 where D / 2 % 4 != 0 or
+// a row is not aligned). Heads [0, Hq) are q, [Hq, Hq + Hkv) k (both rotated), the rest v
+// (copied).
 //   qkv: [N, (Hq + 2 Hkv) * D] with row stride qkv_stride; positions int64 [N]; inv_freq fp32 [D/2]
 //   q_out: [N, Hq, D]. k_out, v_out: [rows, Hkv, D] with row = slots[t] (skipped when negative),
 //   or row = t when slots is nullptr.
-template <typename T>
+template <typename T, int kVec>
 __global__ void RopeQkvKernel(const T* __restrict__ qkv, int64_t qkv_stride,
                               const int64_t* __restrict__ positions,
                               const float* __restrict__ inv_freq, int num_heads, int num_kv_heads,
                               int head_dim, const int64_t* __restrict__ slots,
                               T* __restrict__ q_out, T* __restrict__ k_out, T* __restrict__ v_out) {
+  using P = Pack<T, kVec>;
   const int64_t t = blockIdx.x;
   const int h = blockIdx.y * blockDim.y + threadIdx.y;
-  const int j = threadIdx.x, half = head_dim / 2;
-  const float freq = inv_freq[j];  // a model constant: before the wait
+  const int j = threadIdx.x * kVec, half = head_dim / 2;
+  float freq[kVec];  // model constants: before the wait
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) freq[k] = inv_freq[j + k];
   cuda::PdlWaitForPrimary();
   cuda::PdlLaunchDependents();
   if (h >= num_heads + 2 * num_kv_heads) return;
   const T* src = qkv + t * qkv_stride + static_cast<int64_t>(h) * head_dim;
-  float x1 = ToFloat(src[j]), x2 = ToFloat(src[j + half]);
+  P x1 = *reinterpret_cast<const P*>(src + j), x2 = *reinterpret_cast<const P*>(src + j + half);
   T* dst;
   if (h < num_heads) {
     dst = q_out + (t * num_heads + h) * head_dim;
@@ -157,15 +162,18 @@ __global__ void RopeQkvKernel(const T* __restrict__ qkv, int64_t qkv_stride,
   if (h < num_heads + num_kv_heads) {
     // The model's cos/sin tables hold these values rounded to T; (q * cos) and
     // (rotate_half(q) * sin) are rounded before the add, as separate ATen ops round them.
-    const float angle = static_cast<float>(positions[t]) * freq;
-    const float c = Round<T>(cosf(angle)), s = Round<T>(sinf(angle));
-    const float y1 = Round<T>(x1 * c) + Round<T>(-x2 * s);
-    const float y2 = Round<T>(x2 * c) + Round<T>(x1 * s);
-    x1 = y1;
-    x2 = y2;
+    const float position = static_cast<float>(positions[t]);
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) {
+      const float angle = position * freq[k];
+      const float c = Round<T>(cosf(angle)), s = Round<T>(sinf(angle));
+      const float a = ToFloat(x1.v[k]), b = ToFloat(x2.v[k]);
+      x1.v[k] = FromFloat<T>(Round<T>(a * c) + Round<T>(-b * s));
+      x2.v[k] = FromFloat<T>(Round<T>(b * c) + Round<T>(a * s));
+    }
   }
-  dst[j] = FromFloat<T>(x1);
-  dst[j + half] = FromFloat<T>(x2);
+  *reinterpret_cast<P*>(dst + j) = x1;
+  *reinterpret_cast<P*>(dst + j + half) = x2;
 }
 
 // grid-stride over the N * I / kVec packs of the output: out[n, i] = act(gate[n, i]) * up[n, i],
@@ -234,17 +242,28 @@ void LaunchRopeQkv(const at::Tensor& qkv, const QkvGeometry& geo, const at::Tens
                    at::Tensor& k_out, at::Tensor& v_out) {
   const int64_t rows = qkv.size(0);
   const int half = static_cast<int>(geo.head_dim / 2);
-  const int heads_per_cta = std::max(1, 256 / half);
+  constexpr int kVec = 4;
+  // Rows, heads and the halves of a head on 4-element boundaries (the outputs are contiguous).
+  const bool vec = half % kVec == 0 && Aligned(qkv.data_ptr(), kVec * sizeof(T)) &&
+                   qkv.stride(0) % kVec == 0 && Aligned(q_out.data_ptr(), kVec * sizeof(T)) &&
+                   Aligned(k_out.data_ptr(), kVec * sizeof(T)) &&
+                   Aligned(v_out.data_ptr(), kVec * sizeof(T));
+  const int threads_per_head = vec ? half / kVec : half;
+  const int heads_per_cta = std::max(1, 256 / threads_per_head);
   const int64_t total_heads = geo.num_heads + 2 * geo.num_kv_heads;
   const dim3 grid(static_cast<unsigned>(rows),
                   static_cast<unsigned>((total_heads + heads_per_cta - 1) / heads_per_cta));
-  C10_CUDA_CHECK(
-      cuda::LaunchMaybePdl(RopeQkvKernel<T>, grid, dim3(half, heads_per_cta), 0,
-                           at::cuda::getCurrentCUDAStream(), static_cast<const T*>(qkv.data_ptr()),
-                           qkv.stride(0), positions.data_ptr<int64_t>(), inv_freq.data_ptr<float>(),
-                           static_cast<int>(geo.num_heads), static_cast<int>(geo.num_kv_heads),
-                           static_cast<int>(geo.head_dim), slots, static_cast<T*>(q_out.data_ptr()),
-                           static_cast<T*>(k_out.data_ptr()), static_cast<T*>(v_out.data_ptr())));
+  const dim3 block(threads_per_head, heads_per_cta);
+  const auto launch = [&](auto kernel) {
+    return cuda::LaunchMaybePdl(
+        kernel, grid, block, 0, at::cuda::getCurrentCUDAStream(),
+        static_cast<const T*>(qkv.data_ptr()), qkv.stride(0), positions.data_ptr<int64_t>(),
+        inv_freq.data_ptr<float>(), static_cast<int>(geo.num_heads),
+        static_cast<int>(geo.num_kv_heads), static_cast<int>(geo.head_dim), slots,
+        static_cast<T*>(q_out.data_ptr()), static_cast<T*>(k_out.data_ptr()),
+        static_cast<T*>(v_out.data_ptr()));
+  };
+  C10_CUDA_CHECK(vec ? launch(RopeQkvKernel<T, kVec>) : launch(RopeQkvKernel<T, 1>));
 }
 
 template <typename T, GateActivation kAct>
