@@ -46,10 +46,11 @@ struct RunnerOptions {
   bool cuda_fused_ops = true;
   // CUDA, with the fused ops: which decode projections run as our GEMV (kernels/fused_gemv.h)
   // instead of cuBLAS. kAll: also the norm before qkv / gate_up and the activation before down
-  // in the GEMV's prologue (3 launches per layer fewer, but measured 4% slower per decode step on
-  // the H200: its weight stream is 7-8% below cuBLAS on those shapes); kOProj: o_proj alone,
-  // where ours streams faster than cuBLAS's split-K GEMM + reduce in isolation, but the decode
-  // step gained 0-3%, within the noise of two runs (docs/benchmarks.md): off by default.
+  // in the GEMV's prologue (3 launches per layer fewer, PDL between them; on the H200 the decode
+  // step is within 1-2% of cuBLAS's either way: alone, the norm-prologue GEMVs are ~8 us per
+  // layer slower, and PDL wins most of it back); kOProj: o_proj alone (faster than cuBLAS's
+  // split-K GEMM + reduce in isolation, the step within noise). docs/benchmarks.md has the
+  // numbers; off by default.
   enum class DecodeGemv { kOff, kOProj, kAll };
   DecodeGemv cuda_decode_gemv = DecodeGemv::kOff;
 };
