@@ -60,7 +60,9 @@ cuda::gemv::LaunchOptions Options() {
     return o;
   }();
   cuda::gemv::LaunchOptions o = options;
-  o.num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const auto* props = at::cuda::getCurrentDeviceProperties();
+  o.num_sms = props->multiProcessorCount;
+  o.bulk_copies = o.bulk_copies && props->major >= 9;  // cp.async.bulk and mbarrier tx: sm_90+
   return o;
 }
 

@@ -41,16 +41,25 @@ __device__ __forceinline__ uint32_t SharedAddress(const void* p) {
 }
 
 __device__ __forceinline__ void MbarrierInit(uint32_t bar, uint32_t count) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+#else
+  __trap();  // sm_90 features: the bulk fill is chosen only on sm_90+ (fused_gemv.cu)
+#endif
 }
 
 // One arrival that also expects `bytes` of async copies to complete on the barrier.
 __device__ __forceinline__ void MbarrierArriveExpectTx(uint32_t bar, uint32_t bytes) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
                : "memory");
+#else
+  __trap();  // sm_90 features: the bulk fill is chosen only on sm_90+ (fused_gemv.cu)
+#endif
 }
 
 __device__ __forceinline__ void MbarrierWait(uint32_t bar, uint32_t parity) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
   uint32_t done = 0;
   do {
     asm volatile(
@@ -63,6 +72,9 @@ __device__ __forceinline__ void MbarrierWait(uint32_t bar, uint32_t parity) {
         : "r"(bar), "r"(parity)
         : "memory");
   } while (done == 0);
+#else
+  __trap();  // sm_90 features: the bulk fill is chosen only on sm_90+ (fused_gemv.cu)
+#endif
 }
 
 // W is read once per step: evict it from L2 first, so the activations and the KV cache stay.
@@ -75,11 +87,15 @@ __device__ __forceinline__ uint64_t EvictFirstPolicy() {
 // bytes (a multiple of 16, both addresses 16-byte aligned) global -> shared, completing on bar.
 __device__ __forceinline__ void BulkCopyToShared(uint32_t dst, const void* src, uint32_t bytes,
                                                  uint32_t bar, uint64_t policy) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
   asm volatile(
       "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint "
       "[%0], [%1], %2, [%3], %4;" ::"r"(dst),
       "l"(src), "r"(bytes), "r"(bar), "l"(policy)
       : "memory");
+#else
+  __trap();  // sm_90 features: the bulk fill is chosen only on sm_90+ (fused_gemv.cu)
+#endif
 }
 
 // 16 bytes global -> shared by this thread (cp.async, L1 bypassed), zeros when !valid.
@@ -198,8 +214,10 @@ __global__ void __launch_bounds__(kThreads, 2) StreamGemvKernel(const Params p) 
   if constexpr (kBulk) {
     if (threadIdx.x == 0) {
       for (int s = 0; s < stages; ++s) MbarrierInit(SharedAddress(&full[s]), 1);
-      // Make the initialised barriers visible to the async proxy (the copies' completions).
+        // Make the initialised barriers visible to the async proxy (the copies' completions).
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
       asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
     }
     __syncthreads();
     if (warp == 0) {
@@ -268,7 +286,9 @@ __global__ void __launch_bounds__(kThreads, 2) StreamGemvKernel(const Params p) 
         __syncthreads();
         if (warp == 0) {
           // The slot's generic-proxy reads are ordered before the copy engine's writes.
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
           asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
           request(i + stages);
         }
       }
