@@ -298,7 +298,7 @@ int Run(int argc, char** argv) {
   std::string allocator = "uniform", profile, hf_python, hf_script = "bench/e2e/hf_peer.py";
   bool random_weights = false, json_out = false;
   int repeats = 3, decode_steps = 32;
-  std::string graphs_arg = "both", fused_arg = "on", gemv_arg = "off";
+  std::string graphs_arg = "both", fused_arg = "on", gemv_arg = "plain";
   bool gemv_table = false;
   int64_t throughput_context = 0;
   double kv_gib = 0;
@@ -338,10 +338,10 @@ int Run(int argc, char** argv) {
   app.add_option(
          "--fused-gemv", gemv_arg,
          "CUDA, with --fused-ops on: decode projections as kernels/fused_gemv.h (norm / "
-         "activation in the GEMV's prologue), o_proj (that one alone) or off (the fused ops + "
-         "cuBLAS)")
+         "activation in the GEMV's prologue), plain (every projection as the plain GEMV, the "
+         "fused ops before them), o_proj (that one alone) or off (the fused ops + cuBLAS)")
       ->capture_default_str()
-      ->check(CLI::IsMember({"on", "o_proj", "off"}));
+      ->check(CLI::IsMember({"on", "plain", "o_proj", "off"}));
   app.add_flag("--gemv-table", gemv_table,
                "print the --geometry's decode GEMVs, cuBLAS vs kernels/fused_gemv.h, and exit");
   app.add_option("--throughput-context", throughput_context,
@@ -389,6 +389,7 @@ int Run(int argc, char** argv) {
   options.random_weights = random_weights;
   options.cuda_fused_ops = fused_arg == "on";
   options.cuda_decode_gemv = gemv_arg == "on"       ? RunnerOptions::DecodeGemv::kAll
+                             : gemv_arg == "plain"  ? RunnerOptions::DecodeGemv::kPlain
                              : gemv_arg == "o_proj" ? RunnerOptions::DecodeGemv::kOProj
                                                     : RunnerOptions::DecodeGemv::kOff;
   if (kv_gib > 0) options.kv_cache_bytes = static_cast<int64_t>(kv_gib * (1LL << 30));

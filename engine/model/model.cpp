@@ -4,6 +4,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -316,7 +317,10 @@ bool Model::uses_fused_ops(const at::Tensor& x) const {
 Model::GemvPlan Model::PlanGemvs(const at::Tensor& x, bool fused) const {
   GemvPlan plan;
   const int64_t n = x.size(0);
-  if (!fused || n > kMaxFusedGemvTokens || !kernels::FusedGemvBuilt()) return plan;
+  if (!fused || n > std::min(gemv_wanted_.max_tokens, kMaxFusedGemvTokens) ||
+      !kernels::FusedGemvBuilt()) {
+    return plan;
+  }
   const Layer& l = layers_.front();
   auto fits = [&](const at::Tensor& w) {
     return n <= kernels::FusedGemvMaxRows(w.size(1), w.scalar_type());
@@ -325,6 +329,7 @@ Model::GemvPlan Model::PlanGemvs(const at::Tensor& x, bool fused) const {
   plan.o = gemv_wanted_.o && fits(l.o_w);
   plan.gate_up = gemv_wanted_.gate_up && fits(l.gate_up_w);
   plan.down = gemv_wanted_.down && fits(l.down_w);
+  plan.prologues = gemv_wanted_.prologues;
   return plan;
 }
 
@@ -415,12 +420,13 @@ absl::StatusOr<at::Tensor> Model::Forward(const at::Tensor& tokens, const at::Te
     // kernel and cuBLAS.
     auto norm_linear = [&](const at::Tensor& d, const at::Tensor& norm_w, const at::Tensor& w,
                            const at::Tensor& b, bool use_gemv) -> absl::StatusOr<at::Tensor> {
-      if (use_gemv) {
+      if (use_gemv && gemv.prologues) {
         ASSIGN_OR_RETURN(auto r, kernels::AddRmsNormGemv(x, d, norm_w, c.rms_norm_eps, w, b));
         x = std::move(r.residual);
         return std::move(r.y);
       }
       ASSIGN_OR_RETURN(at::Tensor hs, AddNorm(x, d, norm_w, fused));
+      if (use_gemv) return kernels::Gemv(hs, w, b);
       return Linear(hs, w, b);
     };
     // The last sub-layer's output, added into x by the next norm (one kernel when fused).
@@ -443,7 +449,7 @@ absl::StatusOr<at::Tensor> Model::Forward(const at::Tensor& tokens, const at::Te
       ASSIGN_OR_RETURN(auto gate_up,
                        norm_linear(o, l.post_norm, l.gate_up_w, l.gate_up_b, gemv.gate_up));
       const int64_t inter = c.intermediate_size;
-      if (gemv.down) {
+      if (gemv.down && gemv.prologues) {
         ASSIGN_OR_RETURN(delta, kernels::GatedActivationGemv(gate_up, act, l.down_w, l.down_b));
         continue;
       }
@@ -455,7 +461,11 @@ absl::StatusOr<at::Tensor> Model::Forward(const at::Tensor& tokens, const at::Te
         gate = act == kernels::GateActivation::kSilu ? at::silu(gate) : at::gelu(gate, "tanh");
         gated = gate * gate_up.narrow(1, inter, inter);
       }
-      delta = Linear(gated, l.down_w, l.down_b);
+      if (gemv.down) {
+        ASSIGN_OR_RETURN(delta, kernels::Gemv(gated, l.down_w, l.down_b));
+      } else {
+        delta = Linear(gated, l.down_w, l.down_b);
+      }
     }
     return AddNorm(x, delta, final_norm_, fused);
   } catch (const std::exception& e) {

@@ -90,11 +90,17 @@ class Model {
   // GEMV. A matrix whose K leaves too little shared memory for the batch uses cuBLAS as before.
   // At most 8 tokens: from 8 up the prologues cost more than the launch they save (the GEMV
   // table in docs/benchmarks.md). Which projections: RunnerOptions::cuda_decode_gemv.
+  static constexpr int64_t kMaxFusedGemvTokens = 8;
   struct GemvPlan {
     bool qkv = false, o = false, gate_up = false, down = false;
+    // false: the norms and the activation stay the fused ops and the GEMVs run plain (every
+    // kernel of the step is then ours, so programmatic dependent launch links all of them).
+    bool prologues = true;
+    // The GEMVs run for forwards of at most this many tokens (<= kMaxFusedGemvTokens); larger
+    // ones use cuBLAS.
+    int64_t max_tokens = kMaxFusedGemvTokens;
   };
   void set_fused_gemv(const GemvPlan& wanted) { gemv_wanted_ = wanted; }
-  static constexpr int64_t kMaxFusedGemvTokens = 8;
 
  private:
   struct Layer {

@@ -754,12 +754,15 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const RunnerOpt
   }
   model->set_fused_cuda_ops(options.cuda_fused_ops);
   {
-    const bool all = options.cuda_decode_gemv == RunnerOptions::DecodeGemv::kAll;
-    model->set_fused_gemv(
-        {.qkv = all,
-         .o = all || options.cuda_decode_gemv == RunnerOptions::DecodeGemv::kOProj,
-         .gate_up = all,
-         .down = all});
+    using Gemv = RunnerOptions::DecodeGemv;
+    const bool plain = options.cuda_decode_gemv == Gemv::kPlain;
+    const bool all = options.cuda_decode_gemv == Gemv::kAll || plain;
+    model->set_fused_gemv({.qkv = all,
+                           .o = all || options.cuda_decode_gemv == Gemv::kOProj,
+                           .gate_up = all,
+                           .down = all,
+                           .prologues = !plain,
+                           .max_tokens = plain ? 1 : Model::kMaxFusedGemvTokens});
   }
   BlockPoolOptions po;
   po.block_size = options.block_size;

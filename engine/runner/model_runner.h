@@ -45,14 +45,15 @@ struct RunnerOptions {
   // (kernels/fused_ops.h) instead of chains of ATen ops. Off: for comparison and debugging.
   bool cuda_fused_ops = true;
   // CUDA, with the fused ops: which decode projections run as our GEMV (kernels/fused_gemv.h)
-  // instead of cuBLAS. kAll: also the norm before qkv / gate_up and the activation before down
-  // in the GEMV's prologue (3 launches per layer fewer, PDL between them; on the H200 the decode
-  // step is within 1-2% of cuBLAS's either way: alone, the norm-prologue GEMVs are ~8 us per
-  // layer slower, and PDL wins most of it back); kOProj: o_proj alone (faster than cuBLAS's
-  // split-K GEMM + reduce in isolation, the step within noise). docs/benchmarks.md has the
-  // numbers; off by default.
-  enum class DecodeGemv { kOff, kOProj, kAll };
-  DecodeGemv cuda_decode_gemv = DecodeGemv::kOff;
+  // instead of cuBLAS. kPlain (default): every projection through the plain GEMV at batch 1,
+  // the norms and the activation as the fused ops, so every kernel of the step is ours and
+  // programmatic dependent launch links them all: 3-4% faster per step than cuBLAS on the H200
+  // (docs/benchmarks.md); larger batches keep cuBLAS (the GEMV's stages are tuned for one
+  // token). kAll: the norm before qkv / gate_up and the activation before down in the GEMV's
+  // prologue, up to 8 tokens (alone ~8 us per layer slower: the prologue precedes the first MMA;
+  // the step within 1-2% of cuBLAS). kOProj: o_proj alone, up to 8 tokens. kOff: cuBLAS.
+  enum class DecodeGemv { kOff, kOProj, kAll, kPlain };
+  DecodeGemv cuda_decode_gemv = DecodeGemv::kPlain;
 };
 
 // What the scheduler needs to know about a sequence's cache after a step.
