@@ -72,10 +72,10 @@ PrefillAttentionOutput CudnnPrefill(const at::Tensor& q, const at::Tensor& k, co
       PadWithZeros(k, 1, padded).unsqueeze(0), PadWithZeros(v, 1, padded).unsqueeze(0),
       /*attn_bias=*/std::nullopt, /*compute_log_sumexp=*/true, /*dropout_p=*/0.0,
       /*is_causal=*/true, /*return_debug_mask=*/false, scale);
-  const at::Tensor& out = std::get<0>(result);              // [1, Hq, T', D]
-  const at::Tensor& lse = std::get<1>(result);              // fp32 [1, Hq, T', 1]
-  auto rows = out.squeeze(0).transpose(0, 1).contiguous();  // [T', Hq, D]
-  return {padded == t_len ? rows : rows.narrow(0, 0, t_len),
+  const at::Tensor& out = std::get<0>(result);  // [1, Hq, T', D]
+  const at::Tensor& lse = std::get<1>(result);  // fp32 [1, Hq, T', 1]
+  // Only the real rows are copied out: [T, Hq, D] and [Hq, T].
+  return {out.squeeze(0).transpose(0, 1).narrow(0, 0, t_len).contiguous(),
           lse.reshape({num_heads, padded}).narrow(1, 0, t_len)};
 }
 

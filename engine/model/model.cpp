@@ -416,8 +416,15 @@ absl::StatusOr<at::Tensor> Model::Forward(const at::Tensor& tokens, const at::Te
     const auto act = c.hidden_act == "silu" ? kernels::GateActivation::kSilu
                                             : kernels::GateActivation::kGeluTanh;
     const GemvPlan gemv = PlanGemvs(x, fused);
-    // x += delta, then norm(x) W^T (+ b): one fused GEMV (x replaced by the sum) or the norm
-    // kernel and cuBLAS.
+    // in W^T (+ b): our plain GEMV where the plan says so and the rows allow its 16-byte loads,
+    // else cuBLAS.
+    auto project = [&](const at::Tensor& in, const at::Tensor& w, const at::Tensor& b,
+                       bool use_gemv) -> absl::StatusOr<at::Tensor> {
+      if (use_gemv && RowsAligned16(in)) return kernels::Gemv(in, w, b);
+      return Linear(in, w, b);
+    };
+    // x += delta, then norm(x) W^T (+ b): one GEMV with the norm in its prologue (x replaced by
+    // the sum), or the norm kernel and `project`.
     auto norm_linear = [&](const at::Tensor& d, const at::Tensor& norm_w, const at::Tensor& w,
                            const at::Tensor& b, bool use_gemv) -> absl::StatusOr<at::Tensor> {
       if (use_gemv && gemv.prologues) {
@@ -426,8 +433,7 @@ absl::StatusOr<at::Tensor> Model::Forward(const at::Tensor& tokens, const at::Te
         return std::move(r.y);
       }
       ASSIGN_OR_RETURN(at::Tensor hs, AddNorm(x, d, norm_w, fused));
-      if (use_gemv) return kernels::Gemv(hs, w, b);
-      return Linear(hs, w, b);
+      return project(hs, w, b, use_gemv);
     };
     // The last sub-layer's output, added into x by the next norm (one kernel when fused).
     at::Tensor delta;
@@ -437,13 +443,8 @@ absl::StatusOr<at::Tensor> Model::Forward(const at::Tensor& tokens, const at::Te
       ASSIGN_OR_RETURN(auto qkv, norm_linear(delta, l.input_norm, l.qkv_w, l.qkv_b, gemv.qkv));
       ASSIGN_OR_RETURN(QkvHeads heads, SplitHeads(qkv, rope, fused, i, backend));
       ASSIGN_OR_RETURN(at::Tensor attn, backend.Attend(i, heads.q, heads.k, heads.v));
-      const at::Tensor attn_rows = attn.reshape({n, c.q_size()});
-      at::Tensor o;  // [N, hidden]
-      if (gemv.o && RowsAligned16(attn_rows)) {
-        ASSIGN_OR_RETURN(o, kernels::Gemv(attn_rows, l.o_w, l.o_b));
-      } else {
-        o = Linear(attn_rows, l.o_w, l.o_b);
-      }
+      // [N, hidden]
+      ASSIGN_OR_RETURN(at::Tensor o, project(attn.reshape({n, c.q_size()}), l.o_w, l.o_b, gemv.o));
       if (observer != nullptr && *observer) (*observer)(i, o);
       // [N, 2 inter]
       ASSIGN_OR_RETURN(auto gate_up,
@@ -461,11 +462,7 @@ absl::StatusOr<at::Tensor> Model::Forward(const at::Tensor& tokens, const at::Te
         gate = act == kernels::GateActivation::kSilu ? at::silu(gate) : at::gelu(gate, "tanh");
         gated = gate * gate_up.narrow(1, inter, inter);
       }
-      if (gemv.down) {
-        ASSIGN_OR_RETURN(delta, kernels::Gemv(gated, l.down_w, l.down_b));
-      } else {
-        delta = Linear(gated, l.down_w, l.down_b);
-      }
+      ASSIGN_OR_RETURN(delta, project(gated, l.down_w, l.down_b, gemv.down));
     }
     return AddNorm(x, delta, final_norm_, fused);
   } catch (const std::exception& e) {

@@ -84,12 +84,13 @@ class Model {
   // No effect on the CPU. On by default.
   void set_fused_cuda_ops(bool on) { fused_cuda_ops_ = on; }
   bool uses_fused_ops(const at::Tensor& x) const;
-  // CUDA, with the fused ops, forwards of at most kMaxFusedGemvTokens tokens (decode): the
-  // projections run as our GEMV (kernels/fused_gemv.h) with the norm before qkv and gate_up and
-  // the activation before down in its prologue, 3 launches per layer fewer; o_proj as our plain
-  // GEMV. A matrix whose K leaves too little shared memory for the batch uses cuBLAS as before.
-  // At most 8 tokens: from 8 up the prologues cost more than the launch they save (the GEMV
-  // table in docs/benchmarks.md). Which projections: RunnerOptions::cuda_decode_gemv.
+  // CUDA, with the fused ops, forwards of at most GemvPlan::max_tokens (<= kMaxFusedGemvTokens)
+  // tokens (decode): the chosen projections run as our GEMV (kernels/fused_gemv.h), either with
+  // the norm before qkv and gate_up and the activation before down in its prologue (3 launches
+  // per layer fewer) or plain after the fused norm / activation kernels; o_proj always plain. A
+  // matrix whose K leaves too little shared memory for the batch uses cuBLAS as before. At most
+  // 8 tokens: from 8 up the prologues cost more than the launch they save (the GEMV table in
+  // docs/benchmarks.md). Which projections and form: RunnerOptions::cuda_decode_gemv.
   static constexpr int64_t kMaxFusedGemvTokens = 8;
   struct GemvPlan {
     bool qkv = false, o = false, gate_up = false, down = false;
