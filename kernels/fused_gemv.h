@@ -39,6 +39,19 @@ int64_t FusedGemvMaxRows(int64_t k, at::ScalarType dtype);
 absl::StatusOr<at::Tensor> Gemv(const at::Tensor& x, const at::Tensor& weight,
                                 const at::Tensor& bias);
 
+// Decode's qkv projection with kernels::RopeWriteKv as its epilogue: y = x W^T (+ bias) as Gemv
+// computes it, then RoPE on q and k and the K/V store into the paged cache, rounded as
+// RopeWriteKv rounds them: the same bits as Gemv followed by RopeWriteKv, in one launch. (With D
+// not a multiple of 16, or DROPKV_GEMV_ROPE=0, it is those two launches.)
+//   x: as Gemv's; weight: [(Hq + 2 Hkv) * D, K], the rows of the q, k, v heads; bias as Gemv's
+//   geo, positions, inv_freq, key_cache, value_cache, slots: as RopeWriteKv's
+//   returns q after RoPE, [M, Hq, D] contiguous
+absl::StatusOr<at::Tensor> GemvRopeWriteKv(const at::Tensor& x, const at::Tensor& weight,
+                                           const at::Tensor& bias, const QkvGeometry& geo,
+                                           const at::Tensor& positions, const at::Tensor& inv_freq,
+                                           at::Tensor& key_cache, at::Tensor& value_cache,
+                                           const at::Tensor& slots);
+
 struct AddRmsNormGemvResult {
   at::Tensor y;         // [M, N]
   at::Tensor residual;  // [M, K]: residual + delta (a new tensor), or the input when no delta

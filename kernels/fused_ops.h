@@ -61,6 +61,15 @@ absl::StatusOr<at::Tensor> RopeWriteKv(const at::Tensor& qkv, const QkvGeometry&
                                        at::Tensor& key_cache, at::Tensor& value_cache,
                                        const at::Tensor& slots);
 
+namespace internal {
+// RopeWriteKv's checks of all but qkv, for `rows` tokens of `dtype` on `device`: also those of
+// kernels::GemvRopeWriteKv (fused_gemv.h), whose qkv never leaves the GEMV. CUDA builds only.
+absl::Status CheckRopeWriteKvArgs(const QkvGeometry& geo, int64_t rows, at::ScalarType dtype,
+                                  at::Device device, const at::Tensor& positions,
+                                  const at::Tensor& inv_freq, const at::Tensor& key_cache,
+                                  const at::Tensor& value_cache, const at::Tensor& slots);
+}  // namespace internal
+
 // Prefill: q, k after RoPE and v as dense tensors [N, Hq, D], [N, Hkv, D], [N, Hkv, D].
 absl::StatusOr<std::tuple<at::Tensor, at::Tensor, at::Tensor>> RopeSplitQkv(
     const at::Tensor& qkv, const QkvGeometry& geo, const at::Tensor& positions,

@@ -439,9 +439,22 @@ absl::StatusOr<at::Tensor> Model::Forward(const at::Tensor& tokens, const at::Te
     at::Tensor delta;
     for (int32_t i = 0; i < c.num_layers; ++i) {
       const Layer& l = layers_[i];
-      // [N, q_size + 2 kv_size]
-      ASSIGN_OR_RETURN(auto qkv, norm_linear(delta, l.input_norm, l.qkv_w, l.qkv_b, gemv.qkv));
-      ASSIGN_OR_RETURN(QkvHeads heads, SplitHeads(qkv, rope, fused, i, backend));
+      QkvHeads heads;
+      auto kv_dst = gemv.qkv && !gemv.prologues ? backend.kv_slots(i) : std::nullopt;
+      if (kv_dst) {
+        // Decode through the plain GEMVs: the qkv GEMV's epilogue does RoPE and the K/V store
+        // (kernels::RopeWriteKv's work, the same bits) and returns q.
+        ASSIGN_OR_RETURN(at::Tensor hs, AddNorm(x, delta, l.input_norm, fused));
+        ASSIGN_OR_RETURN(heads.q,
+                         kernels::GemvRopeWriteKv(hs, l.qkv_w, l.qkv_b,
+                                                  {c.num_heads, c.num_kv_heads, c.head_dim},
+                                                  rope.positions, rope.inv_freq, kv_dst->key_cache,
+                                                  kv_dst->value_cache, kv_dst->slots));
+      } else {
+        // [N, q_size + 2 kv_size]
+        ASSIGN_OR_RETURN(auto qkv, norm_linear(delta, l.input_norm, l.qkv_w, l.qkv_b, gemv.qkv));
+        ASSIGN_OR_RETURN(heads, SplitHeads(qkv, rope, fused, i, backend));
+      }
       ASSIGN_OR_RETURN(at::Tensor attn, backend.Attend(i, heads.q, heads.k, heads.v));
       // [N, hidden]
       ASSIGN_OR_RETURN(at::Tensor o, project(attn.reshape({n, c.q_size()}), l.o_w, l.o_b, gemv.o));

@@ -18,6 +18,11 @@ int64_t FusedGemvMaxRows(int64_t, at::ScalarType) {
 absl::StatusOr<at::Tensor> Gemv(const at::Tensor&, const at::Tensor&, const at::Tensor&) {
   return NotBuilt();
 }
+absl::StatusOr<at::Tensor> GemvRopeWriteKv(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                           const QkvGeometry&, const at::Tensor&, const at::Tensor&,
+                                           at::Tensor&, at::Tensor&, const at::Tensor&) {
+  return NotBuilt();
+}
 absl::StatusOr<AddRmsNormGemvResult> AddRmsNormGemv(const at::Tensor&, const at::Tensor&,
                                                     const at::Tensor&, double, const at::Tensor&,
                                                     const at::Tensor&) {

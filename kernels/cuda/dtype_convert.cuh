@@ -31,4 +31,10 @@ __device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float x) {
   return __float2bfloat16_rn(x);
 }
 
+// x rounded to T and back: what an ATen op on T tensors stores between two ops.
+template <typename T>
+__device__ __forceinline__ float Round(float x) {
+  return ToFloat(FromFloat<T>(x));
+}
+
 }  // namespace dropkv::kernels::cuda

@@ -26,6 +26,7 @@
 #include "kernels/cuda/activations.cuh"
 #include "kernels/cuda/dtype_convert.cuh"
 #include "kernels/cuda/pdl.cuh"
+#include "kernels/cuda/rope.cuh"
 #include "kernels/fused_ops.h"
 
 // Returns a failed status from the enclosing function (kernels/ does not depend on engine/'s
@@ -43,14 +44,9 @@ namespace {
 
 using cuda::FromFloat;
 using cuda::GeluTanh;
+using cuda::Round;
 using cuda::Silu;
 using cuda::ToFloat;
-
-// x rounded to T and back: what an ATen op on T tensors stores between two ops.
-template <typename T>
-__device__ __forceinline__ float Round(float x) {
-  return ToFloat(FromFloat<T>(x));
-}
 
 // kVec elements moved as one load/store (16 bytes for kVec = 16 / sizeof(T)).
 template <typename T, int kVec>
@@ -160,17 +156,9 @@ __global__ void RopeQkvKernel(const T* __restrict__ qkv, int64_t qkv_stride,
     dst = (is_k ? k_out : v_out) + (row * num_kv_heads + kv_head) * head_dim;
   }
   if (h < num_heads + num_kv_heads) {
-    // The model's cos/sin tables hold these values rounded to T; (q * cos) and
-    // (rotate_half(q) * sin) are rounded before the add, as separate ATen ops round them.
     const float position = static_cast<float>(positions[t]);
 #pragma unroll
-    for (int k = 0; k < kVec; ++k) {
-      const float angle = position * freq[k];
-      const float c = Round<T>(cosf(angle)), s = Round<T>(sinf(angle));
-      const float a = ToFloat(x1.v[k]), b = ToFloat(x2.v[k]);
-      x1.v[k] = FromFloat<T>(Round<T>(a * c) + Round<T>(-b * s));
-      x2.v[k] = FromFloat<T>(Round<T>(b * c) + Round<T>(a * s));
-    }
+    for (int k = 0; k < kVec; ++k) cuda::RotateHalfPair(x1.v[k], x2.v[k], position, freq[k]);
   }
   *reinterpret_cast<P*>(dst + j) = x1;
   *reinterpret_cast<P*>(dst + j + half) = x2;
@@ -334,8 +322,9 @@ absl::Status CheckInnerContiguous(const at::Tensor& t, const char* name) {
   return absl::OkStatus();
 }
 
-absl::Status CheckRope(const at::Tensor& qkv, const QkvGeometry& geo, const at::Tensor& positions,
-                       const at::Tensor& inv_freq) {
+// RoPE's arguments for `rows` tokens on `device`.
+absl::Status CheckRopeArgs(const QkvGeometry& geo, int64_t rows, at::Device device,
+                           const at::Tensor& positions, const at::Tensor& inv_freq) {
   if (geo.head_dim <= 0 || geo.head_dim % 2 != 0 || geo.head_dim > 2048) {
     return absl::InvalidArgumentError(
         absl::StrCat("RoPE: head_dim must be even and in [2, 2048], got ", geo.head_dim));
@@ -344,19 +333,14 @@ absl::Status CheckRope(const at::Tensor& qkv, const QkvGeometry& geo, const at::
     return absl::InvalidArgumentError(
         absl::StrCat("RoPE: heads must be > 0, got ", geo.num_heads, " / ", geo.num_kv_heads));
   }
-  FUSED_RETURN_IF_ERROR(CheckCuda(qkv, "qkv"));
-  FUSED_RETURN_IF_ERROR(internal::CheckDim(qkv, "qkv", 2, "[N, (Hq + 2 Hkv) * D]"));
-  FUSED_RETURN_IF_ERROR(internal::CheckSize(
-      qkv, "qkv", 1, (geo.num_heads + 2 * geo.num_kv_heads) * geo.head_dim, "(Hq + 2 Hkv) * D"));
-  FUSED_RETURN_IF_ERROR(CheckInnerContiguous(qkv, "qkv"));
   FUSED_RETURN_IF_ERROR(internal::CheckDim(positions, "positions", 1, "[N]"));
-  FUSED_RETURN_IF_ERROR(internal::CheckSize(positions, "positions", 0, qkv.size(0), "N"));
+  FUSED_RETURN_IF_ERROR(internal::CheckSize(positions, "positions", 0, rows, "N"));
   FUSED_RETURN_IF_ERROR(CheckDtype(positions, "positions", at::kLong));
   FUSED_RETURN_IF_ERROR(internal::CheckDim(inv_freq, "inv_freq", 1, "[D / 2]"));
   FUSED_RETURN_IF_ERROR(internal::CheckSize(inv_freq, "inv_freq", 0, geo.head_dim / 2, "D / 2"));
   FUSED_RETURN_IF_ERROR(CheckDtype(inv_freq, "inv_freq", at::kFloat));
   for (const auto* t : {&positions, &inv_freq}) {
-    if (t->device() != qkv.device() || !t->is_contiguous()) {
+    if (t->device() != device || !t->is_contiguous()) {
       return absl::InvalidArgumentError(
           "RoPE: positions and inv_freq must be contiguous and on qkv's device");
     }
@@ -364,10 +348,46 @@ absl::Status CheckRope(const at::Tensor& qkv, const QkvGeometry& geo, const at::
   return absl::OkStatus();
 }
 
+absl::Status CheckRope(const at::Tensor& qkv, const QkvGeometry& geo, const at::Tensor& positions,
+                       const at::Tensor& inv_freq) {
+  FUSED_RETURN_IF_ERROR(CheckCuda(qkv, "qkv"));
+  FUSED_RETURN_IF_ERROR(internal::CheckDim(qkv, "qkv", 2, "[N, (Hq + 2 Hkv) * D]"));
+  FUSED_RETURN_IF_ERROR(CheckRopeArgs(geo, qkv.size(0), qkv.device(), positions, inv_freq));
+  FUSED_RETURN_IF_ERROR(internal::CheckSize(
+      qkv, "qkv", 1, (geo.num_heads + 2 * geo.num_kv_heads) * geo.head_dim, "(Hq + 2 Hkv) * D"));
+  return CheckInnerContiguous(qkv, "qkv");
+}
+
 }  // namespace
 
 bool FusedOpsBuilt() {
   return true;
+}
+
+absl::Status internal::CheckRopeWriteKvArgs(const QkvGeometry& geo, int64_t rows,
+                                            at::ScalarType dtype, at::Device device,
+                                            const at::Tensor& positions, const at::Tensor& inv_freq,
+                                            const at::Tensor& key_cache,
+                                            const at::Tensor& value_cache,
+                                            const at::Tensor& slots) {
+  FUSED_RETURN_IF_ERROR(CheckRopeArgs(geo, rows, device, positions, inv_freq));
+  const std::pair<const at::Tensor*, const char*> caches[] = {{&key_cache, "key_cache"},
+                                                              {&value_cache, "value_cache"}};
+  for (const auto& [t, name] : caches) {
+    FUSED_RETURN_IF_ERROR(internal::CheckDim(*t, name, 4, "[num_blocks, block_size, Hkv, D]"));
+    FUSED_RETURN_IF_ERROR(internal::CheckSize(*t, name, 2, geo.num_kv_heads, "Hkv"));
+    FUSED_RETURN_IF_ERROR(internal::CheckSize(*t, name, 3, geo.head_dim, "D"));
+    FUSED_RETURN_IF_ERROR(CheckDtype(*t, name, dtype));
+    if (!t->is_contiguous() || t->device() != device)
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, ": must be contiguous, on qkv's device"));
+  }
+  FUSED_RETURN_IF_ERROR(internal::CheckDim(slots, "slots", 1, "[N]"));
+  FUSED_RETURN_IF_ERROR(internal::CheckSize(slots, "slots", 0, rows, "N"));
+  FUSED_RETURN_IF_ERROR(CheckDtype(slots, "slots", at::kLong));
+  if (!slots.is_contiguous() || slots.device() != device)
+    return absl::InvalidArgumentError("slots: must be contiguous, on qkv's device");
+  return absl::OkStatus();
 }
 
 absl::StatusOr<at::Tensor> AddRmsNorm(at::Tensor& residual, const at::Tensor& delta,
@@ -417,22 +437,9 @@ absl::StatusOr<at::Tensor> RopeWriteKv(const at::Tensor& qkv, const QkvGeometry&
                                        at::Tensor& key_cache, at::Tensor& value_cache,
                                        const at::Tensor& slots) {
   FUSED_RETURN_IF_ERROR(CheckRope(qkv, geo, positions, inv_freq));
-  const std::pair<at::Tensor*, const char*> caches[] = {{&key_cache, "key_cache"},
-                                                        {&value_cache, "value_cache"}};
-  for (const auto& [t, name] : caches) {
-    FUSED_RETURN_IF_ERROR(internal::CheckDim(*t, name, 4, "[num_blocks, block_size, Hkv, D]"));
-    FUSED_RETURN_IF_ERROR(internal::CheckSize(*t, name, 2, geo.num_kv_heads, "Hkv"));
-    FUSED_RETURN_IF_ERROR(internal::CheckSize(*t, name, 3, geo.head_dim, "D"));
-    FUSED_RETURN_IF_ERROR(CheckDtype(*t, name, qkv.scalar_type()));
-    if (!t->is_contiguous() || t->device() != qkv.device())
-      return absl::InvalidArgumentError(
-          absl::StrCat(name, ": must be contiguous, on qkv's device"));
-  }
-  FUSED_RETURN_IF_ERROR(internal::CheckDim(slots, "slots", 1, "[N]"));
-  FUSED_RETURN_IF_ERROR(internal::CheckSize(slots, "slots", 0, qkv.size(0), "N"));
-  FUSED_RETURN_IF_ERROR(CheckDtype(slots, "slots", at::kLong));
-  if (!slots.is_contiguous() || slots.device() != qkv.device())
-    return absl::InvalidArgumentError("slots: must be contiguous, on qkv's device");
+  FUSED_RETURN_IF_ERROR(internal::CheckRopeWriteKvArgs(geo, qkv.size(0), qkv.scalar_type(),
+                                                       qkv.device(), positions, inv_freq, key_cache,
+                                                       value_cache, slots));
   return internal::CatchTorch("RopeWriteKv(cuda)", [&]() -> absl::StatusOr<at::Tensor> {
     c10::cuda::CUDAGuard guard(qkv.device());
     auto q = at::empty({qkv.size(0), geo.num_heads, geo.head_dim}, qkv.options());

@@ -41,10 +41,10 @@ int EnvInt(const char* name, int lo, int hi, int fallback) {
 // The launch, read once, for comparison runs: DROPKV_GEMV_KERNEL=ring (the register-ring kernel
 // instead of the streaming one), for the ring DROPKV_GEMV_UNROLL=4 (chunks in flight per lane;
 // default 8) and DROPKV_GEMV_PERSISTENT=0 (one CTA per 16 rows instead of one wave), for the
-// streaming kernel DROPKV_GEMV_CTAS_PER_SM (1-3, default 2), DROPKV_GEMV_STAGE_K (512 or 1024,
-// default 512) and DROPKV_GEMV_STAGES (the most
-// weight stages per CTA, 2-12, default 12) and DROPKV_GEMV_FILL=bulk (stages filled by
-// cp.async.bulk instead of cp.async).
+// streaming kernel DROPKV_GEMV_CTAS_PER_SM (1-3, default: per call, CtasPerSm), DROPKV_GEMV_STAGE_K
+// (512 or 1024, default 512) and DROPKV_GEMV_STAGES (the most weight stages per CTA, 2-12, default
+// 12), DROPKV_GEMV_FILL=bulk (stages filled by cp.async.bulk instead of cp.async) and
+// DROPKV_GEMV_ROPE=0 (GemvRopeWriteKv as two launches).
 cuda::gemv::LaunchOptions Options() {
   static const cuda::gemv::LaunchOptions options = [] {
     cuda::gemv::LaunchOptions o;
@@ -52,9 +52,10 @@ cuda::gemv::LaunchOptions Options() {
     o.stream = !(kernel != nullptr && std::string(kernel) == "ring");
     o.unroll = EnvInt("DROPKV_GEMV_UNROLL", 4, 8, 8) == 4 ? 4 : 8;
     o.persistent = EnvInt("DROPKV_GEMV_PERSISTENT", 0, 1, 1) == 1;
-    o.ctas_per_sm = EnvInt("DROPKV_GEMV_CTAS_PER_SM", 1, 3, 2);
+    o.ctas_per_sm = EnvInt("DROPKV_GEMV_CTAS_PER_SM", 1, 3, 0);
     o.stage_k = EnvInt("DROPKV_GEMV_STAGE_K", 512, 1024, 512) == 1024 ? 1024 : 512;
     o.max_stages = EnvInt("DROPKV_GEMV_STAGES", 2, cuda::gemv::kMaxStages, cuda::gemv::kMaxStages);
+    o.rope_epilogue = EnvInt("DROPKV_GEMV_ROPE", 0, 1, 1) == 1;
     const char* fill = std::getenv("DROPKV_GEMV_FILL");
     o.bulk_copies = fill != nullptr && std::string(fill) == "bulk";
     return o;
@@ -67,14 +68,34 @@ cuda::gemv::LaunchOptions Options() {
 }
 
 // The streaming kernel's stages for m tokens at inner dimension k on the current device.
-int StreamStages(int64_t m, int64_t k, int64_t elem_bytes) {
+int StreamStages(int64_t m, int64_t k, int64_t elem_bytes, int ctas_per_sm) {
   const auto* props = at::cuda::getCurrentDeviceProperties();
   const cuda::gemv::LaunchOptions o = Options();
   const int stage_k = o.bulk_copies ? 512 : o.stage_k;
   return cuda::gemv::StreamStages(
       static_cast<int>(m), static_cast<int>(k), static_cast<size_t>(elem_bytes), stage_k,
       props->sharedMemPerMultiprocessor, props->reservedSharedMemPerBlock,
-      props->sharedMemPerBlockOptin, o.max_stages, o.ctas_per_sm);
+      props->sharedMemPerBlockOptin, o.max_stages, ctas_per_sm);
+}
+
+// The streaming kernel's CTAs per SM for an [m, k] x [n, k]^T call: DROPKV_GEMV_CTAS_PER_SM when
+// set; else 3 where one wave of three per SM takes fewer group-times per SM than waves of two
+// (cuda::gemv::PreferThreeCtasPerSm: Llama-3.1-8B's qkv) and three CTAs still get >= 3 stages
+// each, else 2.
+int CtasPerSm(int64_t m, int64_t n, int64_t k, int64_t elem_bytes) {
+  const cuda::gemv::LaunchOptions o = Options();
+  if (o.ctas_per_sm > 0) return o.ctas_per_sm;
+  const int groups = static_cast<int>((n + cuda::gemv::kRowsPerCta - 1) / cuda::gemv::kRowsPerCta);
+  const auto* props = at::cuda::getCurrentDeviceProperties();
+  if (cuda::gemv::PreferThreeCtasPerSm(groups, props->multiProcessorCount) &&
+      props->sharedMemPerMultiprocessor / 3 - props->reservedSharedMemPerBlock >=
+          cuda::gemv::StreamSmemBytes(static_cast<int>(m), static_cast<int>(k), 3,
+                                      static_cast<size_t>(elem_bytes),
+                                      o.bulk_copies ? 512 : o.stage_k) +
+              cuda::gemv::kStaticSmemBytes) {
+    return 3;
+  }
+  return 2;
 }
 
 bool IsHalfType(at::ScalarType t) {
@@ -156,7 +177,8 @@ Params GemvParams(const at::Tensor& weight, const at::Tensor& bias, at::Tensor& 
   p.n = static_cast<int>(weight.size(0));
   p.k = static_cast<int>(weight.size(1));
   p.x_smem_stride = cuda::gemv::XSmemStride(p.k);
-  p.stages = Options().stream ? StreamStages(m, p.k, weight.element_size()) : 0;
+  p.ctas_per_sm = CtasPerSm(m, p.n, p.k, weight.element_size());
+  p.stages = Options().stream ? StreamStages(m, p.k, weight.element_size(), p.ctas_per_sm) : 0;
   p.stage_k = Options().bulk_copies ? 512 : Options().stage_k;
   return p;
 }
@@ -164,7 +186,8 @@ Params GemvParams(const at::Tensor& weight, const at::Tensor& bias, at::Tensor& 
 // The norm weight may be fp32 only in the norm prologue (the others are instantiated with T).
 template <typename T, Prologue kP>
 cudaError_t LaunchTyped(const Params& p, bool fp32_norm_weight, cudaStream_t stream) {
-  const cuda::gemv::LaunchOptions options = Options();
+  cuda::gemv::LaunchOptions options = Options();
+  options.ctas_per_sm = p.ctas_per_sm;
   if constexpr (kP == Prologue::kAddRmsNorm) {
     if (fp32_norm_weight) {
       return options.stream ? cuda::gemv::LaunchStreamGemv<T, float, kP>(p, options, stream)
@@ -199,7 +222,7 @@ int64_t FusedGemvMaxRows(int64_t k, at::ScalarType dtype) {
   const size_t limit = props->sharedMemPerBlockOptin - cuda::gemv::kStaticSmemBytes;
   const bool stream = Options().stream;
   for (int64_t m = kMaxTokens; m > 0; --m) {
-    if (stream ? StreamStages(m, k, 2) > 0
+    if (stream ? StreamStages(m, k, 2, 2) > 0
                : cuda::gemv::SmemBytes(static_cast<int>(m), static_cast<int>(k), 2) <= limit)
       return m;
   }
@@ -221,6 +244,51 @@ absl::StatusOr<at::Tensor> Gemv(const at::Tensor& x, const at::Tensor& weight,
     p.x_stride = x.stride(0);
     GEMV_RETURN_IF_ERROR(Launch<Prologue::kPlain>(p, weight.scalar_type(), false));
     return y;
+  });
+}
+
+absl::StatusOr<at::Tensor> GemvRopeWriteKv(const at::Tensor& x, const at::Tensor& weight,
+                                           const at::Tensor& bias, const QkvGeometry& geo,
+                                           const at::Tensor& positions, const at::Tensor& inv_freq,
+                                           at::Tensor& key_cache, at::Tensor& value_cache,
+                                           const at::Tensor& slots) {
+  GEMV_RETURN_IF_ERROR(internal::CheckDim(x, "x", 2, "[M, K]"));
+  GEMV_RETURN_IF_ERROR(CheckWeight(weight, bias, x.size(0)));
+  const int64_t m = x.size(0), k = weight.size(1);
+  GEMV_RETURN_IF_ERROR(CheckRows(x, "x", m, k, weight));
+  GEMV_RETURN_IF_ERROR(internal::CheckRopeWriteKvArgs(geo, m, weight.scalar_type(), weight.device(),
+                                                      positions, inv_freq, key_cache, value_cache,
+                                                      slots));
+  if (weight.size(0) != (geo.num_heads + 2 * geo.num_kv_heads) * geo.head_dim) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("weight: ", weight.size(0), " rows, expected (Hq + 2 Hkv) * D = ",
+                     (geo.num_heads + 2 * geo.num_kv_heads) * geo.head_dim));
+  }
+  if (geo.head_dim % cuda::gemv::kRowsPerCta != 0 || !Options().stream ||
+      !Options().rope_epilogue) {
+    // The epilogue pairs rows j and j + D/2 in 16-row groups; elsewhere, the two launches.
+    absl::StatusOr<at::Tensor> qkv = Gemv(x, weight, bias);
+    if (!qkv.ok()) return qkv.status();
+    return RopeWriteKv(*qkv, geo, positions, inv_freq, key_cache, value_cache, slots);
+  }
+  return internal::CatchTorch("GemvRopeWriteKv(cuda)", [&]() -> absl::StatusOr<at::Tensor> {
+    c10::cuda::CUDAGuard guard(weight.device());
+    auto q = at::empty({m, geo.num_heads, geo.head_dim}, weight.options());
+    if (m == 0) return q;
+    Params p = GemvParams(weight, bias, q, m);
+    p.x = x.data_ptr();
+    p.x_stride = x.stride(0);
+    p.stage_k = Options().stage_k;  // cp.async fill, whatever DROPKV_GEMV_FILL says
+    p.rope.positions = positions.data_ptr<int64_t>();
+    p.rope.inv_freq = inv_freq.data_ptr<float>();
+    p.rope.slots = slots.data_ptr<int64_t>();
+    p.rope.key_cache = key_cache.data_ptr();
+    p.rope.value_cache = value_cache.data_ptr();
+    p.rope.num_heads = static_cast<int>(geo.num_heads);
+    p.rope.num_kv_heads = static_cast<int>(geo.num_kv_heads);
+    p.rope.head_dim = static_cast<int>(geo.head_dim);
+    GEMV_RETURN_IF_ERROR(Launch<Prologue::kPlain>(p, weight.scalar_type(), false));
+    return q;
   });
 }
 

@@ -27,6 +27,7 @@
 #include "kernels/cuda/activations.cuh"
 #include "kernels/cuda/dtype_convert.cuh"
 #include "kernels/cuda/fused_gemv_params.h"
+#include "kernels/cuda/rope.cuh"
 
 namespace dropkv::kernels::cuda::gemv {
 
@@ -264,6 +265,63 @@ __device__ __forceinline__ void ReduceAndStoreRows(const Params& p, const float*
     for (int w = 0; w < kWarps; ++w) sum += buffer[w * (kTiles * 8 * kRowsPerCta) + e];
     if (bias != nullptr) sum += ToFloat(bias[row]);
     y[static_cast<int64_t>(token) * p.n + row] = FromFloat<T>(sum);
+  }
+}
+
+// Row r (0..15) of 16-row group `group`: group * 16 + r; with the RoPE epilogue, rows j .. j + 7 of
+// a head's first half and then their partners j + D/2 .., so that both rows of each RoPE pair
+// are summed in one CTA.
+template <bool kRope>
+__device__ __forceinline__ int GroupRow(const Params& p, int group, int r) {
+  if constexpr (!kRope) {
+    return group * kRowsPerCta + r;
+  } else {
+    const int d = p.rope.head_dim, groups_per_head = d / kRowsPerCta;
+    const int head = group / groups_per_head, j = group % groups_per_head * 8;
+    return head * d + j + (r & 7) + (r >= 8 ? d / 2 : 0);
+  }
+}
+
+// The RoPE epilogue (RopeEpilogue): the pairs (row, row + D/2) of `group`, for every token, summed
+// as ReduceAndStoreRows sums a row and rounded to T (the projection's output), then rotated
+// (q and k) and stored: q to y [M, Hq, D], k and v to their cache slots.
+template <typename T, int kTiles>
+__device__ __forceinline__ void ReduceRopeAndStore(const Params& p, const float* buffer,
+                                                   int group) {
+  const RopeEpilogue& e = p.rope;
+  const T* bias = static_cast<const T*>(p.bias);
+  const int half = e.head_dim / 2;
+  for (int i = threadIdx.x; i < p.m * 8; i += kThreads) {
+    const int token = i / 8, r = i % 8;
+    float a = 0.f, b = 0.f;
+    for (int w = 0; w < kWarps; ++w) {
+      const float* mine = buffer + w * (kTiles * 8 * kRowsPerCta) + token * kRowsPerCta;
+      a += mine[r];
+      b += mine[r + 8];
+    }
+    const int row = GroupRow<true>(p, group, r);
+    if (bias != nullptr) {
+      a += ToFloat(bias[row]);
+      b += ToFloat(bias[row + half]);
+    }
+    T x1 = FromFloat<T>(a), x2 = FromFloat<T>(b);
+    const int head = row / e.head_dim, j = row % e.head_dim;
+    if (head < e.num_heads + e.num_kv_heads) {
+      RotateHalfPair(x1, x2, static_cast<float>(e.positions[token]), e.inv_freq[j]);
+    }
+    T* dst;
+    if (head < e.num_heads) {
+      dst = static_cast<T*>(p.y) + (static_cast<int64_t>(token) * e.num_heads + head) * e.head_dim;
+    } else {
+      const int64_t slot = e.slots[token];
+      if (slot < 0) continue;
+      const bool is_k = head < e.num_heads + e.num_kv_heads;
+      const int kv_head = head - e.num_heads - (is_k ? 0 : e.num_kv_heads);
+      dst = static_cast<T*>(is_k ? e.key_cache : e.value_cache) +
+            (slot * e.num_kv_heads + kv_head) * e.head_dim;
+    }
+    dst[j] = x1;
+    dst[j + half] = x2;
   }
 }
 

@@ -79,22 +79,40 @@ cudaError_t LaunchStream(const Params& p, const LaunchOptions& options, size_t s
   return LaunchMaybePdl(kKernel, dim3(ctas), dim3(kThreads), smem, stream, p);
 }
 
+// The cp.async-filled kernels for p.stage_k and p.m, with or without the RoPE epilogue.
+template <typename T, typename NW, Prologue kP, bool kRope>
+cudaError_t LaunchStreamAsync(const Params& p, const LaunchOptions& options, size_t smem,
+                              cudaStream_t stream) {
+  if (p.stage_k == 1024) {
+    if (p.m <= 8) {
+      return LaunchStream<StreamGemvKernel<T, NW, kP, 1, false, 1024, kRope>>(p, options, smem,
+                                                                              stream);
+    }
+    return LaunchStream<StreamGemvKernel<T, NW, kP, 2, false, 1024, kRope>>(p, options, smem,
+                                                                            stream);
+  }
+  if (p.m <= 8) {
+    return LaunchStream<StreamGemvKernel<T, NW, kP, 1, false, 512, kRope>>(p, options, smem,
+                                                                           stream);
+  }
+  return LaunchStream<StreamGemvKernel<T, NW, kP, 2, false, 512, kRope>>(p, options, smem, stream);
+}
+
 template <typename T, typename NW, Prologue kP>
 cudaError_t LaunchStreamGemv(const Params& p, const LaunchOptions& options, cudaStream_t stream) {
   const size_t smem = StreamSmemBytes(p.m, p.k, p.stages, sizeof(T), p.stage_k);
+  if constexpr (kP == Prologue::kPlain) {
+    // The RoPE epilogue always fills by cp.async (GemvParams sets stage_k and stages so).
+    if (p.rope.head_dim > 0) return LaunchStreamAsync<T, NW, kP, true>(p, options, smem, stream);
+  }
   if (options.bulk_copies) {
-    if (p.m <= 8)
-      return LaunchStream<StreamGemvKernel<T, NW, kP, 1, true, 512>>(p, options, smem, stream);
-    return LaunchStream<StreamGemvKernel<T, NW, kP, 2, true, 512>>(p, options, smem, stream);
+    if (p.m <= 8) {
+      return LaunchStream<StreamGemvKernel<T, NW, kP, 1, true, 512, false>>(p, options, smem,
+                                                                            stream);
+    }
+    return LaunchStream<StreamGemvKernel<T, NW, kP, 2, true, 512, false>>(p, options, smem, stream);
   }
-  if (p.stage_k == 1024) {
-    if (p.m <= 8)
-      return LaunchStream<StreamGemvKernel<T, NW, kP, 1, false, 1024>>(p, options, smem, stream);
-    return LaunchStream<StreamGemvKernel<T, NW, kP, 2, false, 1024>>(p, options, smem, stream);
-  }
-  if (p.m <= 8)
-    return LaunchStream<StreamGemvKernel<T, NW, kP, 1, false, 512>>(p, options, smem, stream);
-  return LaunchStream<StreamGemvKernel<T, NW, kP, 2, false, 512>>(p, options, smem, stream);
+  return LaunchStreamAsync<T, NW, kP, false>(p, options, smem, stream);
 }
 
 #define FUSED_GEMV_INSTANTIATE(T, NW, P)                                               \

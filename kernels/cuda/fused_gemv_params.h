@@ -18,6 +18,18 @@ constexpr int kPackElems = 8;    // elements per 16-byte load (bf16 / fp16)
 
 enum class Prologue { kPlain, kAddRmsNorm, kSiluMul, kGeluTanhMul };
 
+// The decode qkv projection's epilogue (kernels::GemvRopeWriteKv): RoPE on q and k, q to y as
+// [M, Hq, D], k and v to their cache slots. Its 16-row groups are 8 RoPE pairs (GroupRow).
+struct RopeEpilogue {
+  const int64_t* positions = nullptr;  // [M]
+  const float* inv_freq = nullptr;     // [D / 2]
+  const int64_t* slots = nullptr;      // [M]: block * block_size + offset; negative: not stored
+  void* key_cache = nullptr;           // [slots, Hkv, D]
+  void* value_cache = nullptr;         // [slots, Hkv, D]
+  int num_heads = 0, num_kv_heads = 0;
+  int head_dim = 0;  // 0: no epilogue; else a multiple of 16
+};
+
 // Raw arguments of one call (pointers are device pointers, 16-byte aligned rows).
 struct Params {
   // Plain: x [M, K], row stride x_stride. AddRmsNorm: the residual [M, K] (stride x_stride).
@@ -36,6 +48,8 @@ struct Params {
   int x_smem_stride = 0;  // elements per token row of x in shared memory (XSmemStride(k))
   int stages = 0;         // the streaming kernel's weight stages in shared memory (StreamStages)
   int stage_k = 512;      // and the k of each (16 rows x stage_k)
+  int ctas_per_sm = 2;    // the streaming kernel's grid: CTAs per SM (host side only)
+  RopeEpilogue rope;      // the streaming kernel with the plain prologue only
 };
 
 // Row stride of x in shared memory: K rounded up to 64 elements plus 32, so that the 8 lanes of a
@@ -91,6 +105,15 @@ inline int StreamStages(int m, int k, size_t elem_bytes, int stage_k, size_t sm_
   return fit(optin) >= 2 ? fit(optin) : 0;
 }
 
+// Whether one wave of three CTAs per SM streams `groups` 16-row groups in fewer group-times per SM
+// than waves of two: with the SM's bandwidth shared by its CTAs, a wave of c per SM costs c
+// group-times. Llama-3.1-8B's qkv (384 groups on 132 SMs): one wave of three (3) against two of
+// two (4); gate_up (1792): 15 against 14, so two.
+constexpr bool PreferThreeCtasPerSm(int groups, int num_sms) {
+  const auto group_times = [&](int c) { return (groups + c * num_sms - 1) / (c * num_sms) * c; };
+  return num_sms > 0 && group_times(3) < group_times(2);
+}
+
 // How a call is launched (the defaults are the tuned ones; the others are for comparison).
 struct LaunchOptions {
   int unroll = 8;          // chunks in flight per lane: 4 or 8
@@ -98,12 +121,13 @@ struct LaunchOptions {
   int num_sms = 0;         // the device's multiprocessors (persistent grid)
   // Which kernel: the streaming one (default) or the register ring (for comparison).
   bool stream = true;
-  // The streaming kernel: CTAs per SM in its grid (1: one wave of one CTA per SM), and the most
-  // weight stages per CTA.
-  int ctas_per_sm = 2;
+  // The streaming kernel: CTAs per SM in its grid (1: one wave of one CTA per SM; 0: chosen per
+  // call, fused_gemv.cu), and the most weight stages per CTA.
+  int ctas_per_sm = 0;
   int max_stages = kMaxStages;
-  int stage_k = 512;         // 512 or 1024 (cp.async only)
-  bool bulk_copies = false;  // fill the stages with cp.async.bulk (true) or cp.async (false)
+  int stage_k = 512;          // 512 or 1024 (cp.async only)
+  bool bulk_copies = false;   // fill the stages with cp.async.bulk (true) or cp.async (false)
+  bool rope_epilogue = true;  // GemvRopeWriteKv in one launch (false: Gemv, then RopeWriteKv)
 };
 
 // Launches y = prologue(x) W^T (+ bias) on `stream`. T: __nv_bfloat16 or __half; NW: the norm

@@ -147,11 +147,13 @@ __device__ __forceinline__ void CopyAsyncWaitAllBut(int pending) {
 // kBulk: the stages are filled by bulk copies (one per row, issued by warp 0, completion on the
 // slot's mbarrier; p.stages in flight); else by every thread with 16-byte cp.async (a warp
 // copies 512 contiguous bytes of a row per instruction; p.stages - 1 in flight).
-template <typename T, typename NW, Prologue kP, int kTiles, bool kBulk, int kStageK>
+// kRope: the RoPE epilogue (p.rope; plain prologue, cp.async fill): groups of RoPE pairs.
+template <typename T, typename NW, Prologue kP, int kTiles, bool kBulk, int kStageK, bool kRope>
 __global__ void __launch_bounds__(kThreads, 2) StreamGemvKernel(const Params p) {
   constexpr int kStageRowBytes = StageRowBytes(kStageK);
   constexpr int kStageBytes = StageBytes(kStageK);
   static_assert(!kBulk || kStageK == 512, "bulk copies: 1 KB per row");
+  static_assert(!kRope || (kP == Prologue::kPlain && !kBulk), "RoPE epilogue: plain, cp.async");
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ __align__(8) uint64_t full[kMaxStages];
   constexpr int kPartialFloats = kWarps * kTiles * 8 * kRowsPerCta;  // one buffer
@@ -194,16 +196,16 @@ __global__ void __launch_bounds__(kThreads, 2) StreamGemvKernel(const Params p) 
   auto request_async = [&](int i) {
     if (i < my_stages) {
       const int slot = i % stages, gi = i / stages_per_group, ks = i % stages_per_group;
-      const int row0 =
-          (static_cast<int>(blockIdx.x) + gi * static_cast<int>(gridDim.x)) * kRowsPerCta;
+      const int group = static_cast<int>(blockIdx.x) + gi * static_cast<int>(gridDim.x);
       constexpr int kPiecesPerRow = kStageK * 2 / 16;
 #pragma unroll
       for (int pass = 0; pass < kRowsPerCta * kPiecesPerRow / kThreads; ++pass) {
         const int idx = pass * kThreads + static_cast<int>(threadIdx.x);
         const int r = idx / kPiecesPerRow, piece = idx % kPiecesPerRow;
         const int kk = ks * kStageK + piece * (16 / static_cast<int>(sizeof(T)));
-        const bool valid = row0 + r < p.n && kk < p.k;
-        const T* src = valid ? weight + static_cast<int64_t>(row0 + r) * p.k + kk : weight;
+        const int row = GroupRow<kRope>(p, group, r);
+        const bool valid = row < p.n && kk < p.k;
+        const T* src = valid ? weight + static_cast<int64_t>(row) * p.k + kk : weight;
         CopyAsync16(ring + slot * kStageBytes + r * kStageRowBytes + piece * 16, src, valid,
                     policy);
       }
@@ -296,8 +298,12 @@ __global__ void __launch_bounds__(kThreads, 2) StreamGemvKernel(const Params p) 
     // The partials of every warp are written. (The other buffer is written next, and this one
     // again only after the next group's barrier, which the threads reducing it pass once done.)
     if constexpr (!kBulk) __syncthreads();
-    ReduceAndStoreRows<T, kTiles>(
-        p, buffer, (static_cast<int>(blockIdx.x) + gi * static_cast<int>(gridDim.x)) * kRowsPerCta);
+    const int group = static_cast<int>(blockIdx.x) + gi * static_cast<int>(gridDim.x);
+    if constexpr (kRope) {
+      ReduceRopeAndStore<T, kTiles>(p, buffer, group);
+    } else {
+      ReduceAndStoreRows<T, kTiles>(p, buffer, group * kRowsPerCta);
+    }
   }
 }
 

@@ -321,6 +321,70 @@ TEST_F(FusedGemvGpuTest, ReplaysInCudaGraph) {
   EXPECT_TRUE(at::equal(captured->residual, updated));
 }
 
+// The RoPE epilogue against the two launches it replaces (Gemv, then RopeWriteKv): the same bits
+// in q and in every slot of both caches (written or not), for Llama-3.1-8B's, Qwen2.5-7B's (bias)
+// and Gemma-7B's (D 256) qkv, a small model's (D 64), and D 40 (not a multiple of 16: the two
+// launches), with random positions and a padding row (slot -1) that must not be stored.
+TEST_F(FusedGemvGpuTest, RopeEpilogueMatchesGemvThenRopeWriteKv) {
+  struct Case {
+    int64_t k, hq, hkv, d;
+    bool bias;
+  };
+  std::vector<Case> cases = {{4096, 32, 8, 128, false},
+                             {3584, 28, 4, 128, true},
+                             {3072, 16, 16, 256, false},
+                             {256, 4, 2, 64, true},
+                             {64, 2, 1, 40, false}};
+  if (Quick()) cases = {{256, 4, 2, 64, true}, {64, 2, 1, 40, false}};
+  for (auto dtype : {at::kBFloat16, at::kHalf}) {
+    for (const Case& c : cases) {
+      const QkvGeometry geo{c.hq, c.hkv, c.d};
+      const Shape s{c.k, (c.hq + 2 * c.hkv) * c.d};
+      const auto [opts, w, w64, b] = MakeWeights(dtype, s);
+      const at::Tensor bias = c.bias ? b : at::Tensor();
+      auto inv_freq =
+          at::pow(500000.0, -at::arange(0, c.d, 2, kCuda.dtype(at::kDouble)) / c.d).to(at::kFloat);
+      const int64_t num_slots = 64 * 16;
+      auto key_cache = at::randn({64, 16, c.hkv, c.d}, opts);
+      auto value_cache = at::randn({64, 16, c.hkv, c.d}, opts);
+      for (int64_t m : {int64_t{1}, int64_t{3}, FusedGemvMaxRows(c.k, dtype)}) {
+        const std::string what = Name(dtype, s, m, c.bias) + " D=" + std::to_string(c.d);
+        auto x = at::randn({m, c.k}, opts);
+        auto positions = at::randint(0, 100000, {m}, kCuda.dtype(at::kLong));
+        auto slots = at::randperm(num_slots, kCuda.dtype(at::kLong)).narrow(0, 0, m).clone();
+        if (m > 1) slots[1] = -1;
+        auto want_k = key_cache.clone(), want_v = value_cache.clone();
+        auto qkv = Gemv(x, w, bias);
+        ASSERT_TRUE(qkv.ok()) << what << ": " << qkv.status();
+        auto want_q = RopeWriteKv(*qkv, geo, positions, inv_freq, want_k, want_v, slots);
+        ASSERT_TRUE(want_q.ok()) << what << ": " << want_q.status();
+        Poison();
+        auto got_k = key_cache.clone(), got_v = value_cache.clone();
+        auto got_q = GemvRopeWriteKv(x, w, bias, geo, positions, inv_freq, got_k, got_v, slots);
+        ASSERT_TRUE(got_q.ok()) << what << ": " << got_q.status();
+        EXPECT_TRUE(at::equal(*got_q, *want_q))
+            << what << ": q differs in " << got_q->ne(*want_q).sum().item<int64_t>() << " of "
+            << want_q->numel();
+        EXPECT_TRUE(at::equal(got_k, want_k))
+            << what << ": key cache differs in " << got_k.ne(want_k).sum().item<int64_t>();
+        EXPECT_TRUE(at::equal(got_v, want_v))
+            << what << ": value cache differs in " << got_v.ne(want_v).sum().item<int64_t>();
+      }
+    }
+  }
+  // A weight that is not q | k | v of the geometry.
+  auto opts = kCuda.dtype(at::kBFloat16);
+  auto cache = at::zeros({4, 16, 2, 64}, opts);
+  auto wrong =
+      GemvRopeWriteKv(at::randn({1, 256}, opts), at::randn({64 * 7, 256}, opts), at::Tensor(),
+                      QkvGeometry{4, 2, 64}, at::zeros({1}, kCuda.dtype(at::kLong)),
+                      at::ones({32}, kCuda.dtype(at::kFloat)), cache, cache,
+                      at::zeros({1}, kCuda.dtype(at::kLong)));
+  ASSERT_FALSE(wrong.ok());
+  EXPECT_EQ(wrong.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(wrong.status().message().find("(Hq + 2 Hkv) * D"), std::string::npos) << wrong.status();
+}
+
 TEST_F(FusedGemvGpuTest, RejectsWhatItCannotRun) {
   auto opts = kCuda.dtype(at::kBFloat16);
   auto w = at::randn({64, 4096}, opts);
