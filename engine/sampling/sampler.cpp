@@ -97,21 +97,29 @@ absl::StatusOr<std::vector<SampledToken>> Sampler::Sample(const at::Tensor& logi
       if (states[b]->params().temperature > 0.0f) uniforms[b] = states[b]->NextUniform();
     }
     auto processed = at::stack(rows);  // [B, V]
-    // Inverse CDF per row over the probabilities sorted descending; greedy rows take index 0.
-    auto [sorted, order] = processed.sort(1, true);
-    auto cdf = sorted.softmax(1).to(at::kDouble).cumsum(1);  // [B, V]
-    auto u = at::tensor(uniforms, at::kDouble).to(logits.device()).unsqueeze(1);
-    auto pos =
-        (cdf <= u).sum(1, true).clamp_max(processed.size(1) - 1);  // first index with cdf > u
-    auto chosen = order.gather(1, pos).squeeze(1);
     auto greedy = processed.argmax(1);
-    std::vector<int64_t> greedy_flags(batch);
-    for (int64_t b = 0; b < batch; ++b) greedy_flags[b] = uniforms[b] < 0 ? 1 : 0;
-    auto is_greedy = at::tensor(greedy_flags, at::kLong).to(logits.device()) > 0;
-    auto ids = at::where(is_greedy, greedy, chosen).to(at::kCPU);
-    // u in the rounding tail of the CDF (cdf[-1] < 1) could land on a filtered (-inf) entry.
-    auto picked_val =
-        processed.gather(1, ids.to(logits.device()).unsqueeze(1)).squeeze(1).to(at::kCPU);
+    const bool all_greedy =
+        std::all_of(uniforms.begin(), uniforms.end(), [](double u) { return u < 0; });
+    at::Tensor ids, picked_val;
+    if (all_greedy) {
+      // The common serving case: no sort of the vocabulary, one device-to-host copy.
+      ids = greedy.to(at::kCPU);
+    } else {
+      // Inverse CDF per row over the probabilities sorted descending.
+      auto [sorted, order] = processed.sort(1, true);
+      auto cdf = sorted.softmax(1).to(at::kDouble).cumsum(1);  // [B, V]
+      auto u = at::tensor(uniforms, at::kDouble).to(logits.device()).unsqueeze(1);
+      auto pos =
+          (cdf <= u).sum(1, true).clamp_max(processed.size(1) - 1);  // first index with cdf > u
+      auto chosen = order.gather(1, pos).squeeze(1);
+      std::vector<int64_t> greedy_flags(batch);
+      for (int64_t b = 0; b < batch; ++b) greedy_flags[b] = uniforms[b] < 0 ? 1 : 0;
+      auto is_greedy = at::tensor(greedy_flags, at::kLong).to(logits.device()) > 0;
+      ids = at::where(is_greedy, greedy, chosen).to(at::kCPU);
+      // u in the rounding tail of the CDF (cdf[-1] < 1) could land on a filtered (-inf) entry.
+      picked_val =
+          processed.gather(1, ids.to(logits.device()).unsqueeze(1)).squeeze(1).to(at::kCPU);
+    }
     bool need_logprobs = false;
     for (auto* s : states)
       need_logprobs |= s->params().return_logprobs || s->params().num_top_logprobs > 0;
@@ -119,7 +127,9 @@ absl::StatusOr<std::vector<SampledToken>> Sampler::Sample(const at::Tensor& logi
     if (need_logprobs) logprobs = logits.to(at::kFloat).log_softmax(1);
     for (int64_t b = 0; b < batch; ++b) {
       int64_t id = ids[b].item<int64_t>();
-      if (std::isinf(picked_val[b].item<float>())) id = greedy[b].item<int64_t>();
+      if (picked_val.defined() && std::isinf(picked_val[b].item<float>())) {
+        id = greedy[b].item<int64_t>();
+      }
       out[b].token_id = static_cast<int32_t>(id);
       const auto& p = states[b]->params();
       if (p.return_logprobs || p.num_top_logprobs > 0) {

@@ -28,6 +28,28 @@ TEST(SamplerTest, GreedyIsArgmax) {
   EXPECT_EQ(s.generated(), std::vector<int32_t>{3});
 }
 
+// A batch of greedy rows (no vocabulary sort: each row's argmax) and a greedy row beside a
+// sampled one (the inverse-CDF path: the greedy row still takes its argmax).
+TEST(SamplerTest, GreedyRowsTakeTheirArgmaxInAnyBatch) {
+  std::vector<float> reversed(kRow.rbegin(), kRow.rend());  // argmax at 7 - 3 = 4
+  auto logits = at::stack({at::tensor(kRow), at::tensor(reversed)});
+  SamplingParams greedy;
+  SamplerState a(greedy, {}), b(greedy, {});
+  SamplerState* both_greedy[] = {&a, &b};
+  auto out = Sampler::Sample(logits, both_greedy);
+  ASSERT_TRUE(out.ok());
+  EXPECT_EQ((*out)[0].token_id, 3);
+  EXPECT_EQ((*out)[1].token_id, 4);
+  SamplingParams sampled;
+  sampled.temperature = 1.0f;
+  sampled.seed = 5;
+  SamplerState c(sampled, {}), d(greedy, {});
+  SamplerState* mixed[] = {&c, &d};
+  auto mixed_out = Sampler::Sample(logits, mixed);
+  ASSERT_TRUE(mixed_out.ok());
+  EXPECT_EQ((*mixed_out)[1].token_id, 4);
+}
+
 TEST(SamplerTest, RepetitionPenaltyMatchesHfFormula) {
   SamplingParams p;
   p.repetition_penalty = 1.3f;
