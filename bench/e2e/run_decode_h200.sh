@@ -5,7 +5,8 @@
 # the CUDA graph's nodes: kernels timed one at a time, so without the overlap PDL gives them in
 # the stream). Run from the repo root after `source scripts/gpu_pack.sh --unpack`.
 # Env: VARIANTS: space-separated; a variant is a comma-joined list of bench flags ("--x=y") and
-#        environment settings ("NAME=value"); "default" is none. Default: "default".
+#        environment settings ("NAME=value"; BENCH=path: another dropkv-bench-e2e, e.g. the
+#        previous commit's, unpacked by hand); "default" is none. Default: "default".
 #      ROUNDS (2), GEOMETRY (llama-3.1-8b), DECODE (1x8192), KEEP (1.0,0.1),
 #      NCU=1: the breakdown of the default variant's bs1 8K full-cache step (ncu.csv, ncu.md).
 set -uo pipefail
@@ -14,12 +15,14 @@ mkdir -p "$OUT"
 geo=${GEOMETRY:-llama-3.1-8b}
 base=(--geometry "$geo" --write-config "/tmp/geo/$geo" --prefill 512 --decode "${DECODE:-1x8192}"
       --keep "${KEEP:-1.0,0.1}" --repeats 3 --graphs on)
-split_variant() {  # variant -> the arrays flags / envs
-  flags=() envs=()
+split_variant() {  # variant -> the arrays flags / envs and the binary
+  flags=() envs=() bench=dropkv-bench-e2e
   [[ "$1" == default ]] && return
   local item
   for item in ${1//,/ }; do
-    if [[ "$item" == --* ]]; then flags+=("$item"); else envs+=("$item"); fi
+    if [[ "$item" == --* ]]; then flags+=("$item")
+    elif [[ "$item" == BENCH=* ]]; then bench=${item#BENCH=}
+    else envs+=("$item"); fi
   done
 }
 : > "$OUT/ab.md"
@@ -27,7 +30,7 @@ for round in $(seq "${ROUNDS:-2}"); do
   for v in ${VARIANTS:-default}; do
     split_variant "$v"
     log="$OUT/ab_${round}_${v//[^A-Za-z0-9_]/_}.txt"
-    env "${envs[@]}" timeout 150 dropkv-bench-e2e "${base[@]}" "${flags[@]}" > "$log" 2>&1
+    env "${envs[@]}" timeout 150 "$bench" "${base[@]}" "${flags[@]}" > "$log" 2>&1
     echo "rc=$? round $round: $v" >> "$OUT/ab.md"
     grep -E "decode" "$log" | grep -v "^#" >> "$OUT/ab.md"
   done
