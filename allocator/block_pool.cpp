@@ -153,6 +153,24 @@ absl::Status BlockPool::AppendSlots(std::span<const int64_t> seqs, int64_t num_t
   return absl::OkStatus();
 }
 
+void BlockPool::UndoAppendSlots(std::span<const int64_t> seqs, int64_t num_tokens) {
+  std::vector<int32_t> to_free;
+  for (int64_t s : seqs) {
+    if (!HasSequence(s)) continue;
+    for (auto& t : mutable_sequence(s).layers) {
+      t.stored_len = std::max<int64_t>(0, t.stored_len - num_tokens);
+      // AppendSlots fills the last block before taking a new one, so the blocks it took are
+      // exactly those past the ones the remaining slots need.
+      const auto keep = static_cast<size_t>(BlocksFor(t.stored_len));
+      while (t.block_ids.size() > keep) {
+        to_free.push_back(t.block_ids.back());
+        t.block_ids.pop_back();
+      }
+    }
+  }
+  FreeBlocks(to_free);
+}
+
 absl::Status BlockPool::AppendLayerSlots(int64_t seq, int32_t layer_idx, int64_t num_tokens) {
   if (!HasSequence(seq)) return absl::NotFoundError(absl::StrCat("unknown sequence ", seq));
   if (num_tokens < 0) return absl::InvalidArgumentError("negative token count");

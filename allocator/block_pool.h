@@ -90,6 +90,11 @@ class BlockPool {
   // Grows every layer of every listed sequence by `num_tokens` slots (stored_len += num_tokens).
   // All-or-nothing. Duplicated ids are INVALID_ARGUMENT.
   absl::Status AppendSlots(std::span<const int64_t> seqs, int64_t num_tokens);
+  // Takes back the AppendSlots(seqs, num_tokens) that succeeded last for these sequences, with
+  // nothing else changed since: each layer loses those slots and the blocks the append added
+  // (the blocks past what the remaining slots need). The decode step's undo, without a Snapshot
+  // of every table (~100 us per step at batch 16).
+  void UndoAppendSlots(std::span<const int64_t> seqs, int64_t num_tokens);
   // Grows one layer by `num_tokens` slots. All-or-nothing.
   absl::Status AppendLayerSlots(int64_t seq, int32_t layer_idx, int64_t num_tokens);
   // Gives one layer fresh blocks for `stored_len` slots and hands the previous blocks to the

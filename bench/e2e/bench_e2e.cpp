@@ -476,10 +476,15 @@ int Run(int argc, char** argv) {
       if (graphs_arg != "on") modes.push_back(false);
       for (bool graphs : modes) {
         runner.SetCudaGraphs(graphs);
-        std::vector<double> times;
+        std::vector<double> times, host_times;
+        std::vector<double> prepare_us, fill_us, upload_us, launch_us;
         for (int step = 0; step < decode_steps + 2 && status.ok(); ++step) {
+          double host_ms = 0;
           const double ms = TimeMs([&] {
-            auto logits = runner.Decode(seqs, tokens);
+            absl::StatusOr<at::Tensor> logits;
+            // The host's part: the device idles while it runs (the previous step's ids were
+            // just read back), until the step's first kernel is queued.
+            host_ms = TimeMs([&] { logits = runner.Decode(seqs, tokens); });
             if (!logits.ok()) {
               status = logits.status();
               return;
@@ -488,7 +493,15 @@ int Run(int argc, char** argv) {
             for (int64_t b = 0; b < batch; ++b)
               tokens[b] = static_cast<int32_t>(next[b].item<int64_t>());
           });
-          if (step >= 2) times.push_back(ms);  // the first steps capture the graphs
+          if (step >= 2) {  // the first steps capture the graphs
+            times.push_back(ms);
+            host_times.push_back(host_ms);
+            const auto parts = runner.last_decode_host_times();
+            prepare_us.push_back(parts.prepare_us);
+            fill_us.push_back(parts.fill_us);
+            upload_us.push_back(parts.upload_us);
+            launch_us.push_back(parts.launch_us);
+          }
         }
         if (!status.ok()) break;
         result["decode"].push_back({{"batch", batch},
@@ -496,9 +509,17 @@ int Run(int argc, char** argv) {
                                     {"keep", keep},
                                     {"graphs", graphs},
                                     {"ms_per_step", Median(times)},
+                                    {"host_ms_per_step", Median(host_times)},
+                                    {"host_us_parts",
+                                     {{"prepare", Median(prepare_us)},
+                                      {"fill", Median(fill_us)},
+                                      {"upload", Median(upload_us)},
+                                      {"launch", Median(launch_us)}}},
                                     {"tokens_per_s", batch * 1000.0 / Median(times)}});
         std::cerr << "decode " << spec << " keep=" << keep << " graphs=" << graphs << ": "
-                  << Median(times) << " ms/step\n";
+                  << Median(times) << " ms/step (runner.Decode on the host: " << Median(host_times)
+                  << " ms: prepare " << Median(prepare_us) << " us, fill " << Median(fill_us)
+                  << ", upload " << Median(upload_us) << ", launch " << Median(launch_us) << ")\n";
       }
       runner.SetCudaGraphs(graphs_arg != "off");
       for (SequenceId seq : seqs) runner.Release(seq);

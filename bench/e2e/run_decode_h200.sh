@@ -32,7 +32,7 @@ for round in $(seq "${ROUNDS:-2}"); do
     log="$OUT/ab_${round}_${v//[^A-Za-z0-9_]/_}.txt"
     env "${envs[@]}" timeout 150 "$bench" "${base[@]}" "${flags[@]}" > "$log" 2>&1
     echo "rc=$? round $round: $v" >> "$OUT/ab.md"
-    grep -E "decode" "$log" | grep -v "^#" >> "$OUT/ab.md"
+    grep -E "^decode .*ms/step" "$log" >> "$OUT/ab.md"
   done
 done
 

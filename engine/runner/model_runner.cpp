@@ -32,6 +32,11 @@
 namespace dropkv {
 namespace {
 
+double MicrosSince(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start)
+      .count();
+}
+
 // A host tensor on `device` without a host sync: a plain .to() from pageable memory waits for the
 // whole stream (PyTorch synchronizes after a blocking copy), which in prefill meant one stall per
 // layer. Pinned (the caching host allocator, which keeps the block until the copy has run) and
@@ -323,12 +328,12 @@ class TorchModelRunner : public ModelRunner {
         return absl::NotFoundError(absl::StrCat("decode: unknown sequence ", s));
     }
     c10::InferenceMode guard;
+    host_times_ = {};
+    const auto start = std::chrono::steady_clock::now();
     const std::vector<int64_t> ids(seqs.begin(), seqs.end());
-    std::vector<SequenceBlocks> snapshots;
-    for (int64_t s : ids) snapshots.push_back(pool_->Snapshot(s));
     RETURN_IF_ERROR(pool_->AppendSlots(ids, 1));  // all-or-nothing; RESOURCE_EXHAUSTED unchanged
     auto undo = [&](absl::Status st) -> absl::Status {
-      for (size_t i = 0; i < ids.size(); ++i) pool_->Restore(ids[i], snapshots[i]);
+      pool_->UndoAppendSlots(ids, 1);
       return st;
     };
     try {
@@ -342,6 +347,7 @@ class TorchModelRunner : public ModelRunner {
           max_len = std::max(max_len, t.stored_len);
         }
       }
+      host_times_.prepare_us = MicrosSince(start);
       at::Tensor logits;
       if (UseGraphs(batch, max_blocks)) {
         auto graphed = DecodeWithGraph(ids, tokens, max_blocks);
@@ -363,11 +369,14 @@ class TorchModelRunner : public ModelRunner {
         logits = model_->Logits(*hidden);  // fp32 [B, vocab]
       }
       for (int64_t s : ids) pool_->set_logical_len(s, pool_->logical_len(s) + 1);
+      host_times_.total_us = MicrosSince(start);
       return logits;
     } catch (const std::exception& e) {
       return undo(absl::InternalError(absl::StrCat("decode failed: ", e.what())));
     }
   }
+
+  DecodeHostTimes last_decode_host_times() const override { return host_times_; }
 
   SequenceCacheInfo CacheInfo(SequenceId seq) const override {
     SequenceCacheInfo info;
@@ -588,9 +597,13 @@ class TorchModelRunner : public ModelRunner {
       it = graphs_.emplace(key, std::move(entry)).first;
     }
     DecodeGraph& g = *it->second;
+    auto t = std::chrono::steady_clock::now();
     g.inputs->WaitStagingFree();
     FillDecodeInputs(g.inputs->staging().data_ptr<uint8_t>(), lay, ids, tokens);
+    host_times_.fill_us = MicrosSince(t);
+    t = std::chrono::steady_clock::now();
     g.inputs->Upload();
+    host_times_.upload_us = MicrosSince(t);
     if (!g.graph) {
       DecodeInputs in = DecodeInputs::View(g.inputs->device_buffer(), lay);
       const int32_t max_seq_len = static_cast<int32_t>(lay.max_blocks * pool_->block_size());
@@ -615,7 +628,9 @@ class TorchModelRunner : public ModelRunner {
       LogInfo(absl::StrCat("decode: captured a CUDA graph for batch ", lay.batch, " x ",
                            lay.max_blocks, " blocks (", graphs_.size(), " graphs)"));
     }
+    t = std::chrono::steady_clock::now();
     g.graph->Replay();
+    host_times_.launch_us = MicrosSince(t);
     // The graph's output is overwritten by the next replay: the caller gets its own copy.
     return g.graph->output().narrow(0, 0, batch).clone();
   }
@@ -649,6 +664,7 @@ class TorchModelRunner : public ModelRunner {
   bool graphs_disabled_ = false;
   CudaGraphPool graph_pool_;
   std::map<std::pair<int64_t, int64_t>, std::unique_ptr<DecodeGraph>> graphs_;
+  DecodeHostTimes host_times_;  // of the last Decode
 };
 
 absl::StatusOr<at::Tensor> PrefillBackend::Attend(int32_t layer_idx, const at::Tensor& q,

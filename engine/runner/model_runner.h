@@ -99,6 +99,15 @@ class ModelRunner {
   virtual absl::StatusOr<at::Tensor> Decode(std::span<const SequenceId> seqs,
                                             std::span<const int32_t> tokens) = 0;
 
+  // Where the last Decode's host time went, in microseconds (with the previous step's ids just
+  // read back, the device waits for the host until the step's first kernel is queued): checks,
+  // block snapshot and slot allocation; packing the inputs; their upload; the graph launch (or
+  // the eager forward's launches); the whole call. Zeros where not measured.
+  struct DecodeHostTimes {
+    double prepare_us = 0, fill_us = 0, upload_us = 0, launch_us = 0, total_us = 0;
+  };
+  virtual DecodeHostTimes last_decode_host_times() const { return {}; }
+
   virtual SequenceCacheInfo CacheInfo(SequenceId seq) const = 0;
   // Frees every block of `seq`; unknown ids are ignored.
   virtual void Release(SequenceId seq) = 0;

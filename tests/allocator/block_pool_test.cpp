@@ -135,6 +135,34 @@ TEST(BlockPoolTest, ReplaceLayerAndRestoreUndo) {
   EXPECT_EQ(pool->num_free_blocks(), 12);
 }
 
+// The decode step's undo: an append that took new blocks (a block boundary crossed) and one that
+// did not, for two sequences at once, each taken back to the exact tables and free count.
+TEST(BlockPoolTest, UndoAppendSlotsRestoresTablesAndFreeBlocks) {
+  auto pool = MakePool(30);  // block_size 4, 3 layers
+  ASSERT_TRUE(pool->AddSequence(1).ok());
+  ASSERT_TRUE(pool->AddSequence(2).ok());
+  ASSERT_TRUE(pool->AppendSlots(std::vector<int64_t>{1}, 4).ok());  // full blocks: next takes one
+  ASSERT_TRUE(pool->AppendSlots(std::vector<int64_t>{2}, 5).ok());  // room for 3 more
+  const std::vector<int64_t> both = {1, 2};
+  for (int64_t n : {1, 3, 6}) {
+    const auto before1 = pool->Snapshot(1), before2 = pool->Snapshot(2);
+    const int64_t free_before = pool->num_free_blocks();
+    ASSERT_TRUE(pool->AppendSlots(both, n).ok());
+    EXPECT_LT(pool->num_free_blocks(), free_before) << n;  // sequence 1 needed a block
+    pool->UndoAppendSlots(both, n);
+    EXPECT_EQ(pool->num_free_blocks(), free_before) << n;
+    for (int l = 0; l < 3; ++l) {
+      EXPECT_EQ(pool->table(1, l).block_ids, before1.layers[l].block_ids) << n;
+      EXPECT_EQ(pool->table(2, l).block_ids, before2.layers[l].block_ids) << n;
+      EXPECT_EQ(pool->stored_len(1, l), 4) << n;
+      EXPECT_EQ(pool->stored_len(2, l), 5) << n;
+    }
+  }
+  pool->FreeSequence(1);
+  pool->FreeSequence(2);
+  EXPECT_EQ(pool->num_free_blocks(), 30);
+}
+
 TEST(BlockPoolTest, ManySequencesNoLeak) {
   auto pool = MakePool(64, 2, 4);
   for (int round = 0; round < 5; ++round) {
