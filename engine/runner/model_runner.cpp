@@ -340,9 +340,9 @@ class TorchModelRunner : public ModelRunner {
       const int64_t batch = static_cast<int64_t>(ids.size());
       int64_t max_blocks = 1, max_pos = 0, max_len = 1;
       for (int64_t s : ids) {
-        max_pos = std::max(max_pos, pool_->logical_len(s));
-        for (int32_t l = 0; l < config().num_layers; ++l) {
-          const auto& t = pool_->table(s, l);
+        const SequenceBlocks& seq = pool_->sequence(s);
+        max_pos = std::max(max_pos, seq.logical_len);
+        for (const auto& t : seq.layers) {
           max_blocks = std::max<int64_t>(max_blocks, t.block_ids.size());
           max_len = std::max(max_len, t.stored_len);
         }
@@ -533,7 +533,6 @@ class TorchModelRunner : public ModelRunner {
     auto* i32 = reinterpret_cast<int32_t*>(base + 8 * lay.num_int64());
     auto* lens_p = i32;
     auto* tables_p = i32 + num_layers * batch;
-    std::memset(tables_p, 0, sizeof(int32_t) * num_layers * batch * m);
     const int64_t real = static_cast<int64_t>(ids.size());
     for (int64_t b = 0; b < batch; ++b) {
       if (b >= real) {
@@ -542,18 +541,23 @@ class TorchModelRunner : public ModelRunner {
         for (int64_t l = 0; l < num_layers; ++l) {
           slots_p[l * batch + b] = int64_t{scratch_block_} * bs + b % bs;
           lens_p[l * batch + b] = 0;
+          std::memset(tables_p + (l * batch + b) * m, 0, sizeof(int32_t) * m);
         }
         continue;
       }
       tok_p[b] = tokens[b];
-      pos_p[b] = pool_->logical_len(ids[b]);
+      const SequenceBlocks& seq = pool_->sequence(ids[b]);  // one lookup for all layers
+      pos_p[b] = seq.logical_len;
       for (int64_t l = 0; l < num_layers; ++l) {
-        const auto& t = pool_->table(ids[b], static_cast<int32_t>(l));
+        const auto& t = seq.layers[l];
         const int64_t last = t.stored_len - 1;
         slots_p[l * batch + b] = int64_t{t.block_ids[last / bs]} * bs + last % bs;
         lens_p[l * batch + b] = static_cast<int32_t>(t.stored_len);
-        std::memcpy(tables_p + (l * batch + b) * m, t.block_ids.data(),
-                    sizeof(int32_t) * t.block_ids.size());
+        // The row: the table, then zeros (a valid block id) to the bucket's width.
+        int32_t* row = tables_p + (l * batch + b) * m;
+        const int64_t n = static_cast<int64_t>(t.block_ids.size());
+        std::memcpy(row, t.block_ids.data(), sizeof(int32_t) * n);
+        std::memset(row + n, 0, sizeof(int32_t) * (m - n));
       }
     }
   }
