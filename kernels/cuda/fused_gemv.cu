@@ -264,9 +264,12 @@ absl::StatusOr<at::Tensor> GemvRopeWriteKv(const at::Tensor& x, const at::Tensor
         absl::StrCat("weight: ", weight.size(0), " rows, expected (Hq + 2 Hkv) * D = ",
                      (geo.num_heads + 2 * geo.num_kv_heads) * geo.head_dim));
   }
-  if (geo.head_dim % cuda::gemv::kRowsPerCta != 0 || !Options().stream ||
+  if (geo.head_dim % cuda::gemv::kRowsPerCta != 0 || geo.head_dim > 128 || !Options().stream ||
       !Options().rope_epilogue) {
-    // The epilogue pairs rows j and j + D/2 in 16-row groups; elsewhere, the two launches.
+    // The epilogue pairs rows j and j + D/2 in 16-row groups; elsewhere, the two launches. Also
+    // at D 256: there the decode step (Gemma-7B, 8K, the CUDA-core paged kernel next) measured
+    // 7.99 ms with the epilogue against 7.08 without, though the GEMV alone is 1.6 us faster per
+    // layer than GEMV + RoPE (docs/benchmarks.md); at D 128 the epilogue is neutral to faster.
     absl::StatusOr<at::Tensor> qkv = Gemv(x, weight, bias);
     if (!qkv.ok()) return qkv.status();
     return RopeWriteKv(*qkv, geo, positions, inv_freq, key_cache, value_cache, slots);

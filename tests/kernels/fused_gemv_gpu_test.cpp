@@ -323,8 +323,8 @@ TEST_F(FusedGemvGpuTest, ReplaysInCudaGraph) {
 
 // The RoPE epilogue against the two launches it replaces (Gemv, then RopeWriteKv): the same bits
 // in q and in every slot of both caches (written or not), for Llama-3.1-8B's, Qwen2.5-7B's (bias)
-// and Gemma-7B's (D 256) qkv, a small model's (D 64), and D 40 (not a multiple of 16: the two
-// launches), with random positions and a padding row (slot -1) that must not be stored.
+// and a small model's (D 64) qkv, and Gemma-7B's (D 256) and D 40 (the two launches there), with
+// random positions and a padding row (slot -1) that must not be stored.
 TEST_F(FusedGemvGpuTest, RopeEpilogueMatchesGemvThenRopeWriteKv) {
   struct Case {
     int64_t k, hq, hkv, d;
