@@ -348,11 +348,12 @@ absl::Status CheckRopeArgs(const QkvGeometry& geo, int64_t rows, at::Device devi
   return absl::OkStatus();
 }
 
-absl::Status CheckRope(const at::Tensor& qkv, const QkvGeometry& geo, const at::Tensor& positions,
-                       const at::Tensor& inv_freq) {
+// qkv's device and rank, then `other_checks` (the geometry's among them), then its width.
+template <typename F>
+absl::Status CheckQkv(const at::Tensor& qkv, const QkvGeometry& geo, F&& other_checks) {
   FUSED_RETURN_IF_ERROR(CheckCuda(qkv, "qkv"));
   FUSED_RETURN_IF_ERROR(internal::CheckDim(qkv, "qkv", 2, "[N, (Hq + 2 Hkv) * D]"));
-  FUSED_RETURN_IF_ERROR(CheckRopeArgs(geo, qkv.size(0), qkv.device(), positions, inv_freq));
+  FUSED_RETURN_IF_ERROR(other_checks());
   FUSED_RETURN_IF_ERROR(internal::CheckSize(
       qkv, "qkv", 1, (geo.num_heads + 2 * geo.num_kv_heads) * geo.head_dim, "(Hq + 2 Hkv) * D"));
   return CheckInnerContiguous(qkv, "qkv");
@@ -436,10 +437,10 @@ absl::StatusOr<at::Tensor> RopeWriteKv(const at::Tensor& qkv, const QkvGeometry&
                                        const at::Tensor& positions, const at::Tensor& inv_freq,
                                        at::Tensor& key_cache, at::Tensor& value_cache,
                                        const at::Tensor& slots) {
-  FUSED_RETURN_IF_ERROR(CheckRope(qkv, geo, positions, inv_freq));
-  FUSED_RETURN_IF_ERROR(internal::CheckRopeWriteKvArgs(geo, qkv.size(0), qkv.scalar_type(),
-                                                       qkv.device(), positions, inv_freq, key_cache,
-                                                       value_cache, slots));
+  FUSED_RETURN_IF_ERROR(CheckQkv(qkv, geo, [&] {
+    return internal::CheckRopeWriteKvArgs(geo, qkv.size(0), qkv.scalar_type(), qkv.device(),
+                                          positions, inv_freq, key_cache, value_cache, slots);
+  }));
   return internal::CatchTorch("RopeWriteKv(cuda)", [&]() -> absl::StatusOr<at::Tensor> {
     c10::cuda::CUDAGuard guard(qkv.device());
     auto q = at::empty({qkv.size(0), geo.num_heads, geo.head_dim}, qkv.options());
@@ -455,7 +456,9 @@ absl::StatusOr<at::Tensor> RopeWriteKv(const at::Tensor& qkv, const QkvGeometry&
 absl::StatusOr<std::tuple<at::Tensor, at::Tensor, at::Tensor>> RopeSplitQkv(
     const at::Tensor& qkv, const QkvGeometry& geo, const at::Tensor& positions,
     const at::Tensor& inv_freq) {
-  FUSED_RETURN_IF_ERROR(CheckRope(qkv, geo, positions, inv_freq));
+  FUSED_RETURN_IF_ERROR(CheckQkv(qkv, geo, [&] {
+    return CheckRopeArgs(geo, qkv.size(0), qkv.device(), positions, inv_freq);
+  }));
   using Result = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
   return internal::CatchTorch("RopeSplitQkv(cuda)", [&]() -> absl::StatusOr<Result> {
     c10::cuda::CUDAGuard guard(qkv.device());
