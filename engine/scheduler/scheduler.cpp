@@ -481,6 +481,7 @@ struct Scheduler::Impl {
         seq_ids.push_back(seq->seq_id);
         tokens.push_back(seq->generated[seq->num_generated_fed]);
       }
+      const SteadyTime start = Clock::now();
       auto logits_or = runner.Decode(seq_ids, tokens);
       if (!logits_or.ok()) {
         if (absl::IsResourceExhausted(logits_or.status()) && running.size() > 1) {
@@ -498,6 +499,9 @@ struct Scheduler::Impl {
         return;
       }
       report.num_decoded += static_cast<int32_t>(batch.size());
+      const ModelRunner::DecodeHostTimes host = runner.last_decode_host_times();
+      report.decode_host_seconds =
+          (host.prepare_us + host.fill_us + host.upload_us + host.launch_us) * 1e-6;
       // Rows of sequences that are replaying after a preemption are not sampled.
       std::vector<Sequence*> to_sample;
       std::vector<int64_t> rows;
@@ -516,6 +520,7 @@ struct Scheduler::Impl {
                 : logits_or->index_select(0, at::tensor(rows, at::kLong).to(logits_or->device()));
         finished = SampleAndEmit(logits, to_sample);  // logits [n, vocab]
       }
+      report.decode_seconds = MsBetween(start, Clock::now()) / 1e3;
       for (Sequence* seq : finished) runner.Release(seq->seq_id);
       std::erase_if(running, [&](const auto& s) {
         return std::find(finished.begin(), finished.end(), s.get()) != finished.end();
@@ -539,6 +544,12 @@ struct Scheduler::Impl {
     stats.kv_blocks_total = counts.num_total;
     stats.kv_blocks_free = counts.num_free;
     stats.num_finished += report.num_finished;
+    if (report.num_decoded > 0) {
+      ++stats.num_decode_steps;
+      stats.num_decode_rows += report.num_decoded;
+      stats.decode_seconds += report.decode_seconds;
+      stats.decode_host_seconds += report.decode_host_seconds;
+    }
     report.num_running_after = stats.num_running;
     report.num_waiting_after = stats.num_waiting;
     return report;

@@ -61,6 +61,14 @@ struct SchedulerStats {
   int64_t num_finished = 0;
   int64_t num_rejected = 0;
   bool draining = false;
+  // Decode steps that produced logits, the batch rows they ran, and their time on the engine
+  // thread (the runner's Decode and the sampling), of which the runner's host work before the
+  // step's kernels were queued (ModelRunner::last_decode_host_times: prepare + fill + upload +
+  // launch; the device waits for it; 0 where the runner does not measure it). Cumulative.
+  int64_t num_decode_steps = 0;
+  int64_t num_decode_rows = 0;
+  double decode_seconds = 0;
+  double decode_host_seconds = 0;
 };
 
 // What one Step() did (tests script iterations against it).
@@ -68,7 +76,9 @@ struct StepReport {
   int32_t num_reaped = 0;
   int32_t num_admitted = 0;
   int64_t num_prefill_tokens = 0;
-  int32_t num_decoded = 0;  // rows of the decode batch
+  int32_t num_decoded = 0;         // rows of the decode batch
+  double decode_seconds = 0;       // the decode step's engine-thread time (SchedulerStats)
+  double decode_host_seconds = 0;  // of which the runner's host work before its kernels
   int32_t num_preempted = 0;
   int32_t num_finished = 0;
   int32_t num_running_after = 0;

@@ -159,6 +159,13 @@ void SchedulerStatsPoller::PollOnce() {
     metrics_->OnPreemption(s.num_preemptions - num_preemptions_seen_);
     num_preemptions_seen_ = s.num_preemptions;
   }
+  if (s.num_decode_steps > decode_seen_.num_decode_steps) {
+    metrics_->OnDecodeSteps(s.num_decode_steps - decode_seen_.num_decode_steps,
+                            s.num_decode_rows - decode_seen_.num_decode_rows,
+                            s.decode_seconds - decode_seen_.decode_seconds,
+                            s.decode_host_seconds - decode_seen_.decode_host_seconds);
+    decode_seen_ = s;
+  }
 }
 
 }  // namespace dropkv

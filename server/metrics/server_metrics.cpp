@@ -137,6 +137,10 @@ struct ServerMetrics::Impl {
   Gauge* kv_blocks_total = nullptr;
   Gauge* kv_usage_ratio = nullptr;
   Counter* preemptions = nullptr;
+  Counter* decode_steps = nullptr;
+  Counter* decode_rows = nullptr;
+  Counter* decode_seconds = nullptr;
+  Counter* decode_host_seconds = nullptr;
   Counter* kv_tokens_evicted = nullptr;
   Counter* kv_tokens_kept = nullptr;
   Histogram* compression_ratio = nullptr;
@@ -200,6 +204,15 @@ ServerMetrics::ServerMetrics(std::string model_name, int32_t max_layer_labels)
   m.kv_usage_ratio = gauge("dropkv_kv_usage_ratio", "KV blocks used / total (0..1).");
   m.preemptions = counter("dropkv_preemptions_total",
                           "Sequences preempted (freed, recomputed later) for lack of KV blocks.");
+  m.decode_steps = counter("dropkv_decode_steps_total", "Decode steps (one forward of a batch).");
+  m.decode_rows = counter("dropkv_decode_rows_total",
+                          "Sequences run by decode steps (rate over the steps' rate: mean batch).");
+  m.decode_seconds = counter("dropkv_decode_seconds_total",
+                             "Engine-thread time in decode steps: the forward and the sampling.");
+  m.decode_host_seconds =
+      counter("dropkv_decode_host_seconds_total",
+              "Of the decode time, the runner's host work before a step's kernels were queued "
+              "(the device waits for it; 0 where not measured).");
   m.kv_tokens_evicted = counter("dropkv_kv_tokens_evicted_total",
                                 "KV entries (token x layer) dropped by compression at prefill.");
   m.kv_tokens_kept = counter("dropkv_kv_tokens_kept_total",
@@ -251,6 +264,14 @@ void ServerMetrics::OnRequestFinished(absl::StatusCode code, double duration_sec
 }
 void ServerMetrics::OnPreemption(int64_t num_preempted) {
   impl_->preemptions->Increment(static_cast<double>(std::max<int64_t>(0, num_preempted)));
+}
+
+void ServerMetrics::OnDecodeSteps(int64_t num_steps, int64_t num_rows, double seconds,
+                                  double host_seconds) {
+  impl_->decode_steps->Increment(static_cast<double>(std::max<int64_t>(0, num_steps)));
+  impl_->decode_rows->Increment(static_cast<double>(std::max<int64_t>(0, num_rows)));
+  impl_->decode_seconds->Increment(std::max(0.0, seconds));
+  impl_->decode_host_seconds->Increment(std::max(0.0, host_seconds));
 }
 
 void ServerMetrics::OnPrefillCompressed(const std::vector<int64_t>& num_kept_per_layer,

@@ -44,6 +44,9 @@ class ServerMetrics {
   // its end-to-end duration from arrival.
   void OnRequestFinished(absl::StatusCode code, double duration_seconds);
   void OnPreemption(int64_t num_preempted = 1);
+  // Decode steps (SchedulerStats' num_decode_steps and the rest, as deltas): their count, batch
+  // rows, engine-thread seconds and the runner's host seconds before the kernels were queued.
+  void OnDecodeSteps(int64_t num_steps, int64_t num_rows, double seconds, double host_seconds);
 
   // --- KV compression at prefill: one call per compressed sequence ---
   // num_kept_per_layer[l] = tokens layer l kept of num_prompt_tokens; scoring_seconds = time spent

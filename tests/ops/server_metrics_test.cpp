@@ -30,6 +30,10 @@ const std::map<std::string, std::string> kRequiredFamilies = {
     {"dropkv_kv_blocks_total", "gauge"},
     {"dropkv_kv_usage_ratio", "gauge"},
     {"dropkv_preemptions_total", "counter"},
+    {"dropkv_decode_steps_total", "counter"},
+    {"dropkv_decode_rows_total", "counter"},
+    {"dropkv_decode_seconds_total", "counter"},
+    {"dropkv_decode_host_seconds_total", "counter"},
     {"dropkv_kv_tokens_evicted_total", "counter"},
     {"dropkv_kv_tokens_kept_total", "counter"},
     {"dropkv_compression_ratio", "histogram"},
@@ -92,6 +96,8 @@ TEST_F(ServerMetricsTest, CountersAndHistogramsMatchTheTrafficSent) {
   metrics_.OnRequestFinished(absl::StatusCode::kResourceExhausted, 0.0);
   metrics_.OnPreemption();
   metrics_.OnPreemption(2);
+  metrics_.OnDecodeSteps(2, 5, 0.010, 0.002);
+  metrics_.OnDecodeSteps(1, 3, 0.005, 0.001);
 
   auto m = Scrape(server_->port());
   EXPECT_EQ(m.Value("dropkv_requests_total", {{"status", "ok"}}), 3);
@@ -100,6 +106,10 @@ TEST_F(ServerMetricsTest, CountersAndHistogramsMatchTheTrafficSent) {
   EXPECT_EQ(m.Value("dropkv_prompt_tokens_total"), 40);
   EXPECT_EQ(m.Value("dropkv_generation_tokens_total"), 15);
   EXPECT_EQ(m.Value("dropkv_preemptions_total"), 3);
+  EXPECT_EQ(m.Value("dropkv_decode_steps_total"), 3);
+  EXPECT_EQ(m.Value("dropkv_decode_rows_total"), 8);
+  EXPECT_DOUBLE_EQ(*m.Value("dropkv_decode_seconds_total"), 0.015);
+  EXPECT_DOUBLE_EQ(*m.Value("dropkv_decode_host_seconds_total"), 0.003);
   // TTFT buckets are cumulative: 0.003 <= 0.005, 0.03 <= 0.05, 3.0 <= 5.
   EXPECT_EQ(m.Value("dropkv_time_to_first_token_seconds_bucket", {{"le", "0.005"}}), 1);
   EXPECT_EQ(m.Value("dropkv_time_to_first_token_seconds_bucket", {{"le", "0.05"}}), 2);

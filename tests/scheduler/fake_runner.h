@@ -51,6 +51,10 @@ class FakeRunner : public ModelRunner {
     }
     return out;
   }
+  // Fixed host times (20 us a step), so the scheduler's decode accounting can be checked.
+  DecodeHostTimes last_decode_host_times() const override {
+    return {.prepare_us = 10, .fill_us = 2, .upload_us = 3, .launch_us = 5, .total_us = 25};
+  }
 
   const ModelConfig& config() const override { std::abort(); }
   BlockPool& pool() override { return *pool_; }

@@ -132,6 +132,15 @@ TEST_F(SchedulerTest, StepScriptAdmitsPrefillsAndDecodes) {
   EXPECT_EQ(s2.num_running_after, 0);
   EXPECT_EQ(s2.num_waiting_after, 0);
   EXPECT_FALSE(scheduler_->HasWork());
+  // The decode accounting the metrics poller reads: two steps of 1 and 2 rows, each with the
+  // runner's 20 us of host time before its kernels, inside the step's own time.
+  const SchedulerStats stats = scheduler_->Stats();
+  EXPECT_EQ(stats.num_decode_steps, 2);
+  EXPECT_EQ(stats.num_decode_rows, 3);
+  EXPECT_NEAR(stats.decode_host_seconds, 40e-6, 1e-12);
+  EXPECT_GE(stats.decode_seconds, 0.0);
+  EXPECT_EQ(s1.decode_host_seconds + s2.decode_host_seconds, stats.decode_host_seconds);
+  EXPECT_EQ(s1.decode_seconds + s2.decode_seconds, stats.decode_seconds);
 
   for (auto [ch, salt, n] : {std::tuple{a, 1, 3}, {b, 2, 1}, {c, 3, 2}}) {
     Collected col;
