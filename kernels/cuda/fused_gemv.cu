@@ -281,7 +281,6 @@ absl::StatusOr<at::Tensor> GemvRopeWriteKv(const at::Tensor& x, const at::Tensor
     Params p = GemvParams(weight, bias, q, m);
     p.x = x.data_ptr();
     p.x_stride = x.stride(0);
-    p.stage_k = Options().stage_k;  // cp.async fill, whatever DROPKV_GEMV_FILL says
     p.rope.positions = positions.data_ptr<int64_t>();
     p.rope.inv_freq = inv_freq.data_ptr<float>();
     p.rope.slots = slots.data_ptr<int64_t>();

@@ -102,7 +102,8 @@ template <typename T, typename NW, Prologue kP>
 cudaError_t LaunchStreamGemv(const Params& p, const LaunchOptions& options, cudaStream_t stream) {
   const size_t smem = StreamSmemBytes(p.m, p.k, p.stages, sizeof(T), p.stage_k);
   if constexpr (kP == Prologue::kPlain) {
-    // The RoPE epilogue always fills by cp.async (GemvParams sets stage_k and stages so).
+    // The RoPE epilogue always fills by cp.async, at the stage_k and stages GemvParams chose
+    // (512 under DROPKV_GEMV_FILL=bulk: the same shared memory either way).
     if (p.rope.head_dim > 0) return LaunchStreamAsync<T, NW, kP, true>(p, options, smem, stream);
   }
   if (options.bulk_copies) {
