@@ -87,15 +87,13 @@ int CtasPerSm(int64_t m, int64_t n, int64_t k, int64_t elem_bytes) {
   if (o.ctas_per_sm > 0) return o.ctas_per_sm;
   const int groups = static_cast<int>((n + cuda::gemv::kRowsPerCta - 1) / cuda::gemv::kRowsPerCta);
   const auto* props = at::cuda::getCurrentDeviceProperties();
-  if (cuda::gemv::PreferThreeCtasPerSm(groups, props->multiProcessorCount) &&
-      props->sharedMemPerMultiprocessor / 3 - props->reservedSharedMemPerBlock >=
-          cuda::gemv::StreamSmemBytes(static_cast<int>(m), static_cast<int>(k), 3,
-                                      static_cast<size_t>(elem_bytes),
-                                      o.bulk_copies ? 512 : o.stage_k) +
-              cuda::gemv::kStaticSmemBytes) {
-    return 3;
-  }
-  return 2;
+  const int three_share = cuda::gemv::StagesPerSharedSm(
+      static_cast<int>(m), static_cast<int>(k), static_cast<size_t>(elem_bytes),
+      o.bulk_copies ? 512 : o.stage_k, props->sharedMemPerMultiprocessor,
+      props->reservedSharedMemPerBlock, o.max_stages, 3);
+  return cuda::gemv::PreferThreeCtasPerSm(groups, props->multiProcessorCount) && three_share >= 3
+             ? 3
+             : 2;
 }
 
 bool IsHalfType(at::ScalarType t) {

@@ -87,22 +87,32 @@ inline size_t StreamSmemBytes(int m, int k, int stages, size_t elem_bytes, int s
          static_cast<size_t>(m) * XSmemStride(k) * elem_bytes;
 }
 
+// Weight stages of 16 x stage_k that fit a CTA with `budget` bytes of shared memory beside its
+// partials and x (m tokens, inner dimension k), at most max_stages.
+inline int StagesWithin(size_t budget, int m, int k, size_t elem_bytes, int stage_k,
+                        int max_stages) {
+  const size_t fixed = StreamSmemBytes(m, k, 0, elem_bytes, stage_k) + kStaticSmemBytes;
+  const int n = budget > fixed ? static_cast<int>((budget - fixed) / StageBytes(stage_k)) : 0;
+  return n < max_stages ? n : max_stages;
+}
+// The same for one of ctas_per_sm CTAs sharing an SM (`sm_smem`, `reserved` per CTA).
+inline int StagesPerSharedSm(int m, int k, size_t elem_bytes, int stage_k, size_t sm_smem,
+                             size_t reserved, int max_stages, int ctas_per_sm) {
+  return StagesWithin(sm_smem / ctas_per_sm - reserved, m, k, elem_bytes, stage_k, max_stages);
+}
+
 // The streaming kernel's stage count for m tokens at inner dimension k: as many as fit, up to
-// max_stages, with ctas_per_sm CTAs per SM (`sm_smem` shared among them, `reserved` per CTA) when
-// >= 3 fit so; else with one CTA per SM in the opt-in limit `optin`. 0 when not even 2 fit there
-// (m x k too large).
+// max_stages, with ctas_per_sm CTAs per SM when >= 3 fit so; else with one CTA per SM in the
+// opt-in limit `optin`. 0 when not even 2 fit there (m x k too large).
 inline int StreamStages(int m, int k, size_t elem_bytes, int stage_k, size_t sm_smem,
                         size_t reserved, size_t optin, int max_stages, int ctas_per_sm) {
-  const size_t fixed = StreamSmemBytes(m, k, 0, elem_bytes, stage_k) + kStaticSmemBytes;
-  const auto fit = [&](size_t budget) {
-    const int n = budget > fixed ? static_cast<int>((budget - fixed) / StageBytes(stage_k)) : 0;
-    return n < max_stages ? n : max_stages;
-  };
   if (ctas_per_sm >= 2) {
-    const size_t per_cta = sm_smem / ctas_per_sm - reserved;
-    if (fit(per_cta) >= 3) return fit(per_cta);
+    const int shared =
+        StagesPerSharedSm(m, k, elem_bytes, stage_k, sm_smem, reserved, max_stages, ctas_per_sm);
+    if (shared >= 3) return shared;
   }
-  return fit(optin) >= 2 ? fit(optin) : 0;
+  const int alone = StagesWithin(optin, m, k, elem_bytes, stage_k, max_stages);
+  return alone >= 2 ? alone : 0;
 }
 
 // Whether one wave of three CTAs per SM streams `groups` 16-row groups in fewer group-times per SM
