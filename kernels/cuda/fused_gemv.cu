@@ -64,6 +64,7 @@ cuda::gemv::LaunchOptions Options() {
   const auto* props = at::cuda::getCurrentDeviceProperties();
   o.num_sms = props->multiProcessorCount;
   o.bulk_copies = o.bulk_copies && props->major >= 9;  // cp.async.bulk and mbarrier tx: sm_90+
+  if (o.bulk_copies) o.stage_k = 512;                  // bulk copies: 1 KB row segments
   return o;
 }
 
@@ -71,9 +72,8 @@ cuda::gemv::LaunchOptions Options() {
 int StreamStages(int64_t m, int64_t k, int64_t elem_bytes, int ctas_per_sm) {
   const auto* props = at::cuda::getCurrentDeviceProperties();
   const cuda::gemv::LaunchOptions o = Options();
-  const int stage_k = o.bulk_copies ? 512 : o.stage_k;
   return cuda::gemv::StreamStages(
-      static_cast<int>(m), static_cast<int>(k), static_cast<size_t>(elem_bytes), stage_k,
+      static_cast<int>(m), static_cast<int>(k), static_cast<size_t>(elem_bytes), o.stage_k,
       props->sharedMemPerMultiprocessor, props->reservedSharedMemPerBlock,
       props->sharedMemPerBlockOptin, o.max_stages, ctas_per_sm);
 }
@@ -88,9 +88,8 @@ int CtasPerSm(int64_t m, int64_t n, int64_t k, int64_t elem_bytes) {
   const int groups = static_cast<int>((n + cuda::gemv::kRowsPerCta - 1) / cuda::gemv::kRowsPerCta);
   const auto* props = at::cuda::getCurrentDeviceProperties();
   const int three_share = cuda::gemv::StagesPerSharedSm(
-      static_cast<int>(m), static_cast<int>(k), static_cast<size_t>(elem_bytes),
-      o.bulk_copies ? 512 : o.stage_k, props->sharedMemPerMultiprocessor,
-      props->reservedSharedMemPerBlock, o.max_stages, 3);
+      static_cast<int>(m), static_cast<int>(k), static_cast<size_t>(elem_bytes), o.stage_k,
+      props->sharedMemPerMultiprocessor, props->reservedSharedMemPerBlock, o.max_stages, 3);
   return cuda::gemv::PreferThreeCtasPerSm(groups, props->multiProcessorCount) && three_share >= 3
              ? 3
              : 2;
@@ -177,7 +176,7 @@ Params GemvParams(const at::Tensor& weight, const at::Tensor& bias, at::Tensor& 
   p.x_smem_stride = cuda::gemv::XSmemStride(p.k);
   p.ctas_per_sm = CtasPerSm(m, p.n, p.k, weight.element_size());
   p.stages = Options().stream ? StreamStages(m, p.k, weight.element_size(), p.ctas_per_sm) : 0;
-  p.stage_k = Options().bulk_copies ? 512 : Options().stage_k;
+  p.stage_k = Options().stage_k;
   return p;
 }
 

@@ -251,6 +251,15 @@ __device__ __forceinline__ void StorePartials(float* buffer, int warp, int g, in
   }
 }
 
+// The warps' fp32 partials of (token, row r of the group) summed in warp order (deterministic).
+template <int kTiles>
+__device__ __forceinline__ float SumWarpPartials(const float* buffer, int token, int r) {
+  float sum = 0.f;
+  for (int w = 0; w < kWarps; ++w)
+    sum += buffer[w * (kTiles * 8 * kRowsPerCta) + token * kRowsPerCta + r];
+  return sum;
+}
+
 // y[token, row0 + r] = the warps' partials summed in warp order (deterministic) + bias, rounded
 // once; every thread of the CTA takes part, after the barrier that made the partials visible.
 template <typename T, int kTiles>
@@ -261,8 +270,7 @@ __device__ __forceinline__ void ReduceAndStoreRows(const Params& p, const float*
     const int token = e / kRowsPerCta, r = e % kRowsPerCta;
     const int row = row0 + r;
     if (row >= p.n) continue;
-    float sum = 0.f;
-    for (int w = 0; w < kWarps; ++w) sum += buffer[w * (kTiles * 8 * kRowsPerCta) + e];
+    float sum = SumWarpPartials<kTiles>(buffer, token, r);
     if (bias != nullptr) sum += ToFloat(bias[row]);
     y[static_cast<int64_t>(token) * p.n + row] = FromFloat<T>(sum);
   }
@@ -293,12 +301,8 @@ __device__ __forceinline__ void ReduceRopeAndStore(const Params& p, const float*
   const int half = e.head_dim / 2;
   for (int i = threadIdx.x; i < p.m * 8; i += kThreads) {
     const int token = i / 8, r = i % 8;
-    float a = 0.f, b = 0.f;
-    for (int w = 0; w < kWarps; ++w) {
-      const float* mine = buffer + w * (kTiles * 8 * kRowsPerCta) + token * kRowsPerCta;
-      a += mine[r];
-      b += mine[r + 8];
-    }
+    float a = SumWarpPartials<kTiles>(buffer, token, r);
+    float b = SumWarpPartials<kTiles>(buffer, token, r + 8);
     const int row = GroupRow<true>(p, group, r);
     if (bias != nullptr) {
       a += ToFloat(bias[row]);

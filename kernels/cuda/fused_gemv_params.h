@@ -135,7 +135,7 @@ struct LaunchOptions {
   // call, fused_gemv.cu), and the most weight stages per CTA.
   int ctas_per_sm = 0;
   int max_stages = kMaxStages;
-  int stage_k = 512;          // 512 or 1024 (cp.async only)
+  int stage_k = 512;          // 512 or 1024 (cp.async only: Options() sets 512 for bulk copies)
   bool bulk_copies = false;   // fill the stages with cp.async.bulk (true) or cp.async (false)
   bool rope_epilogue = true;  // GemvRopeWriteKv in one launch (false: Gemv, then RopeWriteKv)
 };

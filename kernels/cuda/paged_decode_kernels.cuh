@@ -89,6 +89,22 @@ __device__ __forceinline__ int ActiveSplits(int n, int split_len, int num_splits
   return n <= split_len ? 1 : min(num_splits, (n + split_len - 1) / split_len);
 }
 
+// A split's metadata, as PagedDecodeKernel and PagedDecodeMmaKernel load it: the sequence's length
+// (returned) and, when the CTA caches them (table_len > 0), the split's block ids from table_g into
+// table_s, read without knowing the length so that those loads overlap its (entries past it are
+// never used).
+template <typename T>
+__device__ __forceinline__ int LoadSplitMetadata(const PagedDecodeParams<T>& p, int b, int blk0,
+                                                 const int32_t* table_g, int32_t* table_s,
+                                                 int num_threads) {
+  const int n = p.seq_lens[b];
+  if (p.table_len > 0) {
+    const int avail = min(p.table_len, p.max_blocks - blk0);
+    for (int i = threadIdx.x; i < avail; i += num_threads) table_s[i] = table_g[i];
+  }
+  return n;
+}
+
 // The split merge folded into the partial kernel (v11). Called by every thread of each CTA of
 // (bh, chunk) whose split holds keys, after it wrote its partial (rows [row0, row0 + rows), m in
 // base 2) to part_*. The CTAs count their arrivals on counters[bh, chunk]; the last of the
@@ -231,13 +247,7 @@ __global__ void __launch_bounds__(kDecThreads, RC <= 4 ? 4 : 2)
   const int32_t* table_g = p.block_tables + static_cast<int64_t>(b) * p.max_blocks + blk0;
   const bool cached = p.table_len > 0;  // the host sized the cache for the longest split
   int n = 0;                            // the length's load goes out with the block ids'
-  auto load_metadata = [&] {
-    n = p.seq_lens[b];
-    if (cached) {
-      const int avail = min(p.table_len, p.max_blocks - blk0);
-      for (int i = tid; i < avail; i += kDecThreads) table_s[i] = table_g[i];
-    }
-  };
+  auto load_metadata = [&] { n = LoadSplitMetadata(p, b, blk0, table_g, table_s, kDecThreads); };
   if (p.metadata_before_wait) load_metadata();
   PdlWaitForPrimary();
   PdlLaunchDependents();
@@ -558,13 +568,7 @@ __global__ void __launch_bounds__(kDecMmaThreads, 3)
   const int32_t* table_g = p.block_tables + static_cast<int64_t>(b) * p.max_blocks + blk0;
   const bool cached = p.table_len > 0;
   int n = 0;  // the length's load goes out with the block ids'
-  auto load_metadata = [&] {
-    n = p.seq_lens[b];
-    if (cached) {
-      const int avail = min(p.table_len, p.max_blocks - blk0);
-      for (int i = tid; i < avail; i += kThreads) table_s[i] = table_g[i];
-    }
-  };
+  auto load_metadata = [&] { n = LoadSplitMetadata(p, b, blk0, table_g, table_s, kThreads); };
   const bool early = p.metadata_before_wait;
   if (early) {
     load_metadata();
