@@ -317,6 +317,8 @@ class TorchModelRunner : public ModelRunner {
 
   absl::StatusOr<at::Tensor> Decode(std::span<const SequenceId> seqs,
                                     std::span<const int32_t> tokens) override {
+    host_times_ = {};
+    const auto start = std::chrono::steady_clock::now();
     if (seqs.size() != tokens.size()) {
       return absl::InvalidArgumentError(
           absl::StrCat("decode: ", seqs.size(), " sequences but ", tokens.size(), " tokens"));
@@ -328,8 +330,6 @@ class TorchModelRunner : public ModelRunner {
         return absl::NotFoundError(absl::StrCat("decode: unknown sequence ", s));
     }
     c10::InferenceMode guard;
-    host_times_ = {};
-    const auto start = std::chrono::steady_clock::now();
     const std::vector<int64_t> ids(seqs.begin(), seqs.end());
     RETURN_IF_ERROR(pool_->AppendSlots(ids, 1));  // all-or-nothing; RESOURCE_EXHAUSTED unchanged
     auto undo = [&](absl::Status st) -> absl::Status {

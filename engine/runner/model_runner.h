@@ -101,9 +101,9 @@ class ModelRunner {
                                             std::span<const int32_t> tokens) = 0;
 
   // Where the last Decode's host time went, in microseconds (with the previous step's ids just
-  // read back, the device waits for the host until the step's first kernel is queued): checks,
-  // block snapshot and slot allocation; packing the inputs; their upload; the graph launch (or
-  // the eager forward's launches); the whole call. Zeros where not measured.
+  // read back, the device waits for the host until the step's first kernel is queued): checks and
+  // slot allocation; packing the inputs, their upload and the graph launch (CUDA-graph steps
+  // only); the whole call. Zeros where not measured.
   struct DecodeHostTimes {
     double prepare_us = 0, fill_us = 0, upload_us = 0, launch_us = 0, total_us = 0;
   };
