@@ -168,8 +168,9 @@ class DecodeBackend : public AttentionBackend {
       params.scale = scale_;
       params.max_seq_len = max_seq_len_;
       // Both hold for a decode step: its tables and lengths were copied from the host before the
-      // step's first kernel, and the op right before this one (RoPE + K/V store, or the
-      // index_copy_ above) writes only each sequence's newest entry.
+      // step's first kernel, and the op right before this one (RoPE + K/V store, in its own
+      // kernel or the qkv GEMV's epilogue, or the index_copy_ above) writes only each sequence's
+      // newest entry.
       params.metadata_uploaded = true;
       params.older_keys_ready = true;
       return kernels::PagedDecodeAttention(q, kc, vc, in_.tables[layer_idx], in_.lens[layer_idx],
