@@ -721,8 +721,7 @@ absl::StatusOr<at::Tensor> PrefillBackend::Attend(int32_t layer_idx, const at::T
     if (device_timer_) {
       device_timer_->Stop();
     } else {
-      host_seconds_ +=
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - host_start).count();
+      host_seconds_ += MicrosSince(host_start) * 1e-6;
     }
     ASSIGN_OR_RETURN(kept, std::move(selected));
   }
