@@ -33,6 +33,34 @@ def families():
     yield "mistral", tf.MistralForCausalLM, tf.MistralConfig(
         **common, num_attention_heads=4, num_key_value_heads=1, head_dim=64, sliding_window=None,
         tie_word_embeddings=True), None
+    # Sliding windows far shorter than the prompt (13) + decode (16): the test's 4-slot blocks
+    # make each sliding layer's ring wrap several times, in prefill chunks and in decode.
+    yield "mistral_sliding", tf.MistralForCausalLM, tf.MistralConfig(
+        **common, num_attention_heads=4, num_key_value_heads=1, head_dim=64, sliding_window=6,
+        tie_word_embeddings=False), None
+    yield "qwen3", tf.Qwen3ForCausalLM, tf.Qwen3Config(
+        **common, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        tie_word_embeddings=False), None
+    # Gemma 2 with caps small enough to bite on random weights.
+    yield "gemma2", tf.Gemma2ForCausalLM, tf.Gemma2Config(
+        **common, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+        query_pre_attn_scalar=48, attn_logit_softcapping=0.03, final_logit_softcapping=10.0,
+        sliding_window=5), None
+    # Gemma 3: one global layer between sliding ones, a RoPE of its own (linear scaling) for it.
+    yield "gemma3", tf.Gemma3ForCausalLM, tf.Gemma3TextConfig(
+        **common, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+        query_pre_attn_scalar=256, sliding_window=7,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}), None
+    yield "llama_yarn", tf.LlamaForCausalLM, tf.LlamaConfig(
+        **common, num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 64}), None
+
+
+def name_of(cls):
+    return cls.__name__.lower()
 
 
 @torch.inference_mode()
@@ -56,6 +84,9 @@ def main():
     prompt = [1] + [int(x) for x in torch.randint(3, VOCAB, (12,))]
     for name, cls, config, shard in families():
         torch.manual_seed(1234)
+        if name == "gemma2":
+            # SDPA ignores soft-capping; eager attention is what Gemma 2 was trained with.
+            config._attn_implementation = "eager"
         model = cls(config).eval()
         # Random tiny models have flat logits (argmax flips under bf16 rounding): a unit-std
         # output head spreads them (~8 logit std) while the small inner weights (std 0.02) keep
@@ -64,6 +95,11 @@ def main():
         # test still compares the full logit vectors at every step.
         with torch.no_grad():
             model.lm_head.weight.normal_(0.0, 1.0)
+            # Norm weights start at 0 in Gemma (the model uses 1 + w) and 1 elsewhere: draw them
+            # so that a norm applied to the wrong tensor, or not at all, changes the logits.
+            for pname, param in model.named_parameters():
+                if "norm" in pname:
+                    param.normal_(0.0, 0.3).add_(0.0 if "gemma" in name_of(cls) else 1.0)
         d = os.path.join(out_dir, name)
         if shard:
             model.save_pretrained(d, max_shard_size=shard)
