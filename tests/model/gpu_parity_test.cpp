@@ -34,7 +34,7 @@ const json& HfReference() {
         testing::ReferencePython() + " " +
         (testing::SourceDir() / "tests/model/gpu_parity_reference.py").string() + " " +
         ModelsDir().string() + " " + out.string() + " " + std::to_string(kNumSteps) +
-        " llama qwen2 gemma mistral mistral_sliding qwen3 gemma2 gemma3 llama_yarn";
+        " llama qwen2 gemma mistral mistral_sliding qwen3 gemma2 gemma3 llama_yarn qwen3_shape";
     EXPECT_EQ(std::system(cmd.c_str()), 0) << cmd;
     std::ifstream in(out);
     return in.good() ? json::parse(in) : json::object();
@@ -89,7 +89,7 @@ TEST_P(GpuParityTest, Bf16LogitsAndGreedyTokensMatchHfOnCuda) {
 INSTANTIATE_TEST_SUITE_P(Families, GpuParityTest,
                          ::testing::Combine(::testing::Values("llama", "qwen2", "gemma", "mistral",
                                                               "mistral_sliding", "qwen3", "gemma2",
-                                                              "gemma3", "llama_yarn"),
+                                                              "gemma3", "llama_yarn", "qwen3_shape"),
                                             ::testing::Bool()),
                          [](const auto& info) {
                            return std::get<0>(info.param) +
