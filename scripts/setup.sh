@@ -26,7 +26,7 @@ apt_packages=(
   build-essential cmake ninja-build ccache pkg-config git python3 python3-venv python3-pip
   libgrpc++-dev libgrpc-dev protobuf-compiler protobuf-compiler-grpc libprotobuf-dev libabsl-dev
   libspdlog-dev libfmt-dev libgtest-dev libgmock-dev libbenchmark-dev prometheus-cpp-dev
-  nlohmann-json3-dev libcli11-dev libyaml-cpp-dev libpcre2-dev libicu-dev libopenblas0-serial
+  nlohmann-json3-dev libcli11-dev libboost-dev libssl-dev libyaml-cpp-dev libpcre2-dev libicu-dev libopenblas0-serial
   clang libclang-rt-14-dev clang-format yamllint prometheus gnuplot-nox
 )
 missing=()
