@@ -189,6 +189,7 @@ int main(int argc, char** argv) {
     if (engine.model_info.model_name() != http_engine.served_model_name)
       http_engine.model_aliases.push_back(engine.model_info.model_name());
     http_engine.max_context_len = engine.model_info.max_context_len();
+    http_engine.vocab_size = engine.model_info.vocab_size();
     http->Attach(std::move(http_engine));
   }
   spdlog::info(

@@ -5,6 +5,7 @@
 #include <sys/socket.h>
 #include <sys/time.h>
 
+#include <limits>
 #include <mutex>
 
 #include <boost/asio.hpp>
@@ -123,7 +124,7 @@ absl::StatusOr<ClientResponse> Client::Stream(
   if (!m.connected) return absl::FailedPreconditionError("http client: not connected");
   if (absl::Status st = m.Write(method, target, body, headers); !st.ok()) return st;
   bhttp::response_parser<bhttp::buffer_body> parser;
-  parser.body_limit(boost::none);
+  parser.body_limit(std::numeric_limits<std::uint64_t>::max());  // (boost::none trips 1.74)
   beast::error_code ec;
   bhttp::read_header(m.socket, m.buffer, parser, ec);
   if (ec) return m.Fail(absl::StrCat("read header: ", ec.message()));
@@ -134,7 +135,8 @@ absl::StatusOr<ClientResponse> Client::Stream(
   while (!parser.is_done()) {
     parser.get().body().data = piece;
     parser.get().body().size = sizeof(piece);
-    bhttp::read(m.socket, m.buffer, parser, ec);
+    // read_some: hand over what arrived (read() would wait to fill the piece).
+    bhttp::read_some(m.socket, m.buffer, parser, ec);
     if (ec == bhttp::error::need_buffer) ec = {};
     if (ec) return m.Fail(absl::StrCat("read body: ", ec.message()));
     const size_t n = sizeof(piece) - parser.get().body().size;

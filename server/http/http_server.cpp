@@ -6,6 +6,7 @@
 // Out items posted by the Exchange from any thread and are written in order.
 #include "server/http/http_server.h"
 
+#include <array>
 #include <deque>
 #include <mutex>
 #include <optional>
@@ -251,8 +252,10 @@ class Session final : public SessionBase {
 
   void ReadSome() {
     if (closed_) return;
+    // Into a buffer of its own: buffer_ is consumed by the parser while this read is pending, and
+    // a flat_buffer that is emptied moves its write position.
     stream_.async_read_some(
-        buffer_.prepare(kReadChunkBytes),
+        asio::buffer(read_chunk_),
         [self = Self()](beast::error_code ec, size_t n) { self->OnRead(ec, n); });
   }
 
@@ -260,7 +263,7 @@ class Session final : public SessionBase {
     if (closed_) return;
     if (ec) return Close(/*client_gone=*/true);
     if (closing_) return ReadSome();  // draining what the client still sends before our FIN
-    buffer_.commit(n);
+    buffer_.commit(asio::buffer_copy(buffer_.prepare(n), asio::buffer(read_chunk_.data(), n)));
     if (!exchange_) {
       ParseBuffered();
     } else if (buffer_.size() > kMaxPipelinedBytes) {
@@ -466,7 +469,8 @@ class Session final : public SessionBase {
   Stream stream_;
   Server::Impl& server_;
   asio::steady_timer timer_;
-  beast::flat_buffer buffer_;
+  std::array<char, kReadChunkBytes> read_chunk_;
+  beast::flat_buffer buffer_;  // received, not yet parsed
   std::optional<bhttp::request_parser<bhttp::string_body>> parser_;
   std::shared_ptr<ExchangeImpl> exchange_;  // the answer in progress
   std::deque<Out> out_;

@@ -263,8 +263,9 @@ struct HttpFrontend::Routes {
                                             std::nullopt, "invalid_api_key"));
     if (models) {
       if (!get) return RespondError(*exchange, openai::MakeError(405, "/v1/models: use GET"));
-      return exchange->Respond(
-          200, kJson, openai::ModelsJson(e->served_model_name, started_unix, e->max_context_len));
+      return exchange->Respond(200, kJson,
+                               openai::ModelsJson(e->served_model_name, started_unix,
+                                                  e->max_context_len, e->vocab_size));
     }
     if (request.method != "POST")
       return RespondError(*exchange,

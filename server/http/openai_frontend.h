@@ -45,6 +45,7 @@ struct HttpEngine {
   std::string served_model_name;           // `model` in requests and /v1/models
   std::vector<std::string> model_aliases;  // also accepted as `model` (e.g. the model folder)
   int64_t max_context_len = 0;
+  int32_t vocab_size = 0;
 };
 
 class HttpFrontend {

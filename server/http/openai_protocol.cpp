@@ -626,13 +626,14 @@ std::string ErrorEvent(const ApiError& error) {
   return absl::StrCat("data: ", ErrorJson(error), "\n\n");
 }
 
-std::string ModelsJson(const std::string& served_model_name, int64_t created,
-                       int64_t max_model_len) {
+std::string ModelsJson(const std::string& served_model_name, int64_t created, int64_t max_model_len,
+                       int32_t vocab_size) {
   json model = {{"id", served_model_name},
                 {"object", "model"},
                 {"created", created},
                 {"owned_by", "dropkv"},
-                {"max_model_len", max_model_len}};
+                {"max_model_len", max_model_len},
+                {"vocab_size", vocab_size}};
   return json({{"object", "list"}, {"data", json::array({model})}}).dump();
 }
 

@@ -114,8 +114,8 @@ std::string UsageEvent(const ParsedRequest& request, const ResponseMeta& meta,
 std::string ErrorEvent(const ApiError& error);
 inline constexpr std::string_view kDoneEvent = "data: [DONE]\n\n";
 
-// GET /v1/models.
-std::string ModelsJson(const std::string& served_model_name, int64_t created,
-                       int64_t max_model_len);
+// GET /v1/models; max_model_len and vocab_size are extensions (dropkv-loadgen reads them).
+std::string ModelsJson(const std::string& served_model_name, int64_t created, int64_t max_model_len,
+                       int32_t vocab_size);
 
 }  // namespace dropkv::openai
