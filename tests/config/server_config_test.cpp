@@ -72,6 +72,7 @@ TEST(ServerConfigTest, EachKeyReachesItsField) {
   std::vector<Case> cases = {
       {"model_dir: /models/llama",
        [](const ServerConfig& c) { return c.model_dir == "/models/llama"; }},
+      {"demo_model: true", [](const ServerConfig& c) { return c.demo_model; }},
       {"device: cuda:1", [](const ServerConfig& c) { return c.device == "cuda:1"; }},
       {"dtype: bfloat16", [](const ServerConfig& c) { return c.dtype == "bfloat16"; }},
       {"host: 0.0.0.0", [](const ServerConfig& c) { return c.host == "0.0.0.0"; }},
