@@ -1,0 +1,31 @@
+// jinja2's builtin filters and tests, transformers' additions (tojson, raise_exception,
+// strftime_now), the globals (range, namespace, dict, joiner) and the Python methods of str,
+// list and dict that templates call. Everything takes and returns jinja::Value and behaves as the
+// Python original does, errors included.
+#pragma once
+
+#include <memory>
+#include <string_view>
+#include <vector>
+
+#include "engine/tokenizer/jinja/ast.h"
+#include "engine/tokenizer/jinja/value.h"
+
+namespace dropkv::jinja {
+
+struct Scope;
+
+// Null when the name is not a filter / test this interpreter has.
+BuiltinFn FindFilter(std::string_view name);
+BuiltinFn FindTest(std::string_view name);
+
+// What `object.name` finds among the Python methods of str / list / dict:
+//  kNone: not a method (the caller falls back to items); otherwise a callable is returned in
+//  *method, which for unsafe (mutating) and unimplemented methods fails when called.
+enum class MethodLookup { kNone, kFound };
+MethodLookup FindMethod(const Value& self, std::string_view name, Value* method);
+
+// Adds the global functions to the root scope.
+void AddGlobals(Scope* root);
+
+}  // namespace dropkv::jinja
