@@ -62,14 +62,13 @@ class HfTokenizer final : public Tokenizer {
                                               bool add_special_tokens = true) const override;
   absl::StatusOr<std::string> Decode(const std::vector<int32_t>& ids,
                                      bool skip_special_tokens = true) const override;
-  absl::StatusOr<std::string> ApplyChatTemplate(const std::vector<ChatMessage>& messages,
-                                                bool add_generation_prompt = true) const override;
+  using Tokenizer::ApplyChatTemplate;
+  absl::StatusOr<std::string> ApplyChatTemplate(const ChatRequest& request) const override;
   int32_t vocab_size() const override { return vocab_size_; }
   std::optional<int32_t> bos_token_id() const override { return bos_id_; }
   std::vector<int32_t> eos_token_ids() const override { return eos_ids_; }
 
-  // The chat template family that was recognised (kNone when missing or unsupported).
-  ChatTemplateKind chat_template_kind() const { return chat_kind_; }
+  const ChatTemplate& chat_template() const { return chat_template_; }
 
   struct NormStep;
   struct PreStep;
@@ -113,7 +112,7 @@ class HfTokenizer final : public Tokenizer {
   std::vector<int32_t> eos_ids_;
   std::string bos_token_;
   std::string eos_token_;
-  ChatTemplateKind chat_kind_ = ChatTemplateKind::kNone;
+  ChatTemplate chat_template_;
 };
 
 }  // namespace dropkv

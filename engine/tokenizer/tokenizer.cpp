@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "engine/common/file_util.h"
+#include "engine/tokenizer/chat_template.h"
 #include "engine/tokenizer/hf_tokenizer.h"
 #include "engine/tokenizer/unicode.h"
 
@@ -32,6 +33,16 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromDirectory(const std::s
   auto tok = HfTokenizer::Create(dir, json_text, *config, *generation, *chat_template);
   if (!tok.ok()) return tok.status();
   return std::unique_ptr<Tokenizer>(std::move(*tok));
+}
+
+absl::StatusOr<std::string> Tokenizer::ApplyChatTemplate(const std::vector<ChatMessage>& messages,
+                                                         bool add_generation_prompt) const {
+  ChatRequest request;
+  for (const ChatMessage& m : messages) {
+    request.messages.push_back({{"role", m.role}, {"content", m.content}});
+  }
+  request.add_generation_prompt = add_generation_prompt;
+  return ApplyChatTemplate(request);
 }
 
 // vLLM-style detokenization: decode a short window of already-emitted ids plus the new ones, and
