@@ -135,6 +135,18 @@ absl::StatusOr<std::string> ChatTemplate::Render(const ChatRequest& request,
   if (tmpl == nullptr) {
     return absl::FailedPreconditionError("the model has no default chat template");
   }
+  for (const ojson* part : {&request.messages, &request.template_kwargs}) {
+    if (JsonNestedDeeperThan(*part, kMaxChatJsonDepth)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("the chat nests deeper than ", kMaxChatJsonDepth, " levels"));
+    }
+  }
+  for (const auto* part : {&request.tools, &request.documents}) {
+    if (part->has_value() && JsonNestedDeeperThan(**part, kMaxChatJsonDepth)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("the chat nests deeper than ", kMaxChatJsonDepth, " levels"));
+    }
+  }
   if (!request.messages.is_array() || request.messages.empty()) {
     return absl::InvalidArgumentError(
         "Cannot apply chat template to an empty conversation. Provide at least one message.");
@@ -166,23 +178,34 @@ absl::StatusOr<std::string> ChatTemplate::Render(const ChatRequest& request,
     return absl::InvalidArgumentError("chat_template_kwargs must be a JSON object");
   }
 
-  ojson variables = special_tokens_;
-  for (const auto& [key, value] : request.template_kwargs.items()) {
-    if (std::find(std::begin(kChatReservedVariables), std::end(kChatReservedVariables), key) !=
+  // The variables point into the request (no copy) except the final message's text, which
+  // continue_final_message changes in a copy.
+  jinja::TemplateVariables variables;
+  for (auto it = special_tokens_.begin(); it != special_tokens_.end(); ++it) {
+    variables.emplace_back(it.key(), &it.value());
+  }
+  for (auto it = request.template_kwargs.begin(); it != request.template_kwargs.end(); ++it) {
+    if (std::find(std::begin(kChatReservedVariables), std::end(kChatReservedVariables), it.key()) !=
         std::end(kChatReservedVariables)) {
       return absl::InvalidArgumentError(
-          absl::StrCat("chat_template_kwargs may not set '", key, "'"));
+          absl::StrCat("chat_template_kwargs may not set '", it.key(), "'"));
     }
-    variables[key] = value;
+    variables.emplace_back(it.key(), &it.value());
   }
-  variables["messages"] = request.messages;
-  variables["tools"] = request.tools ? *request.tools : ojson(nullptr);
-  variables["documents"] = request.documents ? *request.documents : ojson(nullptr);
-  variables["add_generation_prompt"] = request.add_generation_prompt;
+  static const ojson kNone = nullptr;
+  const ojson add_generation_prompt = request.add_generation_prompt;
+  ojson continued_messages;
+  const size_t messages_index = variables.size();
+  variables.emplace_back("messages", &request.messages);
+  variables.emplace_back("tools", request.tools ? &*request.tools : &kNone);
+  variables.emplace_back("documents", request.documents ? &*request.documents : &kNone);
+  variables.emplace_back("add_generation_prompt", &add_generation_prompt);
 
   std::string final_text;
   if (request.continue_final_message) {
-    ojson& last = variables["messages"].back();
+    continued_messages = request.messages;
+    variables[messages_index].second = &continued_messages;
+    ojson& last = continued_messages.back();
     if (!last.is_object() || !last.contains("content") || last["content"].is_null()) {
       return absl::InvalidArgumentError(
           "continue_final_message is set but the final message has no \"content\" to continue!");
@@ -231,6 +254,18 @@ absl::StatusOr<std::string> ChatTemplate::Render(const ChatRequest& request,
   return PyStrip(std::string_view(*rendered).substr(0, tag_pos), /*left=*/false);
 }
 
+bool JsonNestedDeeperThan(const nlohmann::ordered_json& json, int max_depth) {
+  std::vector<std::pair<const ojson*, int>> stack = {{&json, 0}};
+  while (!stack.empty()) {
+    const auto [node, depth] = stack.back();
+    stack.pop_back();
+    if (!node->is_structured()) continue;
+    if (depth + 1 > max_depth) return true;
+    for (const auto& child : *node) stack.emplace_back(&child, depth + 1);
+  }
+  return false;
+}
+
 absl::Status ParseToolCallArguments(nlohmann::ordered_json* messages,
                                     std::string_view field_prefix) {
   if (!messages->is_array()) return absl::OkStatus();
@@ -249,7 +284,7 @@ absl::Status ParseToolCallArguments(nlohmann::ordered_json* messages,
       ojson& function = calls[j]["function"];
       if (!function.contains("arguments") || !function["arguments"].is_string()) continue;
       ojson parsed = ojson::parse(function["arguments"].get<std::string>(), nullptr, false);
-      if (parsed.is_discarded()) {
+      if (parsed.is_discarded() || JsonNestedDeeperThan(parsed, kMaxChatJsonDepth)) {
         return absl::InvalidArgumentError(absl::StrCat(std::string(field_prefix), "[", i,
                                                        "].tool_calls[", j,
                                                        "].function.arguments: not valid JSON"));

@@ -79,6 +79,12 @@ class ChatTemplate {
   absl::Status load_status_ = absl::FailedPreconditionError("the model has no chat template");
 };
 
+// Deepest nesting a chat's JSON may have: templates never need more, and deeper input would
+// make the recursive copies and walks below unsafe for the stack.
+inline constexpr int kMaxChatJsonDepth = 64;
+// True when `json` nests deeper than `max_depth` arrays / objects (checked without recursion).
+bool JsonNestedDeeperThan(const nlohmann::ordered_json& json, int max_depth);
+
 // OpenAI clients send tool_calls[].function.arguments as JSON text; templates expect a mapping
 // (Llama 3.1 applies tojson to it, which would quote the text again), so parse it the way vLLM
 // does. Arguments that are not valid JSON text are INVALID_ARGUMENT naming

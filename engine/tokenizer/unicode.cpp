@@ -1,5 +1,7 @@
 #include "engine/tokenizer/unicode.h"
 
+#include <cstring>
+
 #include <unicode/locid.h>
 #include <unicode/normalizer2.h>
 #include <unicode/uchar.h>
@@ -37,6 +39,14 @@ size_t ValidSequenceLength(std::string_view s, size_t pos) {
 size_t FindInvalidUtf8(std::string_view s) {
   size_t i = 0;
   while (i < s.size()) {
+    // ASCII runs eight bytes at a time (chat messages are mostly ASCII).
+    while (i + 8 <= s.size()) {
+      uint64_t word;
+      std::memcpy(&word, s.data() + i, 8);
+      if ((word & 0x8080808080808080ULL) != 0) break;
+      i += 8;
+    }
+    if (i >= s.size()) break;
     if (static_cast<unsigned char>(s[i]) < 0x80) {
       ++i;
       continue;

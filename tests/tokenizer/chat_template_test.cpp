@@ -301,6 +301,15 @@ TEST(ChatTemplate, RequestShapeErrorsAreInvalidArgument) {
   EXPECT_EQ(chat.Render(request).status().code(), absl::StatusCode::kInvalidArgument);
   request.continue_final_message = false;
   EXPECT_EQ(chat.Render(request).value_or("error"), "1");
+  // Nesting past kMaxChatJsonDepth is refused before anything walks it recursively.
+  ojson deep = "x";
+  for (int i = 0; i < 1000; ++i) {
+    ojson outer = ojson::array();
+    outer.push_back(std::move(deep));
+    deep = std::move(outer);
+  }
+  request.messages = ojson::array({{{"role", "user"}, {"content", std::move(deep)}}});
+  EXPECT_EQ(chat.Render(request).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST(ChatTemplate, InvalidUtf8AndEmptyConversationThroughTheTokenizer) {

@@ -2,10 +2,13 @@
 // restricted to what chat templates use.
 #pragma once
 
+#include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
+#include "absl/container/node_hash_set.h"
 #include "engine/tokenizer/jinja/value.h"
 
 namespace dropkv::jinja {
@@ -14,6 +17,21 @@ struct Expr;
 struct Stmt;
 using ExprPtr = std::unique_ptr<Expr>;
 using Body = std::vector<std::unique_ptr<Stmt>>;
+
+// Variable names are interned per template: every mention of a name points at one string, so
+// scopes compare pointers, and a variable the template never mentions is never looked up (Jinja
+// has no dynamic lookup), so a render need not even convert it.
+using Symbol = const std::string*;
+
+class SymbolTable {
+ public:
+  Symbol Intern(std::string_view name);
+  // Null when the template never mentions `name`.
+  Symbol Find(std::string_view name) const;
+
+ private:
+  absl::node_hash_set<std::string> names_;  // node-based: the pointers stay valid
+};
 
 class Interpreter;
 struct CallArgs;
@@ -52,10 +70,12 @@ struct Expr {
   BinaryOp binary_op = BinaryOp::kAdd;
   std::vector<CompareOp> compare_ops;
   std::string name;
+  Symbol symbol = nullptr;  // kName: `name` interned
   Value constant;
   std::vector<ExprPtr> children;
   std::vector<std::string> kwarg_names;
   BuiltinFn builtin = nullptr;  // kFilter / kTest: resolved at parse time (null: unknown name)
+  uint8_t method_owners = 0;    // kGetAttr: MethodOwners(name), resolved at parse time
 
   size_t num_positional_args() const { return children.size() - 1 - kwarg_names.size(); }
 };
@@ -65,6 +85,7 @@ struct Target {
   enum class Kind : uint8_t { kName, kTuple, kNamespaceAttr };
   Kind kind = Kind::kName;
   std::string name;           // kName; kNamespaceAttr: the namespace variable
+  Symbol symbol = nullptr;    // `name` interned
   std::string attr;           // kNamespaceAttr
   std::vector<Target> items;  // kTuple
 };
@@ -102,7 +123,9 @@ struct Stmt {
   Body else_body;
   // Macros and call blocks: parameter names, and defaults for the last defaults.size() of them.
   std::string name;
+  Symbol symbol = nullptr;  // kMacro: `name` interned
   std::vector<std::string> params;
+  std::vector<Symbol> param_symbols;
   std::vector<ExprPtr> defaults;
   bool uses_caller = false;  // the body mentions `caller` / `varargs` / `kwargs`
   bool uses_varargs = false;

@@ -57,7 +57,7 @@ Value MakeGenerator(std::vector<Value> items) {
 }
 
 [[noreturn]] void UndefinedError(const Value& v) {
-  TypeError(std::string(v.undefined_what()));
+  TypeError(v.undefined_what());
 }
 
 void NoArgs(const CallArgs& args, std::string_view function) {
@@ -66,6 +66,14 @@ void NoArgs(const CallArgs& args, std::string_view function) {
 
 std::string StrOf(const Value& v) {
   return py::Str(v);
+}
+
+// Python returns the same string when nothing is stripped; so does this (no copy).
+Value StripValue(Interpreter& interp, const Value& s, const std::optional<std::string>& chars,
+                 bool left, bool right) {
+  const std::string_view kept = py::Strip(s.as_string(), chars, left, right);
+  if (kept.size() == s.as_string().size()) return s;
+  return Value::Substring(s, kept);
 }
 
 // Python's len().
@@ -90,11 +98,11 @@ Value AttrPath(Interpreter& interp, const Value& item, const Value& path) {
   if (path.is_int()) return interp.GetItem(item, path);
   if (!path.is_string()) TypeError("attribute must be a string or an integer");
   Value current = item;
-  const std::string& text = path.as_string();
+  const std::string_view text = path.as_string();
   size_t start = 0;
   while (true) {
     const size_t dot = text.find('.', start);
-    const std::string part = text.substr(start, dot == std::string::npos ? dot : dot - start);
+    const std::string part(text.substr(start, dot == std::string::npos ? dot : dot - start));
     const bool is_index = !part.empty() && std::all_of(part.begin(), part.end(),
                                                        [](char c) { return c >= '0' && c <= '9'; });
     current = interp.GetItem(current, is_index && part.size() < 18
@@ -210,7 +218,7 @@ Value FilterEscape(Interpreter& interp, const Value& v, CallArgs& args) {
 Value FilterFirst(Interpreter& interp, const Value& v, CallArgs& args) {
   NoArgs(args, "first");
   if (v.is_object()) {
-    if (auto* gen = dynamic_cast<Generator*>(v.as_object())) {
+    if (auto* gen = v.as_object()->AsGenerator()) {
       const Value* first = gen->TakeOne();
       if (first != nullptr) return *first;
       return Value::Undefined("No first item, sequence was empty.");
@@ -242,7 +250,7 @@ Value FilterLast(Interpreter& interp, const Value& v, CallArgs& args) {
 
 // Python float(str): surrounding whitespace allowed, the whole rest must be a number.
 bool ParseFloat(const std::string& text, double* out) {
-  const std::string s = py::Strip(text, std::nullopt, true, true);
+  const std::string s(py::Strip(text, std::nullopt, true, true));
   if (s.empty()) return false;
   std::string plain;
   for (size_t i = 0; i < s.size(); ++i) {
@@ -275,7 +283,7 @@ bool ParseFloat(const std::string& text, double* out) {
 
 // Python int(str, base).
 bool ParseInt(const std::string& text, int64_t base, int64_t* out) {
-  std::string s = py::Strip(text, std::nullopt, true, true);
+  std::string s(py::Strip(text, std::nullopt, true, true));
   bool negative = false;
   if (!s.empty() && (s[0] == '+' || s[0] == '-')) {
     negative = s[0] == '-';
@@ -313,7 +321,7 @@ Value FilterFloat(Interpreter&, const Value& v, CallArgs& args) {
   static const Value kZero = Value::Float(0.0);
   if (v.is_number()) return Value::Float(v.as_float());
   double f = 0;
-  if (v.is_string() && ParseFloat(v.as_string(), &f)) return Value::Float(f);
+  if (v.is_string() && ParseFloat(std::string(v.as_string()), &f)) return Value::Float(f);
   return a.GetOr(0, kZero);
 }
 
@@ -330,9 +338,11 @@ Value FilterInt(Interpreter&, const Value& v, CallArgs& args) {
   }
   if (v.is_string()) {
     int64_t i = 0;
-    if (base >= 2 && base <= 36 && ParseInt(v.as_string(), base, &i)) return Value::Int(i);
+    if (base >= 2 && base <= 36 && ParseInt(std::string(v.as_string()), base, &i)) {
+      return Value::Int(i);
+    }
     double f = 0;  // jinja2 then tries int(float(value))
-    if (ParseFloat(v.as_string(), &f) && std::isfinite(f) && std::fabs(f) < 9.2e18) {
+    if (ParseFloat(std::string(v.as_string()), &f) && std::isfinite(f) && std::fabs(f) < 9.2e18) {
       return Value::Int(static_cast<int64_t>(f));
     }
   }
@@ -348,7 +358,7 @@ Value FilterIndent(Interpreter& interp, const Value& v, CallArgs& args) {
     indention = std::string(static_cast<size_t>(std::max<int64_t>(0, a.Int(0, 4))), ' ');
   }
   std::string s = StrOf(v) + "\n";  // jinja2 appends one so splitlines keeps a trailing blank
-  const std::vector<std::string> lines = py::SplitLines(s, false);
+  const std::vector<std::string_view> lines = py::SplitLines(s, false);
   std::string out;
   if (a.Bool(2, false)) {
     for (size_t i = 0; i < lines.size(); ++i) {
@@ -430,7 +440,7 @@ Value FilterMap(Interpreter& interp, const Value& v, CallArgs& args) {
     return MakeGenerator(std::move(out));
   }
   if (!args.positional[0].is_string()) TypeError("map: the filter name must be a string");
-  const std::string name = args.positional[0].as_string();
+  const std::string name(args.positional[0].as_string());
   CallArgs rest = RestArgs(args, 1);
   for (const Value& item : interp.Iterate(v)) {
     interp.Tick();
@@ -522,7 +532,7 @@ Value FilterReplace(Interpreter& interp, const Value& v, CallArgs& args) {
 Value FilterReverse(Interpreter& interp, const Value& v, CallArgs& args) {
   NoArgs(args, "reverse");
   if (v.is_string()) {
-    const std::string& s = v.as_string();
+    const std::string_view s = v.as_string();
     const std::vector<size_t> offsets = py::CodePointOffsets(s);
     std::string out;
     for (size_t i = offsets.size() - 1; i > 0; --i) {
@@ -530,7 +540,7 @@ Value FilterReverse(Interpreter& interp, const Value& v, CallArgs& args) {
     }
     return interp.MakeString(std::move(out));
   }
-  if (v.is_object() && dynamic_cast<Generator*>(v.as_object()) != nullptr) {
+  if (v.is_object() && v.as_object()->AsGenerator() != nullptr) {
     std::vector<Value> items = interp.Iterate(v);  // list(value).reverse(): a list
     std::reverse(items.begin(), items.end());
     return Value::List(std::move(items));
@@ -626,7 +636,8 @@ Value FilterTrim(Interpreter& interp, const Value& v, CallArgs& args) {
   ArgReader a(args, "trim", {"chars"});
   std::optional<std::string> chars;
   if (a.Get(0) != nullptr && !a.Get(0)->is_none()) chars = a.String(0, "");
-  return interp.MakeString(py::Strip(StrOf(v), chars, true, true));
+  if (v.is_string()) return StripValue(interp, v, chars, true, true);
+  return interp.MakeString(std::string(py::Strip(StrOf(v), chars, true, true)));
 }
 
 Value FilterUnique(Interpreter& interp, const Value& v, CallArgs& args) {
@@ -711,14 +722,14 @@ Value TestMapping(Interpreter&, const Value& v, CallArgs&) {
   return Value::Bool(v.is_dict());
 }
 Value TestIterable(Interpreter&, const Value& v, CallArgs&) {
-  if (v.is_object()) return Value::Bool(dynamic_cast<Generator*>(v.as_object()) != nullptr);
+  if (v.is_object()) return Value::Bool(v.as_object()->AsGenerator() != nullptr);
   return Value::Bool(v.is_undefined() || v.is_string() || v.is_list() || v.is_dict());
 }
 Value TestSequence(Interpreter&, const Value& v, CallArgs&) {
   return Value::Bool(v.is_undefined() || v.is_string() || v.is_list() || v.is_dict());
 }
 Value TestCallable(Interpreter&, const Value& v, CallArgs&) {
-  return Value::Bool(v.is_object() && dynamic_cast<Callable*>(v.as_object()) != nullptr);
+  return Value::Bool(v.is_object() && v.as_object()->AsCallable() != nullptr);
 }
 Value TestEscaped(Interpreter&, const Value&, CallArgs&) {
   return Value::Bool(false);
@@ -820,13 +831,13 @@ Value TestTest(Interpreter&, const Value& v, CallArgs&) {
 
 // ---- str / list / dict methods ---------------------------------------------------------------
 
-const std::string& Self(const Value& self) {
+std::string_view Self(const Value& self) {
   return self.as_string();
 }
 
 // Python's optional [start, end] of find / count / startswith, as a substring and the code
 // points before it.
-std::string_view SubRange(const std::string& s, const ArgReader& a, size_t start_index,
+std::string_view SubRange(std::string_view s, const ArgReader& a, size_t start_index,
                           int64_t* offset_cp) {
   const std::vector<size_t> offsets = py::CodePointOffsets(s);
   const auto n = static_cast<int64_t>(offsets.size()) - 1;
@@ -866,7 +877,7 @@ Value AffixTest(const Value& self, CallArgs& args, bool prefix) {
   }
   for (const Value& c : candidates) {
     if (!c.is_string()) TypeError("a tuple for startswith must only contain str");
-    const std::string& affix = c.as_string();
+    const std::string_view affix = c.as_string();
     if (affix.size() > range.size()) continue;
     if (prefix ? range.substr(0, affix.size()) == affix
                : range.substr(range.size() - affix.size()) == affix) {
@@ -890,23 +901,24 @@ std::optional<std::string> OptionalChars(const ArgReader& a, size_t index) {
 
 Value StrStrip(Interpreter& interp, const Value& self, CallArgs& args) {
   ArgReader a(args, "strip", {"chars"});
-  return interp.MakeString(py::Strip(Self(self), OptionalChars(a, 0), true, true));
+  return StripValue(interp, self, OptionalChars(a, 0), true, true);
 }
 Value StrLstrip(Interpreter& interp, const Value& self, CallArgs& args) {
   ArgReader a(args, "lstrip", {"chars"});
-  return interp.MakeString(py::Strip(Self(self), OptionalChars(a, 0), true, false));
+  return StripValue(interp, self, OptionalChars(a, 0), true, false);
 }
 Value StrRstrip(Interpreter& interp, const Value& self, CallArgs& args) {
   ArgReader a(args, "rstrip", {"chars"});
-  return interp.MakeString(py::Strip(Self(self), OptionalChars(a, 0), false, true));
+  return StripValue(interp, self, OptionalChars(a, 0), false, true);
 }
 
 Value SplitImpl(Interpreter& interp, const Value& self, CallArgs& args, bool from_right) {
   ArgReader a(args, from_right ? "rsplit" : "split", {"sep", "maxsplit"});
+  const std::vector<std::string_view> pieces =
+      py::Split(Self(self), OptionalChars(a, 0), a.Int(1, -1), from_right);
   std::vector<Value> parts;
-  for (std::string& part : py::Split(Self(self), OptionalChars(a, 0), a.Int(1, -1), from_right)) {
-    parts.push_back(Value::String(std::move(part)));
-  }
+  parts.reserve(pieces.size());
+  for (std::string_view piece : pieces) parts.push_back(Value::Substring(self, piece));
   interp.Tick(static_cast<int64_t>(parts.size()));
   return Value::List(std::move(parts));
 }
@@ -920,8 +932,8 @@ Value StrRsplit(Interpreter& interp, const Value& self, CallArgs& args) {
 Value StrSplitlines(Interpreter& interp, const Value& self, CallArgs& args) {
   ArgReader a(args, "splitlines", {"keepends"});
   std::vector<Value> lines;
-  for (std::string& line : py::SplitLines(Self(self), a.Bool(0, false))) {
-    lines.push_back(Value::String(std::move(line)));
+  for (std::string_view line : py::SplitLines(Self(self), a.Bool(0, false))) {
+    lines.push_back(Value::Substring(self, line));
   }
   interp.Tick(static_cast<int64_t>(lines.size()));
   return Value::List(std::move(lines));
@@ -998,14 +1010,14 @@ Value Partition(Interpreter&, const Value& self, CallArgs& args, bool from_right
   ArgReader a(args, from_right ? "rpartition" : "partition", {"sep"});
   const std::string sep = a.String(0, "");
   if (sep.empty()) TypeError("empty separator");
-  const std::string& s = Self(self);
+  const std::string_view s = Self(self);
   const size_t hit = from_right ? s.rfind(sep) : s.find(sep);
   if (hit == std::string::npos) {
     return from_right ? Value::List({Value::String(""), Value::String(""), self}, true)
                       : Value::List({self, Value::String(""), Value::String("")}, true);
   }
-  return Value::List({Value::String(s.substr(0, hit)), Value::String(sep),
-                      Value::String(s.substr(hit + sep.size()))},
+  return Value::List({Value::Substring(self, s.substr(0, hit)), Value::String(sep),
+                      Value::Substring(self, s.substr(hit + sep.size()))},
                      true);
 }
 Value StrPartition(Interpreter& interp, const Value& self, CallArgs& args) {
@@ -1018,18 +1030,18 @@ Value StrRpartition(Interpreter& interp, const Value& self, CallArgs& args) {
 Value StrRemoveprefix(Interpreter&, const Value& self, CallArgs& args) {
   ArgReader a(args, "removeprefix", {"prefix"});
   const std::string prefix = a.String(0, "");
-  const std::string& s = Self(self);
-  return s.compare(0, prefix.size(), prefix) == 0 ? Value::String(s.substr(prefix.size())) : self;
+  const std::string_view s = Self(self);
+  return s.substr(0, prefix.size()) == prefix ? Value::Substring(self, s.substr(prefix.size()))
+                                              : self;
 }
 Value StrRemovesuffix(Interpreter&, const Value& self, CallArgs& args) {
   ArgReader a(args, "removesuffix", {"suffix"});
   const std::string suffix = a.String(0, "");
-  const std::string& s = Self(self);
-  if (suffix.empty() || suffix.size() > s.size() ||
-      s.compare(s.size() - suffix.size(), suffix.size(), suffix) != 0) {
+  const std::string_view s = Self(self);
+  if (suffix.empty() || suffix.size() > s.size() || s.substr(s.size() - suffix.size()) != suffix) {
     return self;
   }
-  return Value::String(s.substr(0, s.size() - suffix.size()));
+  return Value::Substring(self, s.substr(0, s.size() - suffix.size()));
 }
 
 Value Justify(Interpreter& interp, const Value& self, CallArgs& args, int where) {
@@ -1038,7 +1050,7 @@ Value Justify(Interpreter& interp, const Value& self, CallArgs& args, int where)
   const std::string fill = a.String(1, " ");
   if (py::CodePointCount(fill) != 1)
     TypeError("The fill character must be exactly one character long");
-  const std::string& s = Self(self);
+  const std::string_view s = Self(self);
   const int64_t margin = width - static_cast<int64_t>(py::CodePointCount(s));
   if (margin <= 0) return self;
   if (margin > (1 << 20)) Fail(absl::StatusCode::kResourceExhausted, "justify width too large");
@@ -1392,22 +1404,43 @@ BuiltinFn FindTest(std::string_view name) {
   return Lookup(kTests, name);
 }
 
+uint8_t MethodOwners(std::string_view name) {
+  uint8_t owners = 0;
+  if (Lookup(kStrMethods, name) != nullptr || Contains(kStrUnimplemented, name)) {
+    owners |= kStrMethodOwner;
+  }
+  if (Lookup(kListMethods, name) != nullptr || Contains(kListUnsafe, name)) {
+    owners |= kListMethodOwner;
+  }
+  if (Lookup(kDictMethods, name) != nullptr || Contains(kDictUnsafe, name) ||
+      Contains(kDictUnimplemented, name)) {
+    owners |= kDictMethodOwner;
+  }
+  return owners;
+}
+
+BuiltinFn FindMethodFn(const Value& self, std::string_view name) {
+  if (self.is_string()) return Lookup(kStrMethods, name);
+  if (self.is_list()) {
+    if (self.as_list().is_tuple && name == "copy") return nullptr;  // tuples have no copy()
+    return Lookup(kListMethods, name);
+  }
+  if (self.is_dict()) return Lookup(kDictMethods, name);
+  return nullptr;
+}
+
 MethodLookup FindMethod(const Value& self, std::string_view name, Value* method) {
-  BuiltinFn fn = nullptr;
+  const BuiltinFn fn = FindMethodFn(self, name);
   std::string_view type;
   bool unsafe = false, unimplemented = false;
   if (self.is_string()) {
     type = "str";
-    fn = Lookup(kStrMethods, name);
     unimplemented = Contains(kStrUnimplemented, name);
   } else if (self.is_list()) {
     type = self.as_list().is_tuple ? "tuple" : "list";
-    fn = Lookup(kListMethods, name);
     unsafe = !self.as_list().is_tuple && Contains(kListUnsafe, name);
-    if (self.as_list().is_tuple && name == "copy") fn = nullptr;  // tuples have no copy()
   } else if (self.is_dict()) {
     type = "dict";
-    fn = Lookup(kDictMethods, name);
     unsafe = Contains(kDictUnsafe, name);
     unimplemented = Contains(kDictUnimplemented, name);
   }
@@ -1430,13 +1463,20 @@ MethodLookup FindMethod(const Value& self, std::string_view name, Value* method)
   return MethodLookup::kNone;
 }
 
-void AddGlobals(Scope* root) {
-  root->Set("range", MakeCallable("range", &GlobalRange));
-  root->Set("dict", MakeCallable("dict", &GlobalDict));
-  root->Set("namespace", MakeCallable("namespace", &GlobalNamespace));
-  root->Set("joiner", MakeCallable("joiner", &GlobalJoiner));
-  root->Set("raise_exception", MakeCallable("raise_exception", &GlobalRaiseException));
-  root->Set("strftime_now", MakeCallable("strftime_now", &GlobalStrftimeNow));
+void AddGlobals(const SymbolTable& symbols, Scope* root) {
+  static constexpr NamedFn kGlobals[] = {
+      {"range", &GlobalRange},
+      {"dict", &GlobalDict},
+      {"namespace", &GlobalNamespace},
+      {"joiner", &GlobalJoiner},
+      {"raise_exception", &GlobalRaiseException},
+      {"strftime_now", &GlobalStrftimeNow},
+  };
+  for (const NamedFn& global : kGlobals) {
+    if (Symbol symbol = symbols.Find(global.name)) {
+      root->Set(symbol, MakeCallable(std::string(global.name), global.fn));
+    }
+  }
 }
 
 }  // namespace dropkv::jinja

@@ -4,6 +4,7 @@
 // Python original does, errors included.
 #pragma once
 
+#include <cstdint>
 #include <memory>
 #include <string_view>
 #include <vector>
@@ -24,8 +25,17 @@ BuiltinFn FindTest(std::string_view name);
 //  *method, which for unsafe (mutating) and unimplemented methods fails when called.
 enum class MethodLookup { kNone, kFound };
 MethodLookup FindMethod(const Value& self, std::string_view name, Value* method);
+// The implemented method `name` of a str / list / dict value, or null: calls through it skip
+// building a bound-method object.
+BuiltinFn FindMethodFn(const Value& self, std::string_view name);
+// Which of str / list / dict have an attribute `name` at all (bit flags, parse-time hints that
+// let `message.role` skip the method tables).
+inline constexpr uint8_t kStrMethodOwner = 1;
+inline constexpr uint8_t kListMethodOwner = 2;
+inline constexpr uint8_t kDictMethodOwner = 4;
+uint8_t MethodOwners(std::string_view name);
 
-// Adds the global functions to the root scope.
-void AddGlobals(Scope* root);
+// Adds the global functions the template mentions to the root scope.
+void AddGlobals(const SymbolTable& symbols, Scope* root);
 
 }  // namespace dropkv::jinja

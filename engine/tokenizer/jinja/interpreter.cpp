@@ -1,5 +1,6 @@
 #include "engine/tokenizer/jinja/interpreter.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -15,7 +16,7 @@ namespace dropkv::jinja {
 namespace {
 
 [[noreturn]] void UndefinedError(const Value& v) {
-  TypeError(std::string(v.undefined_what()));
+  TypeError(v.undefined_what());
 }
 
 [[noreturn]] void IntegerOverflow() {
@@ -53,6 +54,12 @@ class LoopObject final : public Object, public std::enable_shared_from_this<Loop
   LoopObject(std::shared_ptr<LoopState> state, size_t index)
       : state_(std::move(state)), index_(index) {}
   std::string_view type_name() const override { return "LoopContext"; }
+  bool GetAttribute(std::string_view name, Value* out) override {
+    *out = Attr(name);
+    return true;
+  }
+  // The next iteration, when nothing else holds this object (saves an allocation per step).
+  void set_index(size_t index) { index_ = index; }
 
   Value Attr(std::string_view name) {
     const auto n = static_cast<int64_t>(state_->items.size());
@@ -88,7 +95,7 @@ class LoopObject final : public Object, public std::enable_shared_from_this<Loop
   }
   static Value Changed(Interpreter&, const Value& self, CallArgs& args) {
     auto* loop = static_cast<LoopObject*>(self.as_object());
-    Value current = Value::List(args.positional);
+    Value current = Value::List({args.positional.begin(), args.positional.end()});
     LoopState& state = *loop->state_;
     if (state.has_changed_value && py::Equal(state.changed_value, current)) {
       return Value::Bool(false);
@@ -105,7 +112,7 @@ class LoopObject final : public Object, public std::enable_shared_from_this<Loop
 // Storing these in a namespace could make a reference cycle (a namespace holding itself).
 bool MayFormCycle(const Value& v) {
   if (v.is_object()) {
-    if (auto* gen = dynamic_cast<Generator*>(v.as_object())) return gen->HoldsObjects();
+    if (auto* gen = v.as_object()->AsGenerator()) return gen->HoldsObjects();
     return true;
   }
   return v.holds_objects();
@@ -170,16 +177,18 @@ void FloatDivMod(double a, double b, double* div_out, double* mod_out) {
 
 ArgReader::ArgReader(const CallArgs& args, std::string_view function,
                      std::initializer_list<std::string_view> params)
-    : function_(function), params_(params), bound_(params.size(), nullptr) {
-  if (args.positional.size() > params_.size()) {
-    TypeError(Cat(function_, "() takes at most ", params_.size(), " arguments (",
+    : function_(function), num_params_(params.size()) {
+  if (params.size() > kMaxParams) Unsupported("internal: a builtin with too many parameters");
+  std::copy(params.begin(), params.end(), params_.begin());
+  if (args.positional.size() > num_params_) {
+    TypeError(Cat(function_, "() takes at most ", num_params_, " arguments (",
                   args.positional.size(), " given)"));
   }
   for (size_t i = 0; i < args.positional.size(); ++i) bound_[i] = &args.positional[i];
   for (const auto& [key, value] : args.keywords) {
     size_t index = 0;
-    while (index < params_.size() && params_[index] != key) ++index;
-    if (index == params_.size()) {
+    while (index < num_params_ && params_[index] != key) ++index;
+    if (index == num_params_) {
       TypeError(Cat(function_, "() got an unexpected keyword argument '", key, "'"));
     }
     if (bound_[index] != nullptr) {
@@ -195,7 +204,7 @@ std::string ArgReader::String(size_t index, std::string_view fallback) const {
     TypeError(Cat(function_, "(): argument '", params_[index], "' must be str, not ",
                   py::TypeName(*bound_[index])));
   }
-  return bound_[index]->as_string();
+  return std::string(bound_[index]->as_string());
 }
 
 int64_t ArgReader::Int(size_t index, int64_t fallback) const {
@@ -211,7 +220,7 @@ bool ArgReader::Bool(size_t index, bool fallback) const {
   return bound_[index] == nullptr ? fallback : py::Truthy(*bound_[index]);
 }
 
-const Value* Scope::Find(std::string_view name) const {
+const Value* Scope::Find(Symbol name) const {
   for (const Scope* s = this; s != nullptr; s = s->parent.get()) {
     for (const auto& [key, value] : s->vars) {
       if (key == name) return &value;
@@ -220,14 +229,14 @@ const Value* Scope::Find(std::string_view name) const {
   return nullptr;
 }
 
-void Scope::Set(std::string_view name, Value value) {
+void Scope::Set(Symbol name, Value value) {
   for (auto& [key, existing] : vars) {
     if (key == name) {
       existing = std::move(value);
       return;
     }
   }
-  vars.emplace_back(std::string(name), std::move(value));
+  vars.emplace_back(name, std::move(value));
 }
 
 std::vector<Value> Generator::TakeAll() {
@@ -247,7 +256,14 @@ bool Generator::HoldsObjects() const {
   return false;
 }
 
-Value FromJson(const nlohmann::ordered_json& json) {
+namespace {
+
+Value FromJsonAt(const nlohmann::ordered_json& json, int depth) {
+  // Checked before recursing: the value's own depth check comes only after its children.
+  if (depth > kMaxValueDepth) {
+    Fail(absl::StatusCode::kInvalidArgument,
+         Cat("the variables nest deeper than ", kMaxValueDepth, " levels"));
+  }
   switch (json.type()) {
     case nlohmann::ordered_json::value_t::null:
       return Value::None();
@@ -265,19 +281,25 @@ Value FromJson(const nlohmann::ordered_json& json) {
     case nlohmann::ordered_json::value_t::string: {
       const auto& s = json.get_ref<const std::string&>();
       if (!unicode::IsValidUtf8(s)) TypeError("a string in the conversation is not valid UTF-8");
-      return Value::String(s);
+      return Value::BorrowedString(s);  // the JSON outlives the render
     }
     case nlohmann::ordered_json::value_t::array: {
       std::vector<Value> items;
       items.reserve(json.size());
-      for (const auto& item : json) items.push_back(FromJson(item));
+      for (const auto& item : json) items.push_back(FromJsonAt(item, depth + 1));
       return Value::List(std::move(items));
     }
     case nlohmann::ordered_json::value_t::object: {
+      // JSON object keys are unique, so entries are appended without Set's duplicate scan.
       DictData dict;
-      for (const auto& [key, item] : json.items()) {
+      dict.entries.reserve(json.size());
+      // The object's own (key, value) vector: items()'s proxies cost more than the conversion.
+      for (const auto& [key, item] : json.get_ref<const nlohmann::ordered_json::object_t&>()) {
         if (!unicode::IsValidUtf8(key)) TypeError("a key in the conversation is not valid UTF-8");
-        dict.Set(key, FromJson(item));
+        Value value = FromJsonAt(item, depth + 1);
+        dict.depth = std::max(dict.depth, value.depth() + 1);
+        dict.holds_objects = dict.holds_objects || value.holds_objects();
+        dict.entries.emplace_back(key, std::move(value));
       }
       return Value::Dict(std::move(dict));
     }
@@ -286,18 +308,22 @@ Value FromJson(const nlohmann::ordered_json& json) {
   }
 }
 
+}  // namespace
+
+Value FromJson(const nlohmann::ordered_json& json) {
+  return FromJsonAt(json, 0);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Interpreter
 
-Interpreter::Interpreter(const RenderOptions& options, int64_t* steps)
-    : options_(options), steps_(steps) {}
+Interpreter::Interpreter(const ParsedTemplate& parsed, const RenderOptions& options, int64_t* steps)
+    : parsed_(parsed), options_(options), steps_(steps) {}
 
-Interpreter::DepthGuard::DepthGuard(Interpreter* interp) : interp_(interp) {
-  if (++interp_->depth_ > interp_->options_.limits.max_depth) {
-    Fail(absl::StatusCode::kResourceExhausted,
-         Cat("recursion deeper than ", interp_->options_.limits.max_depth,
-             " levels (a macro calling itself?)"));
-  }
+void Interpreter::DepthExceeded() const {
+  Fail(absl::StatusCode::kResourceExhausted,
+       Cat("recursion deeper than ", options_.limits.max_depth,
+           " levels (a macro calling itself?)"));
 }
 
 void Interpreter::BudgetExceeded() const {
@@ -306,11 +332,13 @@ void Interpreter::BudgetExceeded() const {
            " steps (an endless or huge loop?)"));
 }
 
+void Interpreter::StringLimitExceeded() const {
+  Fail(absl::StatusCode::kResourceExhausted,
+       Cat("a string grew past the ", options_.limits.max_output_bytes, "-byte limit"));
+}
+
 Value Interpreter::MakeString(std::string s) {
-  if (static_cast<int64_t>(s.size()) > options_.limits.max_output_bytes) {
-    Fail(absl::StatusCode::kResourceExhausted,
-         Cat("a string grew past the ", options_.limits.max_output_bytes, "-byte limit"));
-  }
+  if (static_cast<int64_t>(s.size()) > options_.limits.max_output_bytes) StringLimitExceeded();
   Tick(static_cast<int64_t>(s.size() / 64));
   return Value::String(std::move(s));
 }
@@ -332,9 +360,9 @@ std::tm Interpreter::LocalTime() const {
   return tm;
 }
 
-std::string Interpreter::RenderRoot(const Body& body, std::shared_ptr<Scope> root) {
+std::string Interpreter::RenderRoot(std::shared_ptr<Scope> root) {
   std::string out;
-  ExecBody(body, root, &out);
+  ExecBody(parsed_.body, root, &out);
   return out;
 }
 
@@ -373,7 +401,11 @@ Interpreter::Flow Interpreter::Exec(const Stmt& stmt, const std::shared_ptr<Scop
       Append(stmt.text, out);
       return Flow::kNormal;
     case StmtKind::kOutput: {
-      const Value v = Eval(*stmt.expr, *scope);
+      // `{{ a + b + c }}` and `{{ a ~ b }}` (how templates build each turn) go straight to the
+      // output when the parts are strings, without building the sum first.
+      if (AppendParts(*stmt.expr, *scope, out)) return Flow::kNormal;
+      Value tmp;
+      const Value& v = EvalRef(*stmt.expr, *scope, tmp);
       if (v.is_string()) {
         Append(v.as_string(), out);
       } else {
@@ -385,28 +417,47 @@ Interpreter::Flow Interpreter::Exec(const Stmt& stmt, const std::shared_ptr<Scop
     }
     case StmtKind::kIf:
       for (const IfBranch& branch : stmt.branches) {
-        if (py::Truthy(Eval(*branch.condition, *scope))) return ExecBody(branch.body, scope, out);
+        Value tmp;
+        if (py::Truthy(EvalRef(*branch.condition, *scope, tmp))) {
+          return ExecBody(branch.body, scope, out);
+        }
       }
       return ExecBody(stmt.else_body, scope, out);
     case StmtKind::kFor: {
       const Value iterable = Eval(*stmt.expr, *scope);
       auto state = std::make_shared<LoopState>();
-      for (Value& item : Iterate(iterable)) {
+      std::vector<Value> all_items = Iterate(iterable);
+      state->items.reserve(all_items.size());
+      for (Value& item : all_items) {
         if (stmt.condition != nullptr) {
           Scope probe;
           probe.parent = scope;
           Assign(stmt.target, item, probe);
-          if (!py::Truthy(Eval(*stmt.condition, probe))) continue;
+          Value tmp;
+          if (!py::Truthy(EvalRef(*stmt.condition, probe, tmp))) continue;
         }
         state->items.push_back(std::move(item));
       }
       if (state->items.empty()) return ExecBody(stmt.else_body, scope, out);
+      std::shared_ptr<Scope> iteration;
+      std::shared_ptr<LoopObject> loop;
       for (size_t i = 0; i < state->items.size(); ++i) {
         Tick();
-        auto iteration = std::make_shared<Scope>();
-        iteration->parent = scope;
+        // Each iteration starts from a fresh scope. The previous one (and its loop object) is
+        // reused when the body kept no reference to it, which is the common case.
+        if (iteration == nullptr || iteration.use_count() > 1) {
+          iteration = std::make_shared<Scope>();
+          iteration->parent = scope;
+        } else {
+          iteration->vars.clear();
+        }
+        if (loop == nullptr || loop.use_count() > 1) {
+          loop = std::make_shared<LoopObject>(state, i);
+        } else {
+          loop->set_index(i);
+        }
         Assign(stmt.target, state->items[i], *iteration);
-        iteration->Set("loop", Value::FromObject(std::make_shared<LoopObject>(state, i)));
+        if (parsed_.loop != nullptr) iteration->Set(parsed_.loop, Value::FromObject(loop));
         if (ExecBody(stmt.body, iteration, out) == Flow::kBreak) break;
       }
       return Flow::kNormal;
@@ -421,8 +472,8 @@ Interpreter::Flow Interpreter::Exec(const Stmt& stmt, const std::shared_ptr<Scop
       return Flow::kNormal;
     }
     case StmtKind::kMacro:
-      scope->Set(stmt.name, Value::FromObject(std::make_shared<MacroCallable>(
-                                &stmt, std::weak_ptr<Scope>(scope), stmt.name)));
+      scope->Set(stmt.symbol, Value::FromObject(std::make_shared<MacroCallable>(
+                                  &stmt, std::weak_ptr<Scope>(scope), stmt.name)));
       return Flow::kNormal;
     case StmtKind::kCallBlock: {
       const Expr& call = *stmt.expr;
@@ -467,7 +518,7 @@ Interpreter::Flow Interpreter::Exec(const Stmt& stmt, const std::shared_ptr<Scop
 void Interpreter::Assign(const Target& target, const Value& value, Scope& scope) {
   switch (target.kind) {
     case Target::Kind::kName:
-      scope.Set(target.name, value);
+      scope.Set(target.symbol, value);
       return;
     case Target::Kind::kTuple: {
       const std::vector<Value> items = Iterate(value);
@@ -481,10 +532,9 @@ void Interpreter::Assign(const Target& target, const Value& value, Scope& scope)
       return;
     }
     case Target::Kind::kNamespaceAttr: {
-      const Value* ns_value = scope.Find(target.name);
-      auto* ns = ns_value != nullptr && ns_value->is_object()
-                     ? dynamic_cast<Namespace*>(ns_value->as_object())
-                     : nullptr;
+      const Value* ns_value = scope.Find(target.symbol);
+      auto* ns = ns_value != nullptr && ns_value->is_object() ? ns_value->as_object()->AsNamespace()
+                                                              : nullptr;
       if (ns == nullptr) TypeError("cannot assign attribute on non-namespace object");
       if (MayFormCycle(value)) {
         Unsupported("storing namespaces, loops or functions in a namespace is not supported");
@@ -507,7 +557,7 @@ Value Interpreter::CallMacro(const Stmt& def, const std::shared_ptr<Scope>& clos
   Value caller = Value::Undefined("No caller defined");
   for (size_t i = 0; i < args.positional.size(); ++i) {
     if (i < num_params) {
-      scope->Set(def.params[i], args.positional[i]);
+      scope->Set(def.param_symbols[i], args.positional[i]);
       bound[i] = true;
     } else if (def.uses_varargs) {
       varargs.push_back(args.positional[i]);
@@ -522,7 +572,7 @@ Value Interpreter::CallMacro(const Stmt& def, const std::shared_ptr<Scope>& clos
       if (bound[index]) {
         TypeError(Cat("macro '", name, "' got multiple values for argument '", key, "'"));
       }
-      scope->Set(key, value);
+      scope->Set(def.param_symbols[index], value);
       bound[index] = true;
     } else if (key == "caller" && def.uses_caller) {
       caller = value;
@@ -535,14 +585,15 @@ Value Interpreter::CallMacro(const Stmt& def, const std::shared_ptr<Scope>& clos
   const size_t first_default = num_params - def.defaults.size();
   for (size_t i = 0; i < num_params; ++i) {
     if (bound[i]) continue;
-    scope->Set(def.params[i],
+    scope->Set(def.param_symbols[i],
                i >= first_default
                    ? Eval(*def.defaults[i - first_default], *scope)
                    : Value::Undefined(Cat("parameter '", def.params[i], "' was not provided")));
   }
-  if (def.uses_varargs) scope->Set("varargs", Value::List(std::move(varargs), true));
-  if (def.uses_kwargs) scope->Set("kwargs", Value::Dict(std::move(kwargs)));
-  if (def.uses_caller) scope->Set("caller", caller);
+  // uses_* imply the template mentions the name, so the symbols exist.
+  if (def.uses_varargs) scope->Set(parsed_.varargs, Value::List(std::move(varargs), true));
+  if (def.uses_kwargs) scope->Set(parsed_.kwargs, Value::Dict(std::move(kwargs)));
+  if (def.uses_caller) scope->Set(parsed_.caller, caller);
   std::string out;
   ExecBody(def.body, scope, &out);
   return MakeString(std::move(out));
@@ -574,6 +625,66 @@ Value Interpreter::EvalBuiltin(const Expr& expr, const Value& subject, Scope& sc
   return expr.builtin(*this, subject, args);
 }
 
+const Value& Interpreter::EvalRef(const Expr& expr, Scope& scope, Value& tmp) {
+  switch (expr.kind) {
+    case ExprKind::kConst:
+      Tick();
+      return expr.constant;
+    case ExprKind::kName: {
+      Tick();
+      if (const Value* v = scope.Find(expr.symbol)) return *v;
+      break;
+    }
+    case ExprKind::kGetAttr:
+    case ExprKind::kGetItem: {
+      // Items of dicts and lists are immutable, so a reference into one is stable while the
+      // subject lives; a subject held only by `inner` cannot lend references past this frame.
+      DepthGuard guard(this);
+      Tick();
+      Value inner;
+      const Value& subject = EvalRef(*expr.children[0], scope, inner);
+      line_ = expr.line;
+      const Value* found = nullptr;
+      if (expr.kind == ExprKind::kGetAttr) {
+        if (subject.is_dict() && !(expr.method_owners & kDictMethodOwner)) {
+          found = subject.as_dict().Find(expr.name);
+          if (found == nullptr) {
+            tmp = Value::UndefinedDictAttribute(&expr.name);
+            return tmp;
+          }
+        }
+        if (found == nullptr) {
+          tmp = GetAttr(subject, expr.name, expr.method_owners);
+          return tmp;
+        }
+      } else {
+        const Expr& key_expr = *expr.children[1];
+        if (key_expr.kind == ExprKind::kSlice) {
+          tmp = Slice(subject, key_expr, scope);
+          return tmp;
+        }
+        Value key_tmp;
+        const Value& key = EvalRef(key_expr, scope, key_tmp);
+        line_ = expr.line;
+        if (subject.is_dict() && key.is_string()) found = subject.as_dict().Find(key.as_string());
+        if (found == nullptr) {
+          tmp = GetItem(subject, key);
+          return tmp;
+        }
+      }
+      if (&subject == &inner) {
+        tmp = *found;
+        return tmp;
+      }
+      return *found;
+    }
+    default:
+      break;
+  }
+  tmp = Eval(expr, scope);
+  return tmp;
+}
+
 Value Interpreter::Eval(const Expr& expr, Scope& scope) {
   DepthGuard guard(this);
   Tick();
@@ -582,8 +693,8 @@ Value Interpreter::Eval(const Expr& expr, Scope& scope) {
     case ExprKind::kConst:
       return expr.constant;
     case ExprKind::kName: {
-      const Value* v = scope.Find(expr.name);
-      return v != nullptr ? *v : Value::Undefined(Cat("'", expr.name, "' is undefined"));
+      const Value* v = scope.Find(expr.symbol);
+      return v != nullptr ? *v : Value::UndefinedName(&expr.name);
     }
     case ExprKind::kList:
     case ExprKind::kTuple: {
@@ -600,17 +711,15 @@ Value Interpreter::Eval(const Expr& expr, Scope& scope) {
           Unsupported(
               Cat("dict keys of type ", py::TypeName(key), " are not supported (strings only)"));
         }
-        dict.Set(key.as_string(), Eval(*expr.children[i + 1], scope));
+        dict.Set(std::string(key.as_string()), Eval(*expr.children[i + 1], scope));
       }
       return Value::Dict(std::move(dict));
     }
     case ExprKind::kGetAttr:
-      return GetAttr(Eval(*expr.children[0], scope), expr.name);
     case ExprKind::kGetItem: {
-      const Value object = Eval(*expr.children[0], scope);
-      if (expr.children[1]->kind == ExprKind::kSlice)
-        return Slice(object, *expr.children[1], scope);
-      return GetItem(object, Eval(*expr.children[1], scope));
+      Value tmp;
+      const Value& v = EvalRef(expr, scope, tmp);
+      return &v == &tmp ? std::move(tmp) : v;
     }
     case ExprKind::kSlice:
       Unsupported("a slice outside of [] is not supported");
@@ -621,15 +730,18 @@ Value Interpreter::Eval(const Expr& expr, Scope& scope) {
         if (block_text_ == nullptr) Unsupported("filter without a subject");
         return EvalBuiltin(expr, *block_text_, scope);
       }
-      const Value subject = Eval(*expr.children[0], scope);
-      return EvalBuiltin(expr, subject, scope);
+      Value tmp;
+      return EvalBuiltin(expr, EvalRef(*expr.children[0], scope, tmp), scope);
     }
     case ExprKind::kTest: {
-      const Value subject = Eval(*expr.children[0], scope);
-      return Value::Bool(py::Truthy(EvalBuiltin(expr, subject, scope)));
+      Value tmp;
+      return Value::Bool(
+          py::Truthy(EvalBuiltin(expr, EvalRef(*expr.children[0], scope, tmp), scope)));
     }
-    case ExprKind::kNot:
-      return Value::Bool(!py::Truthy(Eval(*expr.children[0], scope)));
+    case ExprKind::kNot: {
+      Value tmp;
+      return Value::Bool(!py::Truthy(EvalRef(*expr.children[0], scope, tmp)));
+    }
     case ExprKind::kNeg:
     case ExprKind::kPos: {
       const Value v = Eval(*expr.children[0], scope);
@@ -644,17 +756,29 @@ Value Interpreter::Eval(const Expr& expr, Scope& scope) {
       return Value::Int(-v.as_int());
     }
     case ExprKind::kBinary: {
-      const Value a = Eval(*expr.children[0], scope);
-      const Value b = Eval(*expr.children[1], scope);
+      if (expr.binary_op == BinaryOp::kAdd) return EvalAddChain(expr, scope);
+      Value tmp_a, tmp_b;
+      const Value& a = EvalRef(*expr.children[0], scope, tmp_a);
+      const Value& b = EvalRef(*expr.children[1], scope, tmp_b);
       line_ = expr.line;
       return Binary(expr.binary_op, a, b);
     }
     case ExprKind::kConcat: {
       std::string text;
-      for (const auto& child : expr.children) py::AppendStr(Eval(*child, scope), &text);
+      for (const auto& child : expr.children) {
+        Value tmp;
+        py::AppendStr(EvalRef(*child, scope, tmp), &text);
+      }
       return MakeString(std::move(text));
     }
     case ExprKind::kCompare: {
+      if (expr.compare_ops.size() == 1) {  // the common case, without copies
+        Value tmp_a, tmp_b;
+        const Value& a = EvalRef(*expr.children[0], scope, tmp_a);
+        const Value& b = EvalRef(*expr.children[1], scope, tmp_b);
+        line_ = expr.line;
+        return Value::Bool(CompareOp(expr.compare_ops[0], a, b));
+      }
       Value left = Eval(*expr.children[0], scope);
       for (size_t i = 0; i < expr.compare_ops.size(); ++i) {
         Value right = Eval(*expr.children[i + 1], scope);
@@ -664,42 +788,131 @@ Value Interpreter::Eval(const Expr& expr, Scope& scope) {
       }
       return Value::Bool(true);
     }
-    case ExprKind::kAnd: {
-      Value left = Eval(*expr.children[0], scope);
-      if (!py::Truthy(left)) return left;
-      return Eval(*expr.children[1], scope);
-    }
+    case ExprKind::kAnd:
     case ExprKind::kOr: {
-      Value left = Eval(*expr.children[0], scope);
-      if (py::Truthy(left)) return left;
+      Value tmp;
+      const Value& left = EvalRef(*expr.children[0], scope, tmp);
+      if (py::Truthy(left) == (expr.kind == ExprKind::kOr)) return left;
       return Eval(*expr.children[1], scope);
     }
-    case ExprKind::kCondExpr:
-      if (py::Truthy(Eval(*expr.children[1], scope))) return Eval(*expr.children[0], scope);
+    case ExprKind::kCondExpr: {
+      Value tmp;
+      if (py::Truthy(EvalRef(*expr.children[1], scope, tmp))) return Eval(*expr.children[0], scope);
       if (expr.children[2] != nullptr) return Eval(*expr.children[2], scope);
       return Value::Undefined(Cat("the inline if-expression on line ", expr.line,
-                                  " evaluated to false and no else section was "
-                                  "defined"));
+                                  " evaluated to false and no else section was defined"));
+    }
   }
   return Value();
 }
 
 Value Interpreter::EvalCall(const Expr& expr, Scope& scope) {
-  const Value callee = Eval(*expr.children[0], scope);
+  const Expr& callee_expr = *expr.children[0];
+  Value callee;
+  if (callee_expr.kind == ExprKind::kGetAttr && callee_expr.method_owners != 0) {
+    // `text.split(...)`: call the method directly instead of building a bound method first.
+    Value tmp;
+    const Value& object = EvalRef(*callee_expr.children[0], scope, tmp);
+    if (const BuiltinFn fn = FindMethodFn(object, callee_expr.name)) {
+      CallArgs args = EvalArgs(expr, scope, 1);
+      line_ = expr.line;
+      Tick();
+      return fn(*this, object, args);
+    }
+    callee = GetAttr(object, callee_expr.name, callee_expr.method_owners);
+  } else {
+    callee = Eval(callee_expr, scope);
+  }
   CallArgs args = EvalArgs(expr, scope, 1);
   line_ = expr.line;
   return CallValue(callee, args);
 }
 
+bool Interpreter::AppendParts(const Expr& expr, Scope& scope, std::string* out) {
+  const bool is_add = expr.kind == ExprKind::kBinary && expr.binary_op == BinaryOp::kAdd;
+  if (!is_add && expr.kind != ExprKind::kConcat) return false;
+  DepthGuard guard(this);
+  Tick();
+  if (expr.kind == ExprKind::kConcat) {  // ~ prints each part with str()
+    for (const auto& child : expr.children) {
+      Value tmp;
+      const Value& part = EvalRef(*child, scope, tmp);
+      if (part.is_string()) {
+        Append(part.as_string(), out);
+      } else {
+        std::string text;
+        py::AppendStr(part, &text);
+        Append(text, out);
+      }
+    }
+    return true;
+  }
+  AddOperands operands;
+  CollectAddOperands(expr, scope, &operands);
+  line_ = expr.line;
+  if (!operands.all_strings) {
+    const Value sum = SumOperands(operands);
+    std::string text;
+    py::AppendStr(sum, &text);
+    Append(text, out);
+    return true;
+  }
+  for (const Value* v : operands.values) Append(v->as_string(), out);
+  return true;
+}
+
+void Interpreter::CollectAddOperands(const Expr& expr, Scope& scope, AddOperands* operands) {
+  absl::InlinedVector<const Expr*, 8> exprs;
+  const Expr* node = &expr;
+  while (node->kind == ExprKind::kBinary && node->binary_op == BinaryOp::kAdd) {
+    exprs.push_back(node->children[1].get());
+    node = node->children[0].get();
+  }
+  exprs.push_back(node);
+  std::reverse(exprs.begin(), exprs.end());
+  operands->temps.resize(exprs.size());
+  for (size_t i = 0; i < exprs.size(); ++i) {
+    operands->values.push_back(&EvalRef(*exprs[i], scope, operands->temps[i]));
+    const Value& v = *operands->values.back();
+    operands->all_strings = operands->all_strings && v.is_string();
+    if (operands->all_strings) operands->total_bytes += v.as_string().size();
+  }
+}
+
+Value Interpreter::SumOperands(const AddOperands& operands) {
+  Value sum = *operands.values[0];
+  for (size_t i = 1; i < operands.values.size(); ++i) {
+    sum = Binary(BinaryOp::kAdd, sum, *operands.values[i]);
+  }
+  return sum;
+}
+
+Value Interpreter::EvalAddChain(const Expr& expr, Scope& scope) {
+  // a + b + c + ... parses left-deep. The operands are evaluated in order first; when all are
+  // strings they are joined into one buffer sized once, otherwise Python's '+' applies pairwise.
+  // (An error stays an error either way; only which one Python would raise first may differ.)
+  AddOperands operands;
+  CollectAddOperands(expr, scope, &operands);
+  line_ = expr.line;
+  if (!operands.all_strings) return SumOperands(operands);
+  if (static_cast<int64_t>(operands.total_bytes) > options_.limits.max_output_bytes) {
+    StringLimitExceeded();
+  }
+  std::string joined;
+  joined.reserve(operands.total_bytes);
+  for (const Value* v : operands.values) joined += v->as_string();
+  return MakeString(std::move(joined));
+}
+
 Value Interpreter::CallValue(const Value& callee, CallArgs& args) {
   if (callee.is_undefined()) UndefinedError(callee);
-  auto* callable = callee.is_object() ? dynamic_cast<Callable*>(callee.as_object()) : nullptr;
+  auto* callable = callee.is_object() ? callee.as_object()->AsCallable() : nullptr;
   if (callable == nullptr) {
     TypeError(Cat("'", py::TypeName(callee), "' object is not callable"));
   }
   Tick();
   // Keep the callee alive even if the call rebinds the variable that held it.
-  const std::shared_ptr<Object> keep = callee.object_ptr();
+  const Value keep = callee;
   return callable->Call(*this, args);
 }
 
@@ -720,27 +933,32 @@ bool Interpreter::ApplyTest(std::string_view name, const Value& value, CallArgs&
 }
 
 Value Interpreter::GetAttr(const Value& object, std::string_view name) {
+  return GetAttr(object, name, MethodOwners(name));
+}
+
+Value Interpreter::GetAttr(const Value& object, std::string_view name, uint8_t method_owners) {
   Value method;
   switch (object.kind()) {
     case Value::Kind::kUndefined:
       UndefinedError(object);
     case Value::Kind::kDict: {
-      if (FindMethod(object, name, &method) == MethodLookup::kFound) return method;
+      if ((method_owners & kDictMethodOwner) &&
+          FindMethod(object, name, &method) == MethodLookup::kFound) {
+        return method;
+      }
       const Value* v = object.as_dict().Find(name);
       if (v != nullptr) return *v;
       return Value::Undefined(Cat("'dict object' has no attribute '", name, "'"));
     }
     case Value::Kind::kString:
     case Value::Kind::kList:
-      if (FindMethod(object, name, &method) == MethodLookup::kFound) return method;
+      if ((method_owners & (kStrMethodOwner | kListMethodOwner)) &&
+          FindMethod(object, name, &method) == MethodLookup::kFound) {
+        return method;
+      }
       break;
     case Value::Kind::kObject:
-      if (auto* ns = dynamic_cast<Namespace*>(object.as_object())) {
-        const Value* v = ns->attrs.Find(name);
-        if (v != nullptr) return *v;
-      } else if (auto* loop = dynamic_cast<LoopObject*>(object.as_object())) {
-        return loop->Attr(name);
-      }
+      if (object.as_object()->GetAttribute(name, &method)) return method;
       break;
     default:
       break;
@@ -770,13 +988,13 @@ Value Interpreter::GetItem(const Value& object, const Value& key) {
       break;
     case Value::Kind::kString:
       if (AsIndex(key, &index)) {
-        const std::string& s = object.as_string();
+        const std::string_view s = object.as_string();
         const std::vector<size_t> offsets = py::CodePointOffsets(s);
         const auto n = static_cast<int64_t>(offsets.size()) - 1;
         if (index < 0) index += n;
         if (index >= 0 && index < n) {
           const auto i = static_cast<size_t>(index);
-          return Value::String(s.substr(offsets[i], offsets[i + 1] - offsets[i]));
+          return Value::Substring(object, s.substr(offsets[i], offsets[i + 1] - offsets[i]));
         }
         return Value::Undefined(Cat("'str object' has no element ", key.as_int()));
       }
@@ -823,8 +1041,15 @@ Value Interpreter::Slice(const Value& object, const Expr& slice, Scope& scope) {
     return Value::List(std::move(items), list.is_tuple);
   }
   if (object.is_string()) {
-    const std::string& s = object.as_string();
+    const std::string_view s = object.as_string();
     const std::vector<size_t> offsets = py::CodePointOffsets(s);
+    if (step == 1) {  // contiguous: a view of the same storage
+      int64_t start = 0, stop = 0;
+      AdjustSlice(static_cast<int64_t>(offsets.size()) - 1, bounds[0], bounds[1], 1, &start, &stop);
+      if (stop <= start) return Value::String("");
+      const size_t begin = offsets[static_cast<size_t>(start)];
+      return Value::Substring(object, s.substr(begin, offsets[static_cast<size_t>(stop)] - begin));
+    }
     std::string out;
     pick(static_cast<int64_t>(offsets.size()) - 1,
          [&](size_t i) { out.append(s, offsets[i], offsets[i + 1] - offsets[i]); });
@@ -846,17 +1071,17 @@ std::vector<Value> Interpreter::Iterate(const Value& value) {
       return keys;
     }
     case Value::Kind::kString: {
-      const std::string& s = value.as_string();
+      const std::string_view s = value.as_string();
       std::vector<Value> chars;
       const std::vector<size_t> offsets = py::CodePointOffsets(s);
       for (size_t i = 0; i + 1 < offsets.size(); ++i) {
-        chars.push_back(Value::String(s.substr(offsets[i], offsets[i + 1] - offsets[i])));
+        chars.push_back(Value::Substring(value, s.substr(offsets[i], offsets[i + 1] - offsets[i])));
       }
       Tick(static_cast<int64_t>(chars.size() / 16));
       return chars;
     }
     case Value::Kind::kObject:
-      if (auto* gen = dynamic_cast<Generator*>(value.as_object())) return gen->TakeAll();
+      if (auto* gen = value.as_object()->AsGenerator()) return gen->TakeAll();
       [[fallthrough]];
     default:
       TypeError(Cat("'", py::TypeName(value), "' object is not iterable"));
@@ -880,7 +1105,7 @@ bool Interpreter::Contains(const Value& container, const Value& item) {
     case Value::Kind::kUndefined:
       return false;
     case Value::Kind::kObject:
-      if (auto* gen = dynamic_cast<Generator*>(container.as_object())) {
+      if (auto* gen = container.as_object()->AsGenerator()) {
         for (const Value* v = gen->TakeOne(); v != nullptr; v = gen->TakeOne()) {
           if (py::Equal(*v, item)) return true;
         }
@@ -985,7 +1210,7 @@ Value Interpreter::Binary(BinaryOp op, const Value& a, const Value& b) {
   }
   switch (op) {
     case BinaryOp::kAdd:
-      if (a.is_string() && b.is_string()) return MakeString(a.as_string() + b.as_string());
+      if (a.is_string() && b.is_string()) return MakeString(Cat(a.as_string(), b.as_string()));
       if (a.is_list() && b.is_list() && a.as_list().is_tuple == b.as_list().is_tuple) {
         std::vector<Value> items = a.as_list().items;
         items.insert(items.end(), b.as_list().items.begin(), b.as_list().items.end());

@@ -7,6 +7,7 @@
 // `namespace`). Lookups walk outwards; macros see the scope they were defined in, live.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <ctime>
 #include <functional>
@@ -16,22 +17,28 @@
 #include <utility>
 #include <vector>
 
+#include "absl/container/inlined_vector.h"
 #include "engine/tokenizer/jinja/ast.h"
+#include "engine/tokenizer/jinja/builtins.h"
 #include "engine/tokenizer/jinja/errors.h"
+#include "engine/tokenizer/jinja/parser.h"
 #include "engine/tokenizer/jinja/template.h"
 #include "engine/tokenizer/jinja/value.h"
 
 namespace dropkv::jinja {
 
+// Inline storage: a call rarely has more than a few arguments, and calls are per message.
 struct CallArgs {
-  std::vector<Value> positional;
-  std::vector<std::pair<std::string, Value>> keywords;
+  absl::InlinedVector<Value, 3> positional;
+  absl::InlinedVector<std::pair<std::string, Value>, 1> keywords;
 };
 
 // Binds CallArgs to a builtin's Python signature: positional parameters in order, then keywords
 // by name; unknown keywords and surplus arguments are TypeErrors naming the function.
 class ArgReader {
  public:
+  static constexpr size_t kMaxParams = 4;
+  // `function` and `params` must be literals (they are kept as views).
   ArgReader(const CallArgs& args, std::string_view function,
             std::initializer_list<std::string_view> params);
   // The argument for parameter `index` (by position or name), or null when not given.
@@ -45,23 +52,27 @@ class ArgReader {
   bool Bool(size_t index, bool fallback) const;
 
  private:
-  std::string function_;
-  std::vector<std::string_view> params_;
-  std::vector<const Value*> bound_;
+  // Fixed arrays: builtins are called per message, and vectors here cost two allocations a call.
+  std::string_view function_;
+  std::array<std::string_view, kMaxParams> params_{};
+  std::array<const Value*, kMaxParams> bound_{};
+  size_t num_params_ = 0;
 };
 
+// Variables by interned name (ast.h's Symbol). Most scopes hold one to three, kept inline.
 struct Scope {
   std::shared_ptr<Scope> parent;
-  std::vector<std::pair<std::string, Value>> vars;
+  absl::InlinedVector<std::pair<Symbol, Value>, 4> vars;
 
-  const Value* Find(std::string_view name) const;
-  void Set(std::string_view name, Value value);
+  const Value* Find(Symbol name) const;
+  void Set(Symbol name, Value value);
 };
 
 // Python callables: builtin functions and bound methods, macros, loop.cycle.
 class Callable : public Object {
  public:
   std::string_view type_name() const override { return "function"; }
+  Callable* AsCallable() override { return this; }
   virtual Value Call(Interpreter& interp, CallArgs& args) = 0;
 };
 
@@ -83,6 +94,12 @@ class BuiltinCallable final : public Callable {
 class Namespace final : public Object {
  public:
   std::string_view type_name() const override { return "Namespace"; }
+  Namespace* AsNamespace() override { return this; }
+  bool GetAttribute(std::string_view name, Value* out) override {
+    const Value* v = attrs.Find(name);
+    if (v != nullptr) *out = *v;
+    return v != nullptr;
+  }
   DictData attrs;
 };
 
@@ -92,6 +109,7 @@ class Generator final : public Object {
  public:
   explicit Generator(std::vector<Value> items) : items_(std::move(items)) {}
   std::string_view type_name() const override { return "generator"; }
+  Generator* AsGenerator() override { return this; }
   // The items not taken yet, taking them.
   std::vector<Value> TakeAll();
   // The next item, or null at the end.
@@ -105,9 +123,9 @@ class Generator final : public Object {
 
 class Interpreter {
  public:
-  Interpreter(const RenderOptions& options, int64_t* steps);
+  Interpreter(const ParsedTemplate& parsed, const RenderOptions& options, int64_t* steps);
 
-  std::string RenderRoot(const Body& body, std::shared_ptr<Scope> root);
+  std::string RenderRoot(std::shared_ptr<Scope> root);
 
   // ---- for builtins ----
   // One unit of work; RESOURCE_EXHAUSTED past the budget.
@@ -119,6 +137,8 @@ class Interpreter {
   Value MakeString(std::string s);
   // jinja2's sandboxed getattr (attribute, then item) and getitem (item, then attribute).
   Value GetAttr(const Value& object, std::string_view name);
+  // The same with MethodOwners(name) known.
+  Value GetAttr(const Value& object, std::string_view name, uint8_t method_owners);
   Value GetItem(const Value& object, const Value& key);
   // The items a for loop would see (a generator is consumed); TypeError when not iterable.
   std::vector<Value> Iterate(const Value& value);
@@ -137,6 +157,8 @@ class Interpreter {
   enum class Flow { kNormal, kBreak, kContinue };
 
   [[noreturn]] void BudgetExceeded() const;
+  [[noreturn]] void DepthExceeded() const;
+  [[noreturn]] void StringLimitExceeded() const;
   Flow ExecBody(const Body& body, const std::shared_ptr<Scope>& scope, std::string* out);
   Flow Exec(const Stmt& stmt, const std::shared_ptr<Scope>& scope, std::string* out);
   void ExecFor(const Stmt& stmt, const std::shared_ptr<Scope>& scope, std::string* out);
@@ -146,7 +168,22 @@ class Interpreter {
   void Append(std::string_view text, std::string* out);
 
   Value Eval(const Expr& expr, Scope& scope);
+  // Eval without copying when the result already lives somewhere stable (a constant, a
+  // variable, an item of a dict or list); otherwise the result is stored in `tmp`.
+  const Value& EvalRef(const Expr& expr, Scope& scope, Value& tmp);
   Value EvalCall(const Expr& expr, Scope& scope);
+  Value EvalAddChain(const Expr& expr, Scope& scope);
+  // The operands of a left-deep a + b + c chain, evaluated in order.
+  struct AddOperands {
+    absl::InlinedVector<Value, 8> temps;
+    absl::InlinedVector<const Value*, 8> values;
+    bool all_strings = true;
+    size_t total_bytes = 0;
+  };
+  void CollectAddOperands(const Expr& expr, Scope& scope, AddOperands* operands);
+  Value SumOperands(const AddOperands& operands);
+  // Prints an add chain or a ~ concatenation part by part; false for other expressions.
+  bool AppendParts(const Expr& expr, Scope& scope, std::string* out);
   Value EvalBuiltin(const Expr& expr, const Value& subject, Scope& scope);
   CallArgs EvalArgs(const Expr& expr, Scope& scope, size_t first_arg);
   Value Binary(BinaryOp op, const Value& a, const Value& b);
@@ -157,13 +194,16 @@ class Interpreter {
   // Guards recursion (expression depth, statement nesting, macro calls) with one counter.
   class DepthGuard {
    public:
-    explicit DepthGuard(Interpreter* interp);
+    explicit DepthGuard(Interpreter* interp) : interp_(interp) {
+      if (++interp_->depth_ > interp_->options_.limits.max_depth) interp_->DepthExceeded();
+    }
     ~DepthGuard() { --interp_->depth_; }
 
    private:
     Interpreter* interp_;
   };
 
+  const ParsedTemplate& parsed_;
   const RenderOptions& options_;
   int64_t* steps_;
   int depth_ = 0;

@@ -23,13 +23,13 @@ struct ParseError {
 
 class Parser {
  public:
-  explicit Parser(const std::vector<Token>& tokens) : tokens_(tokens) {}
+  Parser(const std::vector<Token>& tokens, SymbolTable* symbols)
+      : tokens_(tokens), symbols_(symbols) {}
 
-  ParsedTemplate Run() {
-    ParsedTemplate result;
-    result.body = Subparse({});
-    result.unsupported = std::move(unsupported_);
-    return result;
+  Body Run(std::vector<std::string>* unsupported) {
+    Body body = Subparse({});
+    *unsupported = std::move(unsupported_);
+    return body;
   }
 
  private:
@@ -299,6 +299,7 @@ class Parser {
     while (!IsOp(Current(), ")")) {
       if (!stmt->params.empty()) ExpectOp(",");
       stmt->params.push_back(ExpectName().value);
+      stmt->param_symbols.push_back(symbols_->Intern(stmt->params.back()));
       if (SkipOp("=")) {
         stmt->defaults.push_back(ParseExpression(true));
       } else if (!stmt->defaults.empty()) {
@@ -324,6 +325,7 @@ class Parser {
     Next();
     stmt->kind = StmtKind::kMacro;
     stmt->name = ExpectName().value;
+    stmt->symbol = symbols_->Intern(stmt->name);
     ParseSignature(stmt);
     ParseMacroBody(stmt, "endmacro");
   }
@@ -343,12 +345,14 @@ class Parser {
     if (e.kind == ExprKind::kName) {
       t.kind = Target::Kind::kName;
       t.name = e.name;
+      t.symbol = e.symbol;
     } else if (e.kind == ExprKind::kTuple) {
       t.kind = Target::Kind::kTuple;
       for (const auto& item : e.children) t.items.push_back(ToTarget(*item));
     } else if (e.kind == ExprKind::kGetAttr && e.children[0] == nullptr) {  // namespace ref
       t.kind = Target::Kind::kNamespaceAttr;
-      t.name = e.constant.as_string();
+      t.name = std::string(e.constant.as_string());
+      t.symbol = symbols_->Intern(t.name);
       t.attr = e.name;
     } else {
       Fail("can't assign to this expression", e.line);
@@ -563,6 +567,7 @@ class Parser {
       } else {
         node->kind = ExprKind::kName;
         node->name = token.value;
+        node->symbol = symbols_->Intern(node->name);
         NoteName(token.value);
       }
       return node;
@@ -695,6 +700,7 @@ class Parser {
         auto out = Make(ExprKind::kGetAttr, token.line);
         out->children.push_back(std::move(node));
         out->name = attr.value;
+        out->method_owners = MethodOwners(out->name);
         return out;
       }
       if (attr.type != TokenType::kInteger) Fail("expected name or number", attr.line);
@@ -841,6 +847,7 @@ class Parser {
   }
 
   const std::vector<Token>& tokens_;
+  SymbolTable* symbols_;
   size_t pos_ = 0;
   int depth_ = 0;
   int loop_depth_ = 0;
@@ -850,9 +857,25 @@ class Parser {
 
 }  // namespace
 
-absl::StatusOr<ParsedTemplate> ParseTokens(const std::vector<Token>& tokens) {
+// absl::string_view is its own type here; the set hashes through it.
+Symbol SymbolTable::Intern(std::string_view name) {
+  return &*names_.emplace(name).first;
+}
+
+Symbol SymbolTable::Find(std::string_view name) const {
+  const auto it = names_.find(absl::string_view(name.data(), name.size()));
+  return it == names_.end() ? nullptr : &*it;
+}
+
+absl::StatusOr<std::unique_ptr<ParsedTemplate>> ParseTokens(const std::vector<Token>& tokens) {
   try {
-    return Parser(tokens).Run();
+    auto parsed = std::make_unique<ParsedTemplate>();
+    parsed->body = Parser(tokens, &parsed->symbols).Run(&parsed->unsupported);
+    parsed->loop = parsed->symbols.Find("loop");
+    parsed->caller = parsed->symbols.Find("caller");
+    parsed->varargs = parsed->symbols.Find("varargs");
+    parsed->kwargs = parsed->symbols.Find("kwargs");
+    return parsed;
   } catch (const ParseError& e) {
     return absl::InvalidArgumentError(Cat("line ", e.line, ": ", e.message));
   }

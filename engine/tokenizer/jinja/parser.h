@@ -4,6 +4,7 @@
 // / macro / call / filter / with / print, and transformers' `generation` block.
 #pragma once
 
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -15,6 +16,12 @@ namespace dropkv::jinja {
 
 struct ParsedTemplate {
   Body body;
+  SymbolTable symbols;
+  // Names the interpreter binds itself; null when the template never mentions them.
+  Symbol loop = nullptr;
+  Symbol caller = nullptr;
+  Symbol varargs = nullptr;
+  Symbol kwargs = nullptr;
   // Filters and tests the template names that the interpreter lacks, as "line N: filter 'x'".
   // The template still loads (jinja2 also resolves names lazily inside conditionals); a render
   // that reaches one fails with FAILED_PRECONDITION.
@@ -22,6 +29,7 @@ struct ParsedTemplate {
 };
 
 // Errors are INVALID_ARGUMENT "line N: ...".
-absl::StatusOr<ParsedTemplate> ParseTokens(const std::vector<Token>& tokens);
+// Heap-allocated: the AST points into its symbol table.
+absl::StatusOr<std::unique_ptr<ParsedTemplate>> ParseTokens(const std::vector<Token>& tokens);
 
 }  // namespace dropkv::jinja

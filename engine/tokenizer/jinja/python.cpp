@@ -38,17 +38,6 @@ bool IsLineBreak(char32_t cp) {
   }
 }
 
-// Code points of `chars` (for strip(chars)).
-std::vector<char32_t> CodePoints(std::string_view s) {
-  std::vector<char32_t> out;
-  for (size_t i = 0; i < s.size();) {
-    char32_t cp = 0;
-    i += DecodeCodePoint(s, i, &cp);
-    out.push_back(cp);
-  }
-  return out;
-}
-
 // Start of the code point that ends at byte `end` (> 0).
 size_t PreviousCodePoint(std::string_view s, size_t end) {
   size_t k = end - 1;
@@ -252,7 +241,7 @@ void AppendStr(const Value& value, std::string* out) {
 }
 
 std::string Str(const Value& value) {
-  if (value.is_string()) return value.as_string();
+  if (value.is_string()) return std::string(value.as_string());
   std::string out;
   AppendStr(value, &out);
   return out;
@@ -477,12 +466,17 @@ std::vector<size_t> CodePointOffsets(std::string_view s) {
   return offsets;
 }
 
-std::string Strip(std::string_view s, const std::optional<std::string>& chars, bool left,
-                  bool right) {
-  const std::vector<char32_t> set = chars ? CodePoints(*chars) : std::vector<char32_t>{};
+std::string_view Strip(std::string_view s, const std::optional<std::string>& chars, bool left,
+                       bool right) {
+  // Membership in `chars` by scanning it: the sets are a character or two ('\n', ' \t').
   const auto strippable = [&](char32_t cp) {
     if (!chars) return unicode::IsPythonSpace(cp);
-    return std::find(set.begin(), set.end(), cp) != set.end();
+    for (size_t i = 0; i < chars->size();) {
+      char32_t c = 0;
+      i += DecodeCodePoint(*chars, i, &c);
+      if (c == cp) return true;
+    }
+    return false;
   };
   size_t begin = 0, end = s.size();
   while (left && begin < end) {
@@ -498,14 +492,15 @@ std::string Strip(std::string_view s, const std::optional<std::string>& chars, b
     if (!strippable(cp)) break;
     end = k;
   }
-  return std::string(s.substr(begin, end - begin));
+  return s.substr(begin, end - begin);
 }
 
-std::vector<std::string> Split(std::string_view s, const std::optional<std::string>& sep,
-                               int64_t maxsplit, bool from_right) {
-  std::vector<std::string> parts;
+std::vector<std::string_view> Split(std::string_view s, const std::optional<std::string>& sep,
+                                    int64_t maxsplit, bool from_right) {
+  std::vector<std::string_view> parts;
   if (sep) {
     if (sep->empty()) TypeError("empty separator");
+    parts.reserve(static_cast<size_t>(Count(s, *sep)) + 1);
     if (!from_right) {
       size_t pos = 0;
       while (maxsplit < 0 || static_cast<int64_t>(parts.size()) < maxsplit) {
@@ -576,8 +571,8 @@ std::vector<std::string> Split(std::string_view s, const std::optional<std::stri
   return parts;
 }
 
-std::vector<std::string> SplitLines(std::string_view s, bool keepends) {
-  std::vector<std::string> lines;
+std::vector<std::string_view> SplitLines(std::string_view s, bool keepends) {
+  std::vector<std::string_view> lines;
   size_t start = 0;
   for (size_t i = 0; i < s.size();) {
     char32_t cp = 0;

@@ -46,13 +46,14 @@ size_t CodePointCount(std::string_view s);
 // Byte offset of every code point boundary: offsets[i] is where code point i starts; the last
 // entry is s.size().
 std::vector<size_t> CodePointOffsets(std::string_view s);
-// strip()/lstrip()/rstrip(); `chars` nullopt strips whitespace.
-std::string Strip(std::string_view s, const std::optional<std::string>& chars, bool left,
-                  bool right);
-// split()/rsplit(); `sep` nullopt splits on whitespace runs. maxsplit < 0: no limit.
-std::vector<std::string> Split(std::string_view s, const std::optional<std::string>& sep,
-                               int64_t maxsplit, bool from_right);
-std::vector<std::string> SplitLines(std::string_view s, bool keepends);
+// strip()/lstrip()/rstrip(): the part of `s` that remains; `chars` nullopt strips whitespace.
+std::string_view Strip(std::string_view s, const std::optional<std::string>& chars, bool left,
+                       bool right);
+// split()/rsplit() as pieces of `s`; `sep` nullopt splits on whitespace runs. maxsplit < 0: no
+// limit.
+std::vector<std::string_view> Split(std::string_view s, const std::optional<std::string>& sep,
+                                    int64_t maxsplit, bool from_right);
+std::vector<std::string_view> SplitLines(std::string_view s, bool keepends);
 std::string Replace(std::string_view s, std::string_view old_text, std::string_view new_text,
                     int64_t count);
 // find()/rfind() result in code points (-1 when absent); count() of non-overlapping matches.

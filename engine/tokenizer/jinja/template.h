@@ -15,6 +15,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json_fwd.hpp>
@@ -41,17 +42,23 @@ struct RenderOptions {
   std::function<std::tm()> local_time;
 };
 
+// Named template variables; the JSON stays the caller's and must outlive the render. A later
+// entry with the same name wins.
+using TemplateVariables = std::vector<std::pair<std::string_view, const nlohmann::ordered_json*>>;
+
 class Template {
  public:
   // Errors (INVALID_ARGUMENT) read "line N: what", naming the construct.
   static absl::StatusOr<std::unique_ptr<Template>> Parse(std::string_view source);
   ~Template();
 
-  // Renders with `variables` (a JSON object: each key is a template variable). Errors:
-  // INVALID_ARGUMENT when the template raises (raise_exception) or the variables do not fit it
-  // (a type error, an undefined value used); FAILED_PRECONDITION when it reaches something this
-  // interpreter does not implement; RESOURCE_EXHAUSTED when a limit is hit. Messages start with
-  // "line N: ".
+  // Renders with `variables`. Errors: INVALID_ARGUMENT when the template raises
+  // (raise_exception) or the variables do not fit it (a type error, an undefined value used);
+  // FAILED_PRECONDITION when it reaches something this interpreter does not implement;
+  // RESOURCE_EXHAUSTED when a limit is hit. Messages start with "line N: ".
+  absl::StatusOr<std::string> Render(const TemplateVariables& variables,
+                                     const RenderOptions& options = {}) const;
+  // Each key of a JSON object is a variable.
   absl::StatusOr<std::string> Render(const nlohmann::ordered_json& variables,
                                      const RenderOptions& options = {}) const;
 

@@ -60,9 +60,26 @@ void DictData::Set(std::string key, Value value) {
   entries.emplace_back(std::move(key), std::move(value));
 }
 
+// An Undefined's int_ says how its ptr_ (a std::string) reads.
+enum UndefinedText : int64_t { kUndefinedText, kUndefinedName, kUndefinedDictAttribute };
+
 Value Value::Undefined(std::string what) {
   Value v;
   v.ptr_ = std::make_shared<const std::string>(std::move(what));
+  v.int_ = kUndefinedText;
+  return v;
+}
+
+Value Value::UndefinedName(const std::string* name) {
+  Value v;
+  v.ptr_ = std::shared_ptr<const void>(std::shared_ptr<const void>(), name);  // not owned
+  v.int_ = kUndefinedName;
+  return v;
+}
+
+Value Value::UndefinedDictAttribute(const std::string* name) {
+  Value v = UndefinedName(name);
+  v.int_ = kUndefinedDictAttribute;
   return v;
 }
 
@@ -96,7 +113,26 @@ Value Value::Float(double f) {
 Value Value::String(std::string s) {
   Value v;
   v.kind_ = Kind::kString;
-  v.ptr_ = std::make_shared<const std::string>(std::move(s));
+  auto owner = std::make_shared<const std::string>(std::move(s));
+  v.string_len_ = owner->size();
+  const char* data = owner->data();
+  v.ptr_ = std::shared_ptr<const void>(std::move(owner), data);
+  return v;
+}
+
+Value Value::BorrowedString(std::string_view text) {
+  Value v;
+  v.kind_ = Kind::kString;
+  v.string_len_ = text.size();
+  v.ptr_ = std::shared_ptr<const void>(std::shared_ptr<const void>(), text.data());
+  return v;
+}
+
+Value Value::Substring(const Value& whole, std::string_view part) {
+  Value v;
+  v.kind_ = Kind::kString;
+  v.string_len_ = part.size();
+  v.ptr_ = std::shared_ptr<const void>(whole.ptr_, part.data());
   return v;
 }
 
@@ -125,13 +161,21 @@ Value Value::Dict(DictData dict) {
 Value Value::FromObject(std::shared_ptr<Object> object) {
   Value v;
   v.kind_ = Kind::kObject;
-  v.object_ = std::move(object);
+  v.ptr_ = std::shared_ptr<const Object>(std::move(object));
   return v;
 }
 
-std::string_view Value::undefined_what() const {
-  if (kind_ != Kind::kUndefined || ptr_ == nullptr) return "value";
-  return as_string();
+std::string Value::undefined_what() const {
+  if (kind_ != Kind::kUndefined || ptr_ == nullptr) return "value is undefined";
+  const std::string& text = *static_cast<const std::string*>(ptr_.get());
+  switch (int_) {
+    case kUndefinedName:
+      return Cat("'", text, "' is undefined");
+    case kUndefinedDictAttribute:
+      return Cat("'dict object' has no attribute '", text, "'");
+    default:
+      return text;
+  }
 }
 
 int Value::depth() const {
