@@ -76,6 +76,10 @@ struct Expr {
   std::vector<std::string> kwarg_names;
   BuiltinFn builtin = nullptr;  // kFilter / kTest: resolved at parse time (null: unknown name)
   uint8_t method_owners = 0;    // kGetAttr: MethodOwners(name), resolved at parse time
+  // kGetAttr: the str / list / dict methods called `name` (FindMethodFns at parse time).
+  BuiltinFn str_method = nullptr;
+  BuiltinFn list_method = nullptr;
+  BuiltinFn dict_method = nullptr;
 
   size_t num_positional_args() const { return children.size() - 1 - kwarg_names.size(); }
 };

@@ -1429,6 +1429,11 @@ BuiltinFn FindMethodFn(const Value& self, std::string_view name) {
   return nullptr;
 }
 
+MethodFns FindMethodFns(std::string_view name) {
+  return MethodFns{Lookup(kStrMethods, name), Lookup(kListMethods, name),
+                   Lookup(kDictMethods, name)};
+}
+
 MethodLookup FindMethod(const Value& self, std::string_view name, Value* method) {
   const BuiltinFn fn = FindMethodFn(self, name);
   std::string_view type;

@@ -28,6 +28,13 @@ MethodLookup FindMethod(const Value& self, std::string_view name, Value* method)
 // The implemented method `name` of a str / list / dict value, or null: calls through it skip
 // building a bound-method object.
 BuiltinFn FindMethodFn(const Value& self, std::string_view name);
+// The same resolved per type once, at parse time, for `x.name(...)`.
+struct MethodFns {
+  BuiltinFn str = nullptr;
+  BuiltinFn list = nullptr;  // tuples have the same except copy()
+  BuiltinFn dict = nullptr;
+};
+MethodFns FindMethodFns(std::string_view name);
 // Which of str / list / dict have an attribute `name` at all (bit flags, parse-time hints that
 // let `message.role` skip the method tables).
 inline constexpr uint8_t kStrMethodOwner = 1;

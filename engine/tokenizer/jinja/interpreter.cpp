@@ -813,7 +813,16 @@ Value Interpreter::EvalCall(const Expr& expr, Scope& scope) {
     // `text.split(...)`: call the method directly instead of building a bound method first.
     Value tmp;
     const Value& object = EvalRef(*callee_expr.children[0], scope, tmp);
-    if (const BuiltinFn fn = FindMethodFn(object, callee_expr.name)) {
+    BuiltinFn fn = nullptr;
+    if (object.is_string()) {
+      fn = callee_expr.str_method;
+    } else if (object.is_list()) {
+      const bool tuple_copy = object.as_list().is_tuple && callee_expr.name == "copy";
+      fn = tuple_copy ? nullptr : callee_expr.list_method;  // tuples have no copy()
+    } else if (object.is_dict()) {
+      fn = callee_expr.dict_method;
+    }
+    if (fn != nullptr) {
       CallArgs args = EvalArgs(expr, scope, 1);
       line_ = expr.line;
       Tick();

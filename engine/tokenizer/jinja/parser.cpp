@@ -701,6 +701,10 @@ class Parser {
         out->children.push_back(std::move(node));
         out->name = attr.value;
         out->method_owners = MethodOwners(out->name);
+        const MethodFns fns = FindMethodFns(out->name);
+        out->str_method = fns.str;
+        out->list_method = fns.list;
+        out->dict_method = fns.dict;
         return out;
       }
       if (attr.type != TokenType::kInteger) Fail("expected name or number", attr.line);
