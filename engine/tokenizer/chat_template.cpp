@@ -65,7 +65,8 @@ ChatTemplate::ChatTemplate(ChatTemplate&&) noexcept = default;
 ChatTemplate& ChatTemplate::operator=(ChatTemplate&&) noexcept = default;
 ChatTemplate::~ChatTemplate() = default;
 
-ChatTemplate ChatTemplate::FromConfig(const nlohmann::json& config, std::string_view jinja_file) {
+ChatTemplate ChatTemplate::FromConfig(const nlohmann::json& config, std::string_view jinja_file,
+                                      std::string_view tool_use_jinja_file) {
   ChatTemplate chat;
   const bool has_config = config.is_object();
   if (has_config) {
@@ -80,8 +81,9 @@ ChatTemplate ChatTemplate::FromConfig(const nlohmann::json& config, std::string_
       }
     }
   }
-  if (!jinja_file.empty()) {
+  if (!jinja_file.empty() || !tool_use_jinja_file.empty()) {
     chat.default_source_ = std::string(jinja_file);
+    chat.tool_use_source_ = std::string(tool_use_jinja_file);
   } else if (has_config && config.contains("chat_template")) {
     const nlohmann::json& t = config["chat_template"];
     if (t.is_string()) {
@@ -127,13 +129,14 @@ absl::StatusOr<std::string> ChatTemplate::Render(const ChatRequest& request,
                                                  const jinja::RenderOptions& options) const {
   if (!load_status_.ok()) return load_status_;
   // HF's get_chat_template: "tool_use" when tools are passed and it exists, else "default".
-  const bool use_tool_template =
-      tool_use_template_ != nullptr && (request.tools.has_value() || default_template_ == nullptr);
+  const bool use_tool_template = tool_use_template_ != nullptr && request.tools.has_value();
   const jinja::Template* tmpl =
       use_tool_template ? tool_use_template_.get() : default_template_.get();
   const std::string& source = use_tool_template ? tool_use_source_ : default_source_;
   if (tmpl == nullptr) {
-    return absl::FailedPreconditionError("the model has no default chat template");
+    return absl::FailedPreconditionError(
+        "the model's chat templates have no 'default' one (only 'tool_use', for requests with "
+        "tools)");
   }
   for (const ojson* part : {&request.messages, &request.template_kwargs}) {
     if (JsonNestedDeeperThan(*part, kMaxChatJsonDepth)) {

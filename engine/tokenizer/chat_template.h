@@ -1,7 +1,8 @@
 // Chat templates: the model's own Jinja template, rendered by our interpreter (jinja/) exactly as
-// transformers' apply_chat_template renders it. The template comes from chat_template.jinja beside
-// the tokenizer (how transformers 5 saves it) or tokenizer_config.json's `chat_template` (a string,
-// or a list of named templates: "default", and "tool_use" when tools are passed).
+// transformers' apply_chat_template renders it. The templates come from files beside the
+// tokenizer (how transformers 5 saves them: chat_template.jinja, and named ones such as
+// additional_chat_templates/tool_use.jinja) or else tokenizer_config.json's `chat_template` (a
+// string, or a list of named templates). "default" renders, or "tool_use" when tools are passed.
 //
 // A missing template, or one that does not parse, is reported once at load (load_status()) and
 // every render is FAILED_PRECONDITION; nothing is guessed.
@@ -53,9 +54,11 @@ class ChatTemplate {
   ChatTemplate& operator=(ChatTemplate&&) noexcept;
   ~ChatTemplate();
 
-  // `config`: tokenizer_config.json (null or an object); `jinja_file`: chat_template.jinja's text
-  // ("" when absent; it wins over the config). Never fails: problems land in load_status().
-  static ChatTemplate FromConfig(const nlohmann::json& config, std::string_view jinja_file);
+  // `config`: tokenizer_config.json (null or an object); `jinja_file` / `tool_use_jinja_file`:
+  // the template files' texts ("" when absent; when either exists, the files replace the
+  // config's templates, as in transformers). Never fails: problems land in load_status().
+  static ChatTemplate FromConfig(const nlohmann::json& config, std::string_view jinja_file,
+                                 std::string_view tool_use_jinja_file = {});
 
   // OK when chat works; otherwise FAILED_PRECONDITION saying why (no template; "line N: ..." for
   // one that does not parse).

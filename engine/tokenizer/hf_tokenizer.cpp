@@ -320,10 +320,12 @@ HfTokenizer::~HfTokenizer() = default;
 
 absl::StatusOr<std::unique_ptr<HfTokenizer>> HfTokenizer::Create(
     const std::string& dir, std::string_view tokenizer_json, std::string_view config_json,
-    std::string_view generation_config_json, std::string_view chat_template_file) {
+    std::string_view generation_config_json, std::string_view chat_template_file,
+    std::string_view tool_use_template_file) {
   std::unique_ptr<HfTokenizer> tok(new HfTokenizer());
   RETURN_IF_ERROR(tok->LoadJson(dir, tokenizer_json));
-  RETURN_IF_ERROR(tok->LoadConfig(dir, config_json, generation_config_json, chat_template_file));
+  RETURN_IF_ERROR(tok->LoadConfig(dir, config_json, generation_config_json, chat_template_file,
+                                  tool_use_template_file));
   return tok;
 }
 
@@ -720,10 +722,12 @@ absl::Status HfTokenizer::LoadJson(const std::string& dir, std::string_view text
 
 absl::Status HfTokenizer::LoadConfig(const std::string& dir, std::string_view config_json,
                                      std::string_view generation_config_json,
-                                     std::string_view chat_template_file) {
+                                     std::string_view chat_template_file,
+                                     std::string_view tool_use_template_file) {
   // nlohmann's value()/get() throw on type mismatches: a bad config is an error, not a crash.
   try {
-    return LoadConfigUnchecked(dir, config_json, generation_config_json, chat_template_file);
+    return LoadConfigUnchecked(dir, config_json, generation_config_json, chat_template_file,
+                               tool_use_template_file);
   } catch (const json::exception& e) {
     return absl::InvalidArgumentError(
         absl::StrCat(dir, "/tokenizer_config.json: unexpected structure: ", e.what()));
@@ -732,7 +736,8 @@ absl::Status HfTokenizer::LoadConfig(const std::string& dir, std::string_view co
 
 absl::Status HfTokenizer::LoadConfigUnchecked(const std::string& dir, std::string_view config_json,
                                               std::string_view generation_config_json,
-                                              std::string_view chat_template_file) {
+                                              std::string_view chat_template_file,
+                                              std::string_view tool_use_template_file) {
   json cfg = json::object();
   if (!config_json.empty()) {
     cfg = json::parse(config_json, nullptr, false);
@@ -770,19 +775,20 @@ absl::Status HfTokenizer::LoadConfigUnchecked(const std::string& dir, std::strin
       }
     }
   }
-  chat_template_ = ChatTemplate::FromConfig(cfg, chat_template_file);
+  chat_template_ = ChatTemplate::FromConfig(cfg, chat_template_file, tool_use_template_file);
   const absl::Status& chat_status = chat_template_.load_status();
   if (absl::IsFailedPrecondition(chat_status) && chat_template_file.empty() &&
-      !cfg.contains("chat_template")) {
+      tool_use_template_file.empty() && !cfg.contains("chat_template")) {
     spdlog::info("tokenizer {}: no chat template; chat requests will fail", dir);
   } else if (!chat_status.ok()) {
     spdlog::warn("tokenizer {}: {}; chat requests will fail with FAILED_PRECONDITION", dir,
                  std::string(chat_status.message()));
   }
   for (const std::string& name : chat_template_.unsupported()) {
-    spdlog::warn("tokenizer {}: the chat template uses {}, which the interpreter lacks; chat "
-                 "requests that reach it fail with FAILED_PRECONDITION",
-                 dir, name);
+    spdlog::warn(
+        "tokenizer {}: the chat template uses {}, which the interpreter lacks; chat "
+        "requests that reach it fail with FAILED_PRECONDITION",
+        dir, name);
   }
   return absl::OkStatus();
 }

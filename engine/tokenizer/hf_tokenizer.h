@@ -52,10 +52,13 @@ class TokenTrie {
 
 class HfTokenizer final : public Tokenizer {
  public:
-  // `tokenizer_json` and `config_json` are file contents; `dir` names files in errors.
+  // `tokenizer_json` and `config_json` are file contents; `dir` names files in errors. The chat
+  // template files are chat_template.jinja and additional_chat_templates/tool_use.jinja ("" when
+  // absent).
   static absl::StatusOr<std::unique_ptr<HfTokenizer>> Create(
       const std::string& dir, std::string_view tokenizer_json, std::string_view config_json,
-      std::string_view generation_config_json, std::string_view chat_template_file);
+      std::string_view generation_config_json, std::string_view chat_template_file,
+      std::string_view tool_use_template_file = {});
   ~HfTokenizer() override;
 
   absl::StatusOr<std::vector<int32_t>> Encode(std::string_view text,
@@ -79,10 +82,12 @@ class HfTokenizer final : public Tokenizer {
   absl::Status LoadJson(const std::string& dir, std::string_view tokenizer_json);
   absl::Status LoadConfig(const std::string& dir, std::string_view config_json,
                           std::string_view generation_config_json,
-                          std::string_view chat_template_file);
+                          std::string_view chat_template_file,
+                          std::string_view tool_use_template_file);
   absl::Status LoadConfigUnchecked(const std::string& dir, std::string_view config_json,
                                    std::string_view generation_config_json,
-                                   std::string_view chat_template_file);
+                                   std::string_view chat_template_file,
+                                   std::string_view tool_use_template_file);
   std::string Normalize(std::string_view text) const;
   // `at_text_start`: the segment begins at offset 0 of the input (Metaspace prepend "first").
   absl::Status EncodeSegment(std::string_view text, bool at_text_start,

@@ -28,9 +28,13 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromDirectory(const std::s
   if (!config.ok()) return config.status();
   auto generation = read_optional("generation_config.json");
   if (!generation.ok()) return generation.status();
+  // transformers 5 saves templates as files: the default one and named ones beside it.
   auto chat_template = read_optional("chat_template.jinja");
   if (!chat_template.ok()) return chat_template.status();
-  auto tok = HfTokenizer::Create(dir, json_text, *config, *generation, *chat_template);
+  auto tool_use_template = read_optional("additional_chat_templates/tool_use.jinja");
+  if (!tool_use_template.ok()) return tool_use_template.status();
+  auto tok =
+      HfTokenizer::Create(dir, json_text, *config, *generation, *chat_template, *tool_use_template);
   if (!tok.ok()) return tok.status();
   return std::unique_ptr<Tokenizer>(std::move(*tok));
 }

@@ -210,7 +210,8 @@ INSTANTIATE_TEST_SUITE_P(Families, ChatTest, ::testing::Values("llama3", "qwen3"
 
 // A tokenizer folder (stories260K's vocabulary) with the given tokenizer_config.json and
 // chat_template.jinja ("" = no file).
-std::unique_ptr<Tokenizer> TokenizerWith(const std::string& config, const std::string& jinja) {
+std::unique_ptr<Tokenizer> TokenizerWith(const std::string& config, const std::string& jinja,
+                                         const std::string& tool_use_jinja = "") {
   const auto dir = testing::ScratchDir("tokenizer-chat-config");
   auto json =
       Tok512ToTokenizerJson((testing::SharedDir() / "models/stories260K/tok512.bin").string(), 512);
@@ -218,7 +219,12 @@ std::unique_ptr<Tokenizer> TokenizerWith(const std::string& config, const std::s
   std::ofstream(dir / "tokenizer.json") << *json;
   std::ofstream(dir / "tokenizer_config.json") << config;
   std::filesystem::remove(dir / "chat_template.jinja");
+  std::filesystem::remove_all(dir / "additional_chat_templates");
   if (!jinja.empty()) std::ofstream(dir / "chat_template.jinja") << jinja;
+  if (!tool_use_jinja.empty()) {
+    std::filesystem::create_directories(dir / "additional_chat_templates");
+    std::ofstream(dir / "additional_chat_templates" / "tool_use.jinja") << tool_use_jinja;
+  }
   auto tok = Tokenizer::FromDirectory(dir.string());
   EXPECT_TRUE(tok.ok()) << tok.status();
   return tok.ok() ? std::move(*tok) : nullptr;
@@ -252,6 +258,17 @@ TEST(ChatTemplate, TemplateSources) {
   EXPECT_EQ(tok->ApplyChatTemplate(request).value_or("error"), "D");
   request.tools = ojson::array();
   EXPECT_EQ(tok->ApplyChatTemplate(request).value_or("error"), "T0");
+  // transformers 5's files: chat_template.jinja and additional_chat_templates/tool_use.jinja
+  // replace the config's templates.
+  tok = TokenizerWith(R"({"chat_template": "config"})", "file default", "file tool_use");
+  ASSERT_NE(tok, nullptr);
+  EXPECT_EQ(tok->ApplyChatTemplate(request).value_or("error"), "file tool_use");
+  request.tools.reset();
+  EXPECT_EQ(tok->ApplyChatTemplate(request).value_or("error"), "file default");
+  // Only a tool_use template: requests without tools have nothing to render (HF refuses too).
+  tok = TokenizerWith("{}", "", "tools only");
+  ASSERT_NE(tok, nullptr);
+  EXPECT_EQ(tok->ApplyChatTemplate(request).status().code(), absl::StatusCode::kFailedPrecondition);
 }
 
 TEST(ChatTemplate, UnparsableTemplateIsFailedPreconditionNamingTheLine) {
