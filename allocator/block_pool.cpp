@@ -22,6 +22,13 @@ absl::StatusOr<std::unique_ptr<BlockPool>> BlockPool::Create(const BlockPoolOpti
     return absl::InvalidArgumentError(
         absl::StrCat("num_layers must be > 0, got ", options.num_layers));
   }
+  if (!options.layer_capacity.empty() &&
+      (static_cast<int64_t>(options.layer_capacity.size()) != options.num_layers ||
+       *std::min_element(options.layer_capacity.begin(), options.layer_capacity.end()) < 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer_capacity must list num_layers (", options.num_layers,
+                     ") capacities >= 0, got ", options.layer_capacity.size()));
+  }
   if (options.allocate_storage && (options.num_kv_heads <= 0 || options.head_dim <= 0)) {
     return absl::InvalidArgumentError(absl::StrCat("num_kv_heads and head_dim must be > 0, got ",
                                                    options.num_kv_heads, " and ",
@@ -117,15 +124,23 @@ int64_t BlockPool::num_blocks_of(int64_t seq) const {
   return n;
 }
 
-int64_t BlockPool::ExtraBlocks(const LayerBlockTable& t, int64_t num_tokens) const {
-  return std::max<int64_t>(
-      0, BlocksFor(t.stored_len + num_tokens) - static_cast<int64_t>(t.block_ids.size()));
+int64_t BlockPool::Grown(const LayerBlockTable& t, int32_t layer_idx, int64_t num_tokens) const {
+  const int64_t cap = capacity(layer_idx);
+  const int64_t grown = t.stored_len + num_tokens;
+  return cap > 0 ? std::min(grown, std::max(cap, t.stored_len)) : grown;
+}
+
+int64_t BlockPool::ExtraBlocks(const LayerBlockTable& t, int32_t layer_idx,
+                               int64_t num_tokens) const {
+  return std::max<int64_t>(0, BlocksFor(Grown(t, layer_idx, num_tokens)) -
+                                  static_cast<int64_t>(t.block_ids.size()));
 }
 
 int64_t BlockPool::BlocksToAppend(std::span<const int64_t> seqs, int64_t num_tokens) const {
   int64_t n = 0;
   for (int64_t s : seqs) {
-    for (const auto& t : sequence(s).layers) n += ExtraBlocks(t, num_tokens);
+    const auto& layers = sequence(s).layers;
+    for (int32_t l = 0; l < num_layers(); ++l) n += ExtraBlocks(layers[l], l, num_tokens);
   }
   return n;
 }
@@ -144,10 +159,12 @@ absl::Status BlockPool::AppendSlots(std::span<const int64_t> seqs, int64_t num_t
                                                      num_free_blocks(), " free of ", num_blocks()));
   }
   for (int64_t s : seqs) {
-    for (auto& t : mutable_sequence(s).layers) {
-      auto blocks = AllocateBlocks(ExtraBlocks(t, num_tokens));  // cannot fail: checked above
+    auto& layers = mutable_sequence(s).layers;
+    for (int32_t l = 0; l < num_layers(); ++l) {
+      auto& t = layers[l];
+      auto blocks = AllocateBlocks(ExtraBlocks(t, l, num_tokens));  // cannot fail: checked above
       t.block_ids.insert(t.block_ids.end(), blocks->begin(), blocks->end());
-      t.stored_len += num_tokens;
+      t.stored_len = Grown(t, l, num_tokens);
     }
   }
   return absl::OkStatus();
@@ -157,8 +174,15 @@ void BlockPool::UndoAppendSlots(std::span<const int64_t> seqs, int64_t num_token
   std::vector<int32_t> to_free;
   for (int64_t s : seqs) {
     if (!HasSequence(s)) continue;
-    for (auto& t : mutable_sequence(s).layers) {
-      t.stored_len = std::max<int64_t>(0, t.stored_len - num_tokens);
+    SequenceBlocks& seq = mutable_sequence(s);
+    for (int32_t l = 0; l < num_layers(); ++l) {
+      auto& t = seq.layers[l];
+      const int64_t cap = capacity(l);
+      if (cap > 0 && t.stored_len >= cap) {
+        t.stored_len = std::min(cap, seq.logical_len);  // a full ring stayed full
+      } else {
+        t.stored_len = std::max<int64_t>(0, t.stored_len - num_tokens);
+      }
       // AppendSlots fills the last block before taking a new one, so the blocks it took are
       // exactly those past the ones the remaining slots need.
       const auto keep = static_cast<size_t>(BlocksFor(t.stored_len));
@@ -175,10 +199,10 @@ absl::Status BlockPool::AppendLayerSlots(int64_t seq, int32_t layer_idx, int64_t
   if (!HasSequence(seq)) return absl::NotFoundError(absl::StrCat("unknown sequence ", seq));
   if (num_tokens < 0) return absl::InvalidArgumentError("negative token count");
   auto& t = mutable_sequence(seq).layers.at(layer_idx);
-  auto blocks = AllocateBlocks(ExtraBlocks(t, num_tokens));
+  auto blocks = AllocateBlocks(ExtraBlocks(t, layer_idx, num_tokens));
   if (!blocks.ok()) return blocks.status();
   t.block_ids.insert(t.block_ids.end(), blocks->begin(), blocks->end());
-  t.stored_len += num_tokens;
+  t.stored_len = Grown(t, layer_idx, num_tokens);
   return absl::OkStatus();
 }
 

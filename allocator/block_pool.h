@@ -25,6 +25,11 @@ struct BlockPoolOptions {
   int32_t num_layers = 0;   // block tables per sequence, > 0
   int32_t num_kv_heads = 0;
   int32_t head_dim = 0;
+  // Per layer, the most slots a sequence's table holds (0 = no bound; empty = none bounded). A
+  // bounded layer grows to its capacity and then keeps its slots: appends past it reuse them (the
+  // caller decides which slot a new token overwrites, e.g. a ring by position for a sliding-window
+  // layer).
+  std::vector<int64_t> layer_capacity;
   // Storage tensors are allocated only when true (accounting-only pools keep tests cheap).
   bool allocate_storage = true;
   at::ScalarType dtype = at::kFloat;
@@ -57,6 +62,10 @@ class BlockPool {
   bool CanAllocate(int64_t num_blocks) const { return num_blocks <= num_free_blocks(); }
   // Blocks needed to hold `num_tokens` slots.
   int64_t BlocksFor(int64_t num_tokens) const;
+  // Layer `layer_idx`'s slot bound (0 = none).
+  int64_t capacity(int32_t layer_idx) const {
+    return options_.layer_capacity.empty() ? 0 : options_.layer_capacity[layer_idx];
+  }
 
   // Storage: [num_blocks, block_size, num_kv_heads, head_dim] each (undefined without storage).
   const at::Tensor& key_cache() const { return key_cache_; }
@@ -87,13 +96,14 @@ class BlockPool {
 
   // Blocks AppendSlots would take for these sequences (all layers, `num_tokens` each).
   int64_t BlocksToAppend(std::span<const int64_t> seqs, int64_t num_tokens) const;
-  // Grows every layer of every listed sequence by `num_tokens` slots (stored_len += num_tokens).
-  // All-or-nothing. Duplicated ids are INVALID_ARGUMENT.
+  // Grows every layer of every listed sequence by `num_tokens` slots (stored_len += num_tokens, up
+  // to a bounded layer's capacity). All-or-nothing. Duplicated ids are INVALID_ARGUMENT.
   absl::Status AppendSlots(std::span<const int64_t> seqs, int64_t num_tokens);
   // Takes back the AppendSlots(seqs, num_tokens) that succeeded last for these sequences, with
   // nothing else changed since: each layer loses those slots and the blocks the append added
   // (the blocks past what the remaining slots need). The decode step's undo, without a Snapshot
-  // of every table (~100 us per step at batch 16).
+  // of every table (~100 us per step at batch 16). A bounded layer must have held
+  // min(logical_len, capacity) slots before the append (as a sliding-window layer does).
   void UndoAppendSlots(std::span<const int64_t> seqs, int64_t num_tokens);
   // Grows one layer by `num_tokens` slots. All-or-nothing.
   absl::Status AppendLayerSlots(int64_t seq, int32_t layer_idx, int64_t num_tokens);
@@ -116,7 +126,9 @@ class BlockPool {
  private:
   explicit BlockPool(const BlockPoolOptions& options) : options_(options) {}
   SequenceBlocks& mutable_sequence(int64_t seq);
-  int64_t ExtraBlocks(const LayerBlockTable& t, int64_t num_tokens) const;
+  // stored_len of layer `layer_idx`'s table `t` after appending num_tokens.
+  int64_t Grown(const LayerBlockTable& t, int32_t layer_idx, int64_t num_tokens) const;
+  int64_t ExtraBlocks(const LayerBlockTable& t, int32_t layer_idx, int64_t num_tokens) const;
 
   BlockPoolOptions options_;
   std::vector<int32_t> free_list_;  // LIFO: recently freed blocks are reused first

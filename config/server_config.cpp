@@ -243,9 +243,16 @@ std::vector<Setting> MakeSettings() {
   using C = ServerConfig;
   std::vector<Setting> v;
   // model
-  v.push_back(StringSetting("model_dir", "Hugging Face model folder; empty = built-in demo model",
-                            [](C& c) -> std::string& { return c.model_dir; }));
+  v.push_back(StringSetting(
+      "model_dir",
+      "Hugging Face model folder; empty = the default model (SmolLM2-135M-Instruct from "
+      "scripts/setup.sh)",
+      [](C& c) -> std::string& { return c.model_dir; }));
   v.back().alias_flags = ",--model";
+  v.push_back(BoolSetting(
+      "demo_model",
+      "serve the built-in demo model (random weights: gibberish by design) instead; for tests",
+      [](C& c) -> bool& { return c.demo_model; }));
   v.push_back(StringSetting(
       "device", "auto|cpu|cuda|cuda:N", [](C& c) -> std::string& { return c.device; },
       CheckDevice));
@@ -591,6 +598,9 @@ absl::Status ValidateServerConfig(const ServerConfig& c) {
   auto err = [](absl::string_view key, absl::string_view what) {
     return absl::InvalidArgumentError(absl::StrCat(key, ": ", what));
   };
+  if (c.demo_model && !c.model_dir.empty()) {
+    return err("demo_model", "serves the built-in demo model: do not set model_dir with it");
+  }
   if (c.tls_cert_file.empty() != c.tls_key_file.empty()) {
     return err(c.tls_cert_file.empty() ? "tls_cert_file" : "tls_key_file",
                "tls_cert_file and tls_key_file must be set together");
@@ -763,7 +773,8 @@ absl::StatusOr<ServerConfig> LoadServerConfigFrom(const std::vector<std::string>
   static const char* kNotSettings[] = {
       "DROPKV_CONFIG",         "DROPKV_SHARED",     "DROPKV_PYTHON",
       "DROPKV_KVPRESS_PYTHON", "DROPKV_SOURCE_DIR", "DROPKV_BUILD_DIR",
-      "DROPKV_VENV",           "DROPKV_CACHE",      "DROPKV_TEST_JOBS"};
+      "DROPKV_VENV",           "DROPKV_CACHE",      "DROPKV_TEST_JOBS",
+      "DROPKV_MODELS"};
   for (const auto& [name, value] : env) {
     if (!absl::StartsWith(name, "DROPKV_")) continue;
     bool known = std::any_of(std::begin(kNotSettings), std::end(kNotSettings),
@@ -776,11 +787,23 @@ absl::StatusOr<ServerConfig> LoadServerConfigFrom(const std::vector<std::string>
   }
   absl::Status valid = ValidateServerConfig(config);
   if (!valid.ok()) return absl::InvalidArgumentError(absl::StrCat("config: ", valid.message()));
+  if (config.model_dir.empty() && !config.demo_model) config.model_dir = DefaultModelDir(env);
   if (print_config) {
     out << ServerConfigToYaml(config);
     config.exit_after_load = true;
   }
   return config;
+}
+
+std::string DefaultModelDir(const std::map<std::string, std::string>& env) {
+  auto get = [&](const char* name) -> std::string {
+    auto it = env.find(name);
+    return it == env.end() ? "" : it->second;
+  };
+  std::string models = get("DROPKV_MODELS");
+  if (models.empty() && !get("DROPKV_CACHE").empty()) models = get("DROPKV_CACHE") + "/models";
+  if (models.empty() && !get("HOME").empty()) models = get("HOME") + "/.cache/dropkv/models";
+  return models.empty() ? "" : models + "/smollm2-135m-instruct";
 }
 
 absl::StatusOr<ServerConfig> LoadServerConfig(int argc, char** argv) {
@@ -794,6 +817,7 @@ absl::StatusOr<ServerConfig> LoadServerConfig(int argc, char** argv) {
     if (eq == absl::string_view::npos) continue;
     env.emplace(std::string(entry.substr(0, eq)), std::string(entry.substr(eq + 1)));
   }
+  if (const char* home = std::getenv("HOME"); home != nullptr) env.emplace("HOME", home);
   return LoadServerConfigFrom(args, env, std::cout);
 }
 

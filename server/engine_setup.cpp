@@ -1,5 +1,7 @@
 #include "server/engine_setup.h"
 
+#include <filesystem>
+
 #include <ATen/ATen.h>
 
 #include "absl/strings/str_cat.h"
@@ -29,8 +31,15 @@ Engine::~Engine() {
 
 absl::StatusOr<std::unique_ptr<Engine>> CreateEngine(const ServerConfig& config) {
   auto engine = std::make_unique<Engine>();
+  if (!config.demo_model &&
+      !std::filesystem::exists(std::filesystem::path(config.model_dir) / "config.json")) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "model: no Hugging Face model folder at '", config.model_dir,
+        "' (the default model is installed by scripts/setup.sh; or pass --model DIR, or "
+        "--demo-model for the built-in random-weight model)"));
+  }
   RunnerOptions ro;
-  ro.model_dir = config.model_dir;
+  ro.model_dir = config.demo_model ? "" : config.model_dir;
   ro.device = config.device == "auto" ? (at::hasCUDA() ? "cuda:0" : "cpu") : config.device;
   ro.dtype = config.dtype;
   ro.block_size = config.block_size;
@@ -42,7 +51,7 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateEngine(const ServerConfig& config)
   engine->runner = std::move(*runner);
   engine->runner->SetKvSelectorFactory(&compression::CreateKvSelectorForModel);
 
-  const std::string dir = config.model_dir.empty() ? DefaultDemoModelDir() : config.model_dir;
+  const std::string dir = config.demo_model ? DefaultDemoModelDir() : config.model_dir;
   auto tokenizer = Tokenizer::FromDirectory(dir);
   if (!tokenizer.ok()) return tokenizer.status();
   engine->tokenizer = std::move(*tokenizer);
@@ -79,11 +88,12 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateEngine(const ServerConfig& config)
   limits.max_new_tokens_limit = config.max_new_tokens_limit;
   limits.max_prompt_tokens = config.max_prompt_tokens;
   limits.max_request_bytes = config.max_message_bytes;
-  limits.num_layers = mc.num_layers;
+  // Compression's depth checks (explicit lists, profiles) count the layers it acts on.
+  limits.num_layers = mc.num_global_layers();
   limits.default_compression = config.compression;
 
   v1::ModelInfo& info = engine->model_info;
-  info.set_model_name(config.model_dir.empty() ? "demo" : config.model_dir);
+  info.set_model_name(config.demo_model ? "demo" : config.model_dir);
   info.set_family(FamilyName(mc));
   info.set_num_layers(mc.num_layers);
   info.set_num_attention_heads(mc.num_heads);

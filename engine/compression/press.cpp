@@ -140,6 +140,7 @@ class Press final : public KvSelector {
     if (IsH2o(params_.method)) {
       // Accumulate every chunk's attention, compressing or not (H2O sums over all prompt queries).
       kernels::H2oParams hp;  // raw sums; normalisation and V norm are applied at selection
+      hp.scale = model_.attention_scale;
       // With every chunk row's LSE from the prefill attention, the column sums need no softmax
       // (and on CUDA no [rows, n] block).
       const bool have_lse = v.window_lse.defined() && v.window_lse.size(1) == chunk_len;
@@ -201,6 +202,7 @@ class Press final : public KvSelector {
     switch (params_.method) {
       case ScoreMethod::kDropKV: {
         kernels::DropKvParams dp;
+        dp.scale = model_.attention_scale;
         // bf16/fp16 runs round p like the reference (algorithms.md section 1); fp32 does not.
         if (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf) {
           dp.p_round_dtype = q.scalar_type();
@@ -218,6 +220,7 @@ class Press final : public KvSelector {
       case ScoreMethod::kSnapKV: {
         kernels::SnapKvParams sp;
         sp.pool_kernel = overrides_.snapkv_pool_kernel;
+        sp.scale = model_.attention_scale;
         return kernels::SnapKvScores(q_window, k, sp);
       }
       case ScoreMethod::kH2O:
@@ -296,8 +299,21 @@ absl::StatusOr<std::unique_ptr<KvSelector>> CreateKvSelector(const CompressionPa
 
 absl::StatusOr<std::unique_ptr<KvSelector>> CreateKvSelectorForModel(
     const CompressionParams& params, const ModelConfig& config) {
+  if (params.method != ScoreMethod::kNone && config.num_global_layers() == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "compression: every layer of this model attends through a sliding window of ",
+        config.sliding_window, " tokens; there is no growing cache to compress"));
+  }
   PressModelInfo info;
-  info.num_layers = config.num_layers;
+  // Sliding-window layers keep their window whatever the request: budgets are the global layers'.
+  info.num_layers = config.num_global_layers();
+  // (Uniform over the global layers: only a sliding layer's RoPE can differ, and it is not here.)
+  for (int32_t l = 0; l < config.num_layers; ++l) {
+    if (!config.is_sliding(l)) {
+      info.attention_scale = config.attention_scale(l);
+      break;
+    }
+  }
   info.num_q_heads = config.num_heads;
   info.num_kv_heads = config.num_kv_heads;
   info.head_dim = config.head_dim;

@@ -22,10 +22,11 @@ namespace dropkv::compression {
 
 // The model geometry a press needs (a subset of the model config).
 struct PressModelInfo {
-  int32_t num_layers = 0;
+  int32_t num_layers = 0;  // the layers the press compresses (a model's global layers)
   int32_t num_q_heads = 0;
   int32_t num_kv_heads = 0;
   int32_t head_dim = 0;
+  double attention_scale = 0;  // softmax scale of the logits the scorers rebuild (0 = 1/sqrt(D))
 };
 
 // Knobs beyond CompressionParams, for parity with other implementations. Defaults = our policy.

@@ -2,8 +2,10 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <vector>
 
@@ -11,26 +13,87 @@ namespace dropkv {
 
 namespace {
 
+// [rows, n] bool: which keys query rows [row0, row0 + rows) of a chunk of t_len see, the chunk
+// being the last t_len of n keys: every earlier entry, causal inside the chunk, and with a window
+// only the `window` latest positions.
+at::Tensor VisibleKeys(int64_t row0, int64_t rows, int64_t t_len, int64_t n, int64_t window,
+                       const at::Device& device) {
+  auto opts = at::TensorOptions().dtype(at::kLong).device(device);
+  auto query_pos = at::arange(n - t_len + row0, n - t_len + row0 + rows, opts).unsqueeze(1);
+  auto key_pos = at::arange(n, opts).unsqueeze(0);
+  auto visible = key_pos <= query_pos;
+  if (window > 0) visible = visible.logical_and(key_pos > query_pos - window);
+  return visible;
+}
+
 // The pre-flash path (kept for CPU, fp32 and odd head dims, and as the A/B baseline).
 at::Tensor SdpaPrefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                       double scale) {
+                       double scale, int64_t window) {
   const int64_t t_len = q.size(0);
   const int64_t n = k.size(1);
   auto qh = q.transpose(0, 1).unsqueeze(0);  // [1, Hq, T, D]
   auto kh = k.unsqueeze(0);                  // [1, Hkv, n, D]
   auto vh = v.unsqueeze(0);
   at::Tensor out;
-  if (n == t_len) {
+  if (n == t_len && (window <= 0 || window >= n)) {
     out = at::scaled_dot_product_attention(qh, kh, vh, {}, 0.0, /*is_causal=*/true, scale,
                                            /*enable_gqa=*/true);
   } else {
-    // [T, n]: every earlier entry is visible; the chunk part is lower-triangular. (SDPA's
-    // is_causal is top-left aligned when T < n, so it cannot express this.)
-    auto mask = at::ones({t_len, n}, at::TensorOptions().dtype(at::kBool).device(q.device()));
-    mask.narrow(1, n - t_len, t_len).tril_();
+    // (SDPA's is_causal is top-left aligned when T < n, so it cannot express this.)
+    auto mask = VisibleKeys(0, t_len, t_len, n, window, q.device());
     out = at::scaled_dot_product_attention(qh, kh, vh, mask, 0.0, false, scale, true);
   }
   return out.squeeze(0).transpose(0, 1).contiguous();  // [T, Hq, D]
+}
+
+// Soft-capped logits (Gemma 2), which no fused kernel computes: the scores in fp32, capped,
+// masked, softmaxed, in blocks of query rows so that a long chunk holds [Hq, block, n] at a time.
+PrefillAttentionOutput MathPrefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                   double scale, const AttentionLimits& limits) {
+  const int64_t t_len = q.size(0);
+  const int64_t num_heads = q.size(1);
+  const int64_t num_kv_heads = k.size(0);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t d = q.size(2);
+  const int64_t n = k.size(1);
+  constexpr int64_t kRowsPerBlock = 256;
+  auto kf = k.to(at::kFloat);
+  auto vf = v.to(at::kFloat);
+  auto out = at::empty({t_len, num_heads, d}, q.options());
+  auto lse = at::empty({num_heads, t_len}, q.options().dtype(at::kFloat));
+  for (int64_t r0 = 0; r0 < t_len; r0 += kRowsPerBlock) {
+    const int64_t rows = std::min(kRowsPerBlock, t_len - r0);
+    // [Hkv, G * rows, D]: query head h = kv * G + g.
+    auto qb = q.narrow(0, r0, rows).to(at::kFloat).permute({1, 0, 2}).reshape(
+        {num_kv_heads, group * rows, d});
+    auto scores = at::bmm(qb, kf.transpose(1, 2)).mul_(scale);  // [Hkv, G * rows, n]
+    if (limits.softcap > 0) scores = at::tanh(scores / limits.softcap) * limits.softcap;
+    scores = scores.view({num_kv_heads, group, rows, n});
+    auto visible = VisibleKeys(r0, rows, t_len, n, limits.window, q.device());
+    scores.masked_fill_(visible.logical_not(), -std::numeric_limits<float>::infinity());
+    auto block_lse = at::logsumexp(scores, -1);  // [Hkv, G, rows]
+    auto probs = at::exp(scores - block_lse.unsqueeze(-1)).view({num_kv_heads, group * rows, n});
+    auto o = at::bmm(probs, vf).view({num_heads, rows, d});  // [Hq, rows, D]
+    out.narrow(0, r0, rows).copy_(o.transpose(0, 1));
+    lse.narrow(1, r0, rows).copy_(block_lse.view({num_heads, rows}));
+  }
+  return {out, lse};
+}
+
+// ATen's flash kernel with its sliding window (FA2 aligns causal + window bottom-right: row i
+// sees keys (n - T + i - window, n - T + i]).
+PrefillAttentionOutput FlashWindowPrefill(const at::Tensor& q, const at::Tensor& k,
+                                          const at::Tensor& v, double scale, int64_t window) {
+  const int64_t t_len = q.size(0);
+  const int64_t n = k.size(1);
+  auto result = at::_flash_attention_forward(
+      q.unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+      std::nullopt, std::nullopt, t_len, n, /*dropout_p=*/0.0, /*is_causal=*/true,
+      /*return_debug_mask=*/false, scale, /*window_size_left=*/window - 1,
+      /*window_size_right=*/0);
+  const at::Tensor& out = std::get<0>(result);  // [1, T, Hq, D]
+  const at::Tensor& lse = std::get<1>(result);  // fp32 [1, Hq, T]
+  return {out.squeeze(0), lse.squeeze(0).narrow(1, 0, t_len)};
 }
 
 PrefillAttentionOutput FlashPrefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -118,7 +181,17 @@ int64_t CudnnPaddedLength(int64_t t_len) {
 
 PrefillAttentionOutput PrefillAttentionWithLse(const at::Tensor& q, const at::Tensor& k,
                                                const at::Tensor& v, double scale,
-                                               PrefillAttentionImpl impl) {
+                                               PrefillAttentionImpl impl,
+                                               const AttentionLimits& limits) {
+  if (limits.softcap > 0) return MathPrefill(q, k, v, scale, limits);
+  // A window that reaches the first key masks nothing.
+  const int64_t window = limits.window > 0 && limits.window < k.size(1) ? limits.window : 0;
+  if (window > 0) {
+    if (impl != PrefillAttentionImpl::kSdpa && FlashApplies(q, k)) {
+      return FlashWindowPrefill(q, k, v, scale, window);
+    }
+    return {SdpaPrefill(q, k, v, scale, window), at::Tensor()};
+  }
   if (impl == PrefillAttentionImpl::kAuto) {
     if (!FlashApplies(q, k)) {
       impl = PrefillAttentionImpl::kSdpa;
@@ -133,7 +206,7 @@ PrefillAttentionOutput PrefillAttentionWithLse(const at::Tensor& q, const at::Te
     return CudnnPrefill(q, k, v, scale);
   }
   if (impl != PrefillAttentionImpl::kSdpa) return FlashPrefill(q, k, v, scale);
-  return {SdpaPrefill(q, k, v, scale), at::Tensor()};
+  return {SdpaPrefill(q, k, v, scale, 0), at::Tensor()};
 }
 
 at::Tensor PrefillAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -142,13 +215,14 @@ at::Tensor PrefillAttention(const at::Tensor& q, const at::Tensor& k, const at::
 }
 
 at::Tensor ContiguousDecodeAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                     double scale) {
+                                     double scale, double softcap) {
   const int64_t num_heads = q.size(0);
   const int64_t num_kv_heads = k.size(0);
   const int64_t d = q.size(1);
   auto qg = q.to(at::kFloat).view({num_kv_heads, num_heads / num_kv_heads, d});  // [Hkv, G, D]
   auto scores =
       at::bmm(qg, k.to(at::kFloat).contiguous().transpose(1, 2)).mul_(scale);  // [Hkv, G, n]
+  if (softcap > 0) scores = at::tanh(scores / softcap) * softcap;
   auto probs = at::softmax(scores, -1);
   auto out = at::bmm(probs, v.to(at::kFloat).contiguous());  // [Hkv, G, D]
   return out.view({num_heads, d}).to(q.scalar_type());
@@ -156,7 +230,7 @@ at::Tensor ContiguousDecodeAttention(const at::Tensor& q, const at::Tensor& k, c
 
 at::Tensor PagedDecodeAttention(const at::Tensor& q, const at::Tensor& key_cache,
                                 const at::Tensor& value_cache, const at::Tensor& block_tables,
-                                const at::Tensor& seq_lens, double scale) {
+                                const at::Tensor& seq_lens, double scale, double softcap) {
   const int64_t batch = q.size(0);
   const int64_t block_size = key_cache.size(1);
   const int64_t num_kv_heads = key_cache.size(2);
@@ -178,7 +252,7 @@ at::Tensor PagedDecodeAttention(const at::Tensor& q, const at::Tensor& key_cache
                      .to(key_cache.device());
     auto k = k_flat.index_select(0, slots).transpose(0, 1);  // [Hkv, len, D]
     auto v = v_flat.index_select(0, slots).transpose(0, 1);
-    out[b].copy_(ContiguousDecodeAttention(q[b], k, v, scale));
+    out[b].copy_(ContiguousDecodeAttention(q[b], k, v, scale, softcap));
   }
   return out;
 }

@@ -6,7 +6,20 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "engine/model/config.h"
+
 namespace dropkv {
+
+// What a layer's attention does beside the causal mask and the scale.
+struct AttentionLimits {
+  // > 0: a query sees only the `window` latest positions, itself included (sliding window).
+  int64_t window = 0;
+  // > 0: logits -> softcap * tanh(logits / softcap) before the softmax (Gemma 2).
+  double softcap = 0;
+};
+inline AttentionLimits LimitsOf(const ModelConfig& c, int32_t layer_idx) {
+  return {c.is_sliding(layer_idx) ? c.sliding_window : 0, c.attn_logit_softcapping};
+}
 
 // Prefill attention of one sequence. q: [T, Hq, D] (the chunk's queries, after RoPE).
 // k, v: [Hkv, n, D], n >= T: the first n - T entries are earlier tokens that every query sees
@@ -49,15 +62,20 @@ struct PrefillAttentionOutput {
 // padding it builds at most 16 per octave of lengths.
 int64_t CudnnPaddedLength(int64_t t_len);
 
-// PrefillAttention with the choice of implementation; arguments as PrefillAttention.
+// PrefillAttention with the choice of implementation and the layer's limits; arguments as
+// PrefillAttention. With a window, the n keys must be consecutive positions ending at the last
+// query's (key j is at position n - T + i - (n - T + i - j) for row i): the sliding layers' caches
+// are gathered in position order. A window runs on CUDA as ATen's flash kernel with its window
+// (kAuto; cuDNN has none), elsewhere as SDPA with the mask; a softcap runs the explicit math
+// (no fused kernel caps logits), in blocks of query rows.
 PrefillAttentionOutput PrefillAttentionWithLse(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
-    PrefillAttentionImpl impl = PrefillAttentionImpl::kAuto);
+    PrefillAttentionImpl impl = PrefillAttentionImpl::kAuto, const AttentionLimits& limits = {});
 
 // Decode attention of one query per sequence over a contiguous cache. q: [Hq, D];
-// k, v: [Hkv, n, D]. Softmax in fp32. Returns [Hq, D] in q's dtype.
+// k, v: [Hkv, n, D]. Softmax in fp32. Returns [Hq, D] in q's dtype. softcap as AttentionLimits.
 at::Tensor ContiguousDecodeAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                     double scale);
+                                     double scale, double softcap = 0);
 
 // Batched decode attention over the paged cache, sequences of different lengths.
 // q: [B, Hq, D]; key_cache, value_cache: [num_blocks, block_size, Hkv, D];
@@ -67,6 +85,6 @@ at::Tensor ContiguousDecodeAttention(const at::Tensor& q, const at::Tensor& k, c
 // result equals the contiguous one bit for bit.
 at::Tensor PagedDecodeAttention(const at::Tensor& q, const at::Tensor& key_cache,
                                 const at::Tensor& value_cache, const at::Tensor& block_tables,
-                                const at::Tensor& seq_lens, double scale);
+                                const at::Tensor& seq_lens, double scale, double softcap = 0);
 
 }  // namespace dropkv

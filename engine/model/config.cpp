@@ -1,7 +1,10 @@
 #include "engine/model/config.h"
 
+#include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <limits>
+#include <optional>
 
 #include <nlohmann/json.hpp>
 
@@ -23,7 +26,10 @@ constexpr FamilyName kFamilies[] = {
     {"LlamaForCausalLM", "llama", ModelFamily::kLlama},
     {"MistralForCausalLM", "mistral", ModelFamily::kMistral},
     {"Qwen2ForCausalLM", "qwen2", ModelFamily::kQwen2},
+    {"Qwen3ForCausalLM", "qwen3", ModelFamily::kQwen3},
     {"GemmaForCausalLM", "gemma", ModelFamily::kGemma},
+    {"Gemma2ForCausalLM", "gemma2", ModelFamily::kGemma2},
+    {"Gemma3ForCausalLM", "gemma3_text", ModelFamily::kGemma3},
 };
 
 template <typename T>
@@ -66,41 +72,143 @@ absl::Status Get(const json& j, const char* key, const std::string& path, T* out
   return absl::OkStatus();
 }
 
-absl::Status ParseRope(const json& j, const std::string& path, ModelConfig* c) {
-  // transformers >= 5 writes "rope_parameters" (with rope_theta inside); older files write
-  // "rope_theta" + "rope_scaling".
-  RETURN_IF_ERROR(Get(j, "rope_theta", path, &c->rope.theta, false));
-  const json* scaling = nullptr;
-  if (auto it = j.find("rope_parameters"); it != j.end() && it->is_object()) scaling = &*it;
-  if (auto it = j.find("rope_scaling"); it != j.end() && it->is_object()) scaling = &*it;
-  if (scaling == nullptr) return absl::OkStatus();
-  RETURN_IF_ERROR(Get(*scaling, "rope_theta", path, &c->rope.theta, false));
-  std::string type = "default";
-  if (scaling->contains("rope_type")) {
-    RETURN_IF_ERROR(Get(*scaling, "rope_type", path, &type, false));
-  } else if (scaling->contains("type")) {
-    RETURN_IF_ERROR(Get(*scaling, "type", path, &type, false));
-  }
-  RETURN_IF_ERROR(Get(*scaling, "factor", path, &c->rope.factor, false));
-  RETURN_IF_ERROR(Get(*scaling, "low_freq_factor", path, &c->rope.low_freq_factor, false));
-  RETURN_IF_ERROR(Get(*scaling, "high_freq_factor", path, &c->rope.high_freq_factor, false));
-  RETURN_IF_ERROR(Get(*scaling, "original_max_position_embeddings", path,
-                      &c->rope.original_max_position_embeddings, false));
-  if (type == "default") {
-    c->rope.type = RopeType::kDefault;
+// One RoPE description (`rope_parameters`, one of its per-layer-type entries, or the older
+// `rope_scaling`) into `r`; fields it does not name keep their values.
+absl::Status ParseRopeDict(const json& d, const std::string& path, RopeParams* r) {
+  RETURN_IF_ERROR(Get(d, "rope_theta", path, &r->theta, false));
+  std::string type;
+  RETURN_IF_ERROR(Get(d, "type", path, &type, false));
+  RETURN_IF_ERROR(Get(d, "rope_type", path, &type, false));
+  RETURN_IF_ERROR(Get(d, "factor", path, &r->factor, false));
+  RETURN_IF_ERROR(Get(d, "low_freq_factor", path, &r->low_freq_factor, false));
+  RETURN_IF_ERROR(Get(d, "high_freq_factor", path, &r->high_freq_factor, false));
+  RETURN_IF_ERROR(Get(d, "original_max_position_embeddings", path,
+                      &r->original_max_position_embeddings, false));
+  RETURN_IF_ERROR(Get(d, "beta_fast", path, &r->beta_fast, false));
+  RETURN_IF_ERROR(Get(d, "beta_slow", path, &r->beta_slow, false));
+  RETURN_IF_ERROR(Get(d, "truncate", path, &r->truncate, false));
+  if (type.empty() || type == "default") {
+    r->type = RopeType::kDefault;
   } else if (type == "linear") {
-    c->rope.type = RopeType::kLinear;
+    r->type = RopeType::kLinear;
   } else if (type == "dynamic") {
-    c->rope.type = RopeType::kDynamic;
+    r->type = RopeType::kDynamic;
   } else if (type == "llama3") {
-    c->rope.type = RopeType::kLlama3;
+    r->type = RopeType::kLlama3;
+  } else if (type == "yarn") {
+    r->type = RopeType::kYarn;
+    // transformers' _compute_yarn_parameters: attention_factor, else from factor (and mscale /
+    // mscale_all_dim when both are given).
+    auto mscale_of = [](double scale, double m) {
+      return scale <= 1 ? 1.0 : 0.1 * m * std::log(scale) + 1.0;
+    };
+    double mscale = 0, mscale_all_dim = 0;
+    RETURN_IF_ERROR(Get(d, "mscale", path, &mscale, false));
+    RETURN_IF_ERROR(Get(d, "mscale_all_dim", path, &mscale_all_dim, false));
+    r->attention_factor = mscale != 0 && mscale_all_dim != 0
+                              ? mscale_of(r->factor, mscale) / mscale_of(r->factor, mscale_all_dim)
+                              : mscale_of(r->factor, 1.0);
+    RETURN_IF_ERROR(Get(d, "attention_factor", path, &r->attention_factor, false));
   } else {
     return absl::InvalidArgumentError(
-        absl::StrCat(path, ": rope_scaling type '", type,
-                     "' is not supported (default, linear, dynamic, llama3)"));
+        absl::StrCat(path, ": rope type '", type,
+                     "' is not supported (default, linear, dynamic, llama3, yarn)"));
   }
-  if (c->rope.factor <= 0)
+  if (r->factor <= 0)
     return absl::InvalidArgumentError(absl::StrCat(path, ": rope factor must be > 0"));
+  if (r->theta <= 0)
+    return absl::InvalidArgumentError(absl::StrCat(path, ": rope_theta must be > 0"));
+  return absl::OkStatus();
+}
+
+absl::Status ParseRope(const json& j, const std::string& path, ModelConfig* c) {
+  // transformers >= 5 writes "rope_parameters" (with rope_theta inside; per layer type for
+  // Gemma 3); older files write "rope_theta" + "rope_scaling" (+ Gemma 3's
+  // "rope_local_base_freq" for its sliding layers, 10000 when absent).
+  RETURN_IF_ERROR(Get(j, "rope_theta", path, &c->rope.theta, false));
+  double local_theta = 10000.0;
+  RETURN_IF_ERROR(Get(j, "rope_local_base_freq", path, &local_theta, false));
+  const json* global = nullptr;
+  const json* local = nullptr;
+  if (auto it = j.find("rope_parameters"); it != j.end() && it->is_object()) {
+    if (it->contains("full_attention") || it->contains("sliding_attention")) {
+      if (auto g = it->find("full_attention"); g != it->end() && g->is_object()) global = &*g;
+      if (auto l = it->find("sliding_attention"); l != it->end() && l->is_object()) local = &*l;
+    } else {
+      global = &*it;
+    }
+  }
+  if (auto it = j.find("rope_scaling"); it != j.end() && it->is_object()) global = &*it;
+  if (global != nullptr) RETURN_IF_ERROR(ParseRopeDict(*global, path, &c->rope));
+  if (local != nullptr) {
+    RETURN_IF_ERROR(ParseRopeDict(*local, path, &c->rope_local));
+  } else if (c->family == ModelFamily::kGemma3) {
+    c->rope_local = RopeParams{};  // Gemma 3's scaling (if any) is for its global layers only
+    c->rope_local.theta = local_theta;
+  } else {
+    c->rope_local = c->rope;
+  }
+  for (RopeParams* r : {&c->rope, &c->rope_local}) {
+    if (r->original_max_position_embeddings <= 0)
+      r->original_max_position_embeddings = c->max_position_embeddings;
+  }
+  return absl::OkStatus();
+}
+
+// Which layers attend through a sliding window: `layer_types` when given, else each family's rule
+// as transformers applies it (Gemma 2: every other layer from the first; Gemma 3: all but every
+// sliding_window_pattern-th; Mistral: all; Qwen2/3 with use_sliding_window: from
+// max_window_layers on). A window that covers max_position_embeddings is no window.
+absl::Status ParseSlidingWindow(const json& j, const std::string& path, ModelConfig* c) {
+  std::optional<int64_t> window;
+  if (auto it = j.find("sliding_window"); it != j.end() && !it->is_null()) {
+    int64_t w = 0;
+    RETURN_IF_ERROR(Get(j, "sliding_window", path, &w, true));
+    if (w <= 0)
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ": field 'sliding_window' must be > 0 or null, got ", w));
+    window = w;
+  }
+  const int32_t n = c->num_layers;
+  std::vector<bool> sliding(n, false);
+  if (auto it = j.find("layer_types"); it != j.end() && !it->is_null()) {
+    if (!it->is_array() || static_cast<int64_t>(it->size()) != n) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ": field 'layer_types' must list num_hidden_layers (", n, ") types"));
+    }
+    for (int32_t i = 0; i < n; ++i) {
+      const json& t = (*it)[i];
+      if (t == "sliding_attention") {
+        sliding[i] = true;
+      } else if (t != "full_attention") {
+        return absl::InvalidArgumentError(absl::StrCat(
+            path, ": layer_types[", i, "] must be full_attention or sliding_attention"));
+      }
+    }
+  } else if (c->family == ModelFamily::kGemma2) {
+    for (int32_t i = 0; i < n; ++i) sliding[i] = (i + 1) % 2 != 0;
+  } else if (c->family == ModelFamily::kGemma3) {
+    int32_t pattern = 6;
+    RETURN_IF_ERROR(Get(j, "sliding_window_pattern", path, &pattern, false));
+    if (pattern <= 0)
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ": field 'sliding_window_pattern' must be > 0"));
+    for (int32_t i = 0; i < n; ++i) sliding[i] = (i + 1) % pattern != 0;
+  } else if (c->family == ModelFamily::kMistral) {
+    sliding.assign(n, true);
+  } else if (c->family == ModelFamily::kQwen2 || c->family == ModelFamily::kQwen3) {
+    bool use = false;
+    int32_t max_window_layers = n;
+    RETURN_IF_ERROR(Get(j, "use_sliding_window", path, &use, false));
+    RETURN_IF_ERROR(Get(j, "max_window_layers", path, &max_window_layers, false));
+    for (int32_t i = 0; i < n; ++i) sliding[i] = use && i >= max_window_layers;
+  }
+  if (!window || *window >= c->max_position_embeddings ||
+      std::find(sliding.begin(), sliding.end(), true) == sliding.end()) {
+    return absl::OkStatus();  // no sliding layers
+  }
+  c->sliding_window = *window;
+  c->sliding_layers = std::move(sliding);
   return absl::OkStatus();
 }
 
@@ -165,29 +273,53 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
   RETURN_IF_ERROR(Get(j, "head_dim", path, &c.head_dim, false));
   RETURN_IF_ERROR(Get(j, "rms_norm_eps", path, &c.rms_norm_eps, false));
   RETURN_IF_ERROR(Get(j, "max_position_embeddings", path, &c.max_position_embeddings, false));
-  c.tie_word_embeddings = c.family == ModelFamily::kGemma;
+  c.tie_word_embeddings = c.gemma_norms();
   RETURN_IF_ERROR(Get(j, "tie_word_embeddings", path, &c.tie_word_embeddings, false));
   c.attention_bias = c.family == ModelFamily::kQwen2;  // Qwen2 always has q/k/v bias
-  if (c.family == ModelFamily::kLlama) {
+  if (c.family != ModelFamily::kQwen2) {
     RETURN_IF_ERROR(Get(j, "attention_bias", path, &c.attention_bias, false));
+  }
+  if (c.family == ModelFamily::kLlama) {
     RETURN_IF_ERROR(Get(j, "mlp_bias", path, &c.mlp_bias, false));
   }
-  if (c.family == ModelFamily::kGemma) c.hidden_act = "gelu_pytorch_tanh";
-  RETURN_IF_ERROR(Get(j, "hidden_act", path, &c.hidden_act, false));
-  if (c.family == ModelFamily::kGemma) {
-    // Gemma 1 checkpoints say "gelu" but were trained with the tanh approximation (HF uses
-    // hidden_activation when given, and warns to use gelu_pytorch_tanh otherwise).
+  if (c.gemma_norms()) {
+    // Gemma checkpoints may say "gelu" in hidden_act but were trained with the tanh
+    // approximation (HF uses hidden_activation when given, and warns to use gelu_pytorch_tanh).
     std::string act;
     RETURN_IF_ERROR(Get(j, "hidden_activation", path, &act, false));
     c.hidden_act = act.empty() ? "gelu_pytorch_tanh" : act;
+  } else {
+    RETURN_IF_ERROR(Get(j, "hidden_act", path, &c.hidden_act, false));
   }
   if (c.hidden_act != "silu" && c.hidden_act != "gelu_pytorch_tanh" && c.hidden_act != "gelu") {
     return absl::InvalidArgumentError(absl::StrCat(path, ": hidden_act '", c.hidden_act,
                                                    "' is not supported (silu, gelu_pytorch_tanh)"));
   }
+  c.qk_norm = c.family == ModelFamily::kQwen3 || c.family == ModelFamily::kGemma3;
+  c.sandwich_norms = c.family == ModelFamily::kGemma2 || c.family == ModelFamily::kGemma3;
+  if (c.family == ModelFamily::kGemma2 || c.family == ModelFamily::kGemma3) {
+    // transformers' defaults for these fields; a null field is off.
+    c.query_pre_attn_scalar = 256;
+    if (c.family == ModelFamily::kGemma2) {
+      c.attn_logit_softcapping = 50.0;
+      c.final_logit_softcapping = 30.0;
+    }
+    auto optional_number = [&](const char* key, double* out) -> absl::Status {
+      if (auto it = j.find(key); it != j.end() && it->is_null()) {
+        *out = 0;
+        return absl::OkStatus();
+      }
+      RETURN_IF_ERROR(Get(j, key, path, out, false));
+      if (*out < 0)
+        return absl::InvalidArgumentError(absl::StrCat(path, ": field '", key, "' must be >= 0"));
+      return absl::OkStatus();
+    };
+    RETURN_IF_ERROR(optional_number("query_pre_attn_scalar", &c.query_pre_attn_scalar));
+    RETURN_IF_ERROR(optional_number("attn_logit_softcapping", &c.attn_logit_softcapping));
+    RETURN_IF_ERROR(optional_number("final_logit_softcapping", &c.final_logit_softcapping));
+  }
   RETURN_IF_ERROR(ParseRope(j, path, &c));
-  if (c.rope.original_max_position_embeddings <= 0)
-    c.rope.original_max_position_embeddings = c.max_position_embeddings;
+  RETURN_IF_ERROR(ParseSlidingWindow(j, path, &c));
   if (auto it = j.find("bos_token_id"); it != j.end() && FitsIn<int32_t>(*it))
     c.bos_token_id = it->get<int32_t>();
   RETURN_IF_ERROR(ParseIds(j, "eos_token_id", &c.eos_token_ids));
@@ -207,6 +339,9 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
   RETURN_IF_ERROR(positive("num_attention_heads", c.num_heads));
   RETURN_IF_ERROR(positive("num_key_value_heads", c.num_kv_heads));
   RETURN_IF_ERROR(positive("head_dim", c.head_dim));
+  RETURN_IF_ERROR(positive("max_position_embeddings", c.max_position_embeddings));
+  if (!(c.rms_norm_eps > 0))
+    return absl::InvalidArgumentError(absl::StrCat(path, ": field 'rms_norm_eps' must be > 0"));
   if (c.num_heads % c.num_kv_heads != 0) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": num_attention_heads ", c.num_heads,
                                                    " is not a multiple of num_key_value_heads ",

@@ -1,8 +1,14 @@
 // A Hugging Face config.json parsed into the one struct the model code reads. Supported families:
-// Llama 2/3/3.1 (rope_scaling llama3, linear, dynamic), Mistral (no sliding window), Qwen2/2.5
-// (q/k/v bias), Gemma 1 ((1 + w) RMSNorm, GeGLU with tanh GELU, sqrt(hidden) embedding scale).
+// Llama 2/3/3.1 (rope_scaling llama3, linear, dynamic, yarn), Mistral (sliding window), Qwen2/2.5
+// (q/k/v bias), Qwen3 (q/k norms), Gemma 1 ((1 + w) RMSNorm, GeGLU with tanh GELU, sqrt(hidden)
+// embedding scale), Gemma 2 (+ norms after attention and MLP, attention and final-logit
+// soft-capping, alternating sliding-window layers), Gemma 3 text (+ q/k norms, a RoPE base of its
+// own for the sliding-window layers, no soft-capping). Both config.json styles: transformers 5's
+// `rope_parameters` (per layer type for Gemma 3) and the older `rope_theta` + `rope_scaling`.
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -11,17 +17,23 @@
 
 namespace dropkv {
 
-enum class ModelFamily { kLlama, kMistral, kQwen2, kGemma };
+enum class ModelFamily { kLlama, kMistral, kQwen2, kQwen3, kGemma, kGemma2, kGemma3 };
 
-enum class RopeType { kDefault, kLinear, kDynamic, kLlama3 };
+enum class RopeType { kDefault, kLinear, kDynamic, kLlama3, kYarn };
 
 struct RopeParams {
   RopeType type = RopeType::kDefault;
   double theta = 10000.0;
-  double factor = 1.0;                           // linear / dynamic / llama3
+  double factor = 1.0;                           // linear / dynamic / llama3 / yarn
   double low_freq_factor = 1.0;                  // llama3
   double high_freq_factor = 4.0;                 // llama3
-  int64_t original_max_position_embeddings = 0;  // llama3 / dynamic (0 = max_position_embeddings)
+  int64_t original_max_position_embeddings = 0;  // llama3 / dynamic / yarn (0 = max_position_embeddings)
+  double beta_fast = 32.0;                       // yarn
+  double beta_slow = 1.0;                        // yarn
+  bool truncate = true;                          // yarn: integer correction range
+  // yarn: HF multiplies cos and sin by it; here it scales the attention logits by its square
+  // instead (the same scores; the fused RoPE kernels need no extra input).
+  double attention_factor = 1.0;
 };
 
 struct ModelConfig {
@@ -35,7 +47,18 @@ struct ModelConfig {
   int32_t num_kv_heads = 0;
   int32_t head_dim = 0;
   double rms_norm_eps = 1e-6;
-  RopeParams rope;
+  RopeParams rope;        // global (full-attention) layers
+  RopeParams rope_local;  // sliding-window layers (Gemma 3 gives them a base of their own)
+  // Sliding-window attention: a sliding layer's query at position p sees positions
+  // (p - sliding_window, p]. sliding_layers[i] marks layer i (empty: no sliding layers).
+  int64_t sliding_window = 0;
+  std::vector<bool> sliding_layers;
+  // Gemma 2/3: the attention scale is query_pre_attn_scalar^-1/2 (0: head_dim^-1/2).
+  double query_pre_attn_scalar = 0;
+  double attn_logit_softcapping = 0;   // Gemma 2: logits -> cap * tanh(logits / cap) (0 = off)
+  double final_logit_softcapping = 0;  // Gemma 2: the same on the LM head's output
+  bool qk_norm = false;         // Qwen3, Gemma 3: RMSNorm over head_dim on q and k before RoPE
+  bool sandwich_norms = false;  // Gemma 2/3: RMSNorm on the attention and MLP outputs as well
   int64_t max_position_embeddings = 2048;
   bool tie_word_embeddings = false;
   bool attention_bias = false;  // q/k/v (and for Llama, o) projections carry a bias
@@ -47,6 +70,28 @@ struct ModelConfig {
 
   int64_t q_size() const { return int64_t{num_heads} * head_dim; }
   int64_t kv_size() const { return int64_t{num_kv_heads} * head_dim; }
+  // Gemma families: (1 + w) RMSNorm in fp32 and the sqrt(hidden) embedding scale.
+  bool gemma_norms() const {
+    return family == ModelFamily::kGemma || family == ModelFamily::kGemma2 ||
+           family == ModelFamily::kGemma3;
+  }
+  bool is_sliding(int32_t layer_idx) const {
+    return !sliding_layers.empty() && sliding_layers[layer_idx];
+  }
+  int32_t num_sliding_layers() const {
+    return static_cast<int32_t>(std::count(sliding_layers.begin(), sliding_layers.end(), true));
+  }
+  // Layers whose cache grows with the context: the ones KV compression and DepthKV budgets act on.
+  int32_t num_global_layers() const { return num_layers - num_sliding_layers(); }
+  const RopeParams& rope_of(int32_t layer_idx) const {
+    return is_sliding(layer_idx) ? rope_local : rope;
+  }
+  // Softmax scale of a layer's attention logits (query_pre_attn_scalar, YaRN's attention factor).
+  double attention_scale(int32_t layer_idx) const {
+    const double f = rope_of(layer_idx).attention_factor;
+    const double base = query_pre_attn_scalar > 0 ? query_pre_attn_scalar : head_dim;
+    return f * f / std::sqrt(base);
+  }
 };
 
 // The supported `architectures` / `model_type` values, for error messages.

@@ -90,25 +90,48 @@ at::Tensor RotateHalf(const at::Tensor& x) {
 
 }  // namespace
 
-at::Tensor RopeInvFreq(const ModelConfig& c, int64_t seq_len) {
-  const int64_t d = c.head_dim;
-  double base = c.rope.theta;
-  if (c.rope.type == RopeType::kDynamic && seq_len > c.rope.original_max_position_embeddings) {
+at::Tensor RopeInvFreq(const RopeParams& rope, int64_t head_dim, int64_t seq_len) {
+  const int64_t d = head_dim;
+  double base = rope.theta;
+  if (rope.type == RopeType::kDynamic && seq_len > rope.original_max_position_embeddings) {
     // transformers' _compute_dynamic_ntk_parameters.
-    const double f = c.rope.factor;
-    const double orig = static_cast<double>(c.rope.original_max_position_embeddings);
+    const double f = rope.factor;
+    const double orig = static_cast<double>(rope.original_max_position_embeddings);
     base = base * std::pow(f * static_cast<double>(seq_len) / orig - (f - 1),
                            static_cast<double>(d) / (d - 2));
   }
   auto exponents = at::arange(0, d, 2, at::kLong).to(at::kFloat) / static_cast<double>(d);
   at::Tensor inv_freq = 1.0 / at::pow(base, exponents);  // fp32 [D/2]
-  if (c.rope.type == RopeType::kLinear) inv_freq = inv_freq / c.rope.factor;
-  if (c.rope.type == RopeType::kLlama3) {
+  if (rope.type == RopeType::kLinear) inv_freq = inv_freq / rope.factor;
+  if (rope.type == RopeType::kYarn) {
+    // transformers' _compute_yarn_parameters: interpolated frequencies (1 / (factor * base^e))
+    // below the correction range, extrapolated ones (the plain frequencies) above it, a linear
+    // ramp between. Its attention factor is in ModelConfig::attention_scale.
+    const double orig = static_cast<double>(rope.original_max_position_embeddings);
+    auto correction_dim = [&](double rotations) {
+      return d * std::log(orig / (rotations * 2 * M_PI)) / (2 * std::log(base));
+    };
+    double low = correction_dim(rope.beta_fast);
+    double high = correction_dim(rope.beta_slow);
+    if (rope.truncate) {
+      low = std::floor(low);
+      high = std::ceil(high);
+    }
+    low = std::max(low, 0.0);
+    high = std::min(high, static_cast<double>(d - 1));
+    if (low == high) high += 0.001;
+    auto ramp = ((at::arange(d / 2, at::kFloat) - low) / (high - low)).clamp(0, 1);
+    auto extrapolation_factor = 1 - ramp;
+    auto pos_freqs = at::pow(base, exponents);
+    inv_freq = (1.0 / (rope.factor * pos_freqs)) * (1 - extrapolation_factor) +
+               (1.0 / pos_freqs) * extrapolation_factor;
+  }
+  if (rope.type == RopeType::kLlama3) {
     // transformers' _compute_llama3_parameters, op for op.
-    const double factor = c.rope.factor;
-    const double low = c.rope.low_freq_factor;
-    const double high = c.rope.high_freq_factor;
-    const double old_len = static_cast<double>(c.rope.original_max_position_embeddings);
+    const double factor = rope.factor;
+    const double low = rope.low_freq_factor;
+    const double high = rope.high_freq_factor;
+    const double old_len = static_cast<double>(rope.original_max_position_embeddings);
     const double low_freq_wavelen = old_len / low;
     const double high_freq_wavelen = old_len / high;
     auto wavelen = 2 * M_PI / inv_freq;
@@ -123,16 +146,15 @@ at::Tensor RopeInvFreq(const ModelConfig& c, int64_t seq_len) {
 
 absl::StatusOr<at::Tensor> FullAttentionBackend::Attend(int32_t layer_idx, const at::Tensor& q,
                                                         const at::Tensor& k, const at::Tensor& v) {
-  return PrefillAttention(q, k.transpose(0, 1), v.transpose(0, 1),
-                          1.0 / std::sqrt(static_cast<double>(q.size(2))));
+  return PrefillAttentionWithLse(q, k.transpose(0, 1), v.transpose(0, 1),
+                                 config_.attention_scale(layer_idx), PrefillAttentionImpl::kAuto,
+                                 LimitsOf(config_, layer_idx))
+      .out;
 }
 
 Model::~Model() = default;
 at::Device Model::device() const {
   return embed_.device();
-}
-double Model::attention_scale() const {
-  return 1.0 / std::sqrt(static_cast<double>(config_.head_dim));
 }
 
 absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& model_dir,
@@ -207,10 +229,11 @@ absl::StatusOr<std::unique_ptr<Model>> Model::LoadOrDraw(const std::string& mode
   }
   const int64_t h = c.hidden_size;
   const int64_t inter = c.intermediate_size;
-  const bool gemma = c.family == ModelFamily::kGemma;
   m->layers_.resize(c.num_layers);
-  // The weight table. All four families share HF's Llama naming; they differ in which biases
-  // exist (Qwen2: q/k/v) and whether lm_head is stored (tied: not).
+  // The weight table. Every family shares HF's Llama naming; they differ in which biases exist
+  // (Qwen2: q/k/v), whether lm_head is stored (tied: not), q/k norms (Qwen3, Gemma 3) and the
+  // norms around attention and MLP (Gemma 2/3: post_attention_layernorm is on the attention
+  // output and pre_feedforward_layernorm before the MLP).
   std::vector<WeightSpec> table;
   table.push_back({"model.embed_tokens.weight", {c.vocab_size, h}, &m->embed_});
   table.push_back({"model.norm.weight", {h}, &m->final_norm_});
@@ -219,7 +242,17 @@ absl::StatusOr<std::unique_ptr<Model>> Model::LoadOrDraw(const std::string& mode
     Layer& l = m->layers_[i];
     const std::string p = absl::StrCat("model.layers.", i, ".");
     table.push_back({p + "input_layernorm.weight", {h}, &l.input_norm});
-    table.push_back({p + "post_attention_layernorm.weight", {h}, &l.post_norm});
+    if (c.sandwich_norms) {
+      table.push_back({p + "post_attention_layernorm.weight", {h}, &l.attn_out_norm});
+      table.push_back({p + "pre_feedforward_layernorm.weight", {h}, &l.post_norm});
+      table.push_back({p + "post_feedforward_layernorm.weight", {h}, &l.mlp_out_norm});
+    } else {
+      table.push_back({p + "post_attention_layernorm.weight", {h}, &l.post_norm});
+    }
+    if (c.qk_norm) {
+      table.push_back({p + "self_attn.q_norm.weight", {c.head_dim}, &l.q_norm});
+      table.push_back({p + "self_attn.k_norm.weight", {c.head_dim}, &l.k_norm});
+    }
     table.push_back({p + "self_attn.q_proj.weight", {c.q_size(), h}, &l.q_w});
     table.push_back({p + "self_attn.k_proj.weight", {c.kv_size(), h}, &l.k_w});
     table.push_back({p + "self_attn.v_proj.weight", {c.kv_size(), h}, &l.v_w});
@@ -231,7 +264,7 @@ absl::StatusOr<std::unique_ptr<Model>> Model::LoadOrDraw(const std::string& mode
       table.push_back({p + "self_attn.q_proj.bias", {c.q_size()}, &l.q_b});
       table.push_back({p + "self_attn.k_proj.bias", {c.kv_size()}, &l.k_b});
       table.push_back({p + "self_attn.v_proj.bias", {c.kv_size()}, &l.v_b});
-      if (c.family == ModelFamily::kLlama)
+      if (c.family != ModelFamily::kQwen2)
         table.push_back({p + "self_attn.o_proj.bias", {h}, &l.o_b});
     }
     if (c.mlp_bias) {
@@ -275,18 +308,25 @@ absl::StatusOr<std::unique_ptr<Model>> Model::LoadOrDraw(const std::string& mode
       *spec.dst = t.to(device, dtype);
     }
     if (!m->lm_head_.defined()) m->lm_head_ = m->embed_;
-    if (gemma) {
+    if (c.gemma_norms()) {
       // Gemma's RMSNorm multiplies by (1 + w) in fp32; fold the 1 in once.
-      auto fold = [&](at::Tensor* w) { *w = w->to(at::kFloat) + 1.0; };
+      auto fold = [&](at::Tensor* w) {
+        if (w->defined()) *w = w->to(at::kFloat) + 1.0;
+      };
       fold(&m->final_norm_);
       for (auto& l : m->layers_) {
-        fold(&l.input_norm);
-        fold(&l.post_norm);
+        for (at::Tensor* w :
+             {&l.input_norm, &l.post_norm, &l.attn_out_norm, &l.mlp_out_norm, &l.q_norm, &l.k_norm})
+          fold(w);
       }
     }
     for (auto& l : m->layers_) FuseProjections(l);
     m->PackForCpu();
-    m->inv_freq_ = RopeInvFreq(c, c.rope.original_max_position_embeddings).to(device);
+    m->inv_freq_ = RopeInvFreq(c.rope, c.head_dim, c.rope.original_max_position_embeddings)
+                       .to(device);
+    m->inv_freq_local_ =
+        RopeInvFreq(c.rope_local, c.head_dim, c.rope_local.original_max_position_embeddings)
+            .to(device);
   } catch (const std::exception& e) {
     return absl::InternalError(absl::StrCat(model_dir, ": loading weights failed: ", e.what()));
   }
@@ -297,7 +337,8 @@ absl::StatusOr<std::unique_ptr<Model>> Model::LoadOrDraw(const std::string& mode
 }
 
 at::Tensor Model::Norm(const at::Tensor& x, const at::Tensor& w) const {
-  if (config_.family != ModelFamily::kGemma && (x.is_cuda() || x.scalar_type() == at::kFloat)) {
+  const bool gemma = config_.gemma_norms();
+  if (!gemma && (x.is_cuda() || x.scalar_type() == at::kFloat)) {
     // One fused kernel (fp32 inside) instead of seven: decode launches ~2 per layer instead of
     // ~16. In bf16 it skips HF's rounding of the normed value before the weight (< 1 bf16 ulp);
     // bf16 on the CPU keeps HF's exact rounding below (the CPU bf16 parity test).
@@ -305,8 +346,7 @@ at::Tensor Model::Norm(const at::Tensor& x, const at::Tensor& w) const {
   }
   auto xf = x.to(at::kFloat);
   auto normed = xf * at::rsqrt(xf.pow(2).mean(-1, true) + config_.rms_norm_eps);
-  if (config_.family == ModelFamily::kGemma)
-    return (normed * w).to(x.scalar_type());  // w = 1 + w, fp32
+  if (gemma) return (normed * w).to(x.scalar_type());  // w = 1 + w, fp32
   return w * normed.to(x.scalar_type());      // Llama: cast back before the weight, as HF does
 }
 
@@ -340,20 +380,37 @@ absl::StatusOr<at::Tensor> Model::AddNorm(at::Tensor& x, const at::Tensor& delta
   return Norm(x, w);
 }
 
-at::Tensor Model::RopeFrequencies(int64_t max_position) const {
-  if (config_.rope.type == RopeType::kDynamic &&
-      max_position + 1 > config_.rope.original_max_position_embeddings) {
-    return RopeInvFreq(config_, max_position + 1).to(inv_freq_.device());
+at::Tensor Model::RopeFrequencies(const RopeParams& rope, const at::Tensor& cached,
+                                  int64_t max_position) const {
+  if (rope.type == RopeType::kDynamic && max_position + 1 > rope.original_max_position_embeddings) {
+    return RopeInvFreq(rope, config_.head_dim, max_position + 1).to(cached.device());
   }
-  return inv_freq_;
+  return cached;
 }
 
-std::pair<at::Tensor, at::Tensor> Model::RopeCosSin(const at::Tensor& positions,
-                                                    int64_t max_position) const {
-  at::Tensor inv_freq = RopeFrequencies(max_position);
+Model::Rope Model::MakeRope(const RopeParams& params, const at::Tensor& cached,
+                            const at::Tensor& positions, int64_t max_position, bool fused) const {
+  Rope rope;
+  rope.positions = positions;
+  at::Tensor inv_freq = RopeFrequencies(params, cached, max_position);
+  if (fused) {
+    rope.inv_freq = inv_freq;
+    return rope;
+  }
   auto freqs = positions.to(at::kFloat).unsqueeze(1) * inv_freq.unsqueeze(0);  // [N, D/2]
   auto emb = at::cat({freqs, freqs}, -1);                                      // [N, D]
-  return {emb.cos().to(dtype_), emb.sin().to(dtype_)};
+  rope.cos_h = emb.cos().to(dtype_).unsqueeze(1);                              // [N, 1, D]
+  rope.sin_h = emb.sin().to(dtype_).unsqueeze(1);
+  return rope;
+}
+
+void Model::NormQk(const at::Tensor& qkv, const Layer& l) const {
+  const auto& c = config_;
+  const int64_t n = qkv.size(0);
+  auto q = qkv.narrow(1, 0, c.q_size()).view({n, c.num_heads, c.head_dim});
+  auto k = qkv.narrow(1, c.q_size(), c.kv_size()).view({n, c.num_kv_heads, c.head_dim});
+  q.copy_(Norm(q, l.q_norm));
+  k.copy_(Norm(k, l.k_norm));
 }
 
 absl::StatusOr<Model::QkvHeads> Model::SplitHeads(const at::Tensor& qkv, const Rope& rope,
@@ -362,6 +419,7 @@ absl::StatusOr<Model::QkvHeads> Model::SplitHeads(const at::Tensor& qkv, const R
   const auto& c = config_;
   const int64_t n = qkv.size(0);
   QkvHeads heads;
+  if (c.qk_norm) NormQk(qkv, layers_[layer_idx]);
   if (fused) {
     const kernels::QkvGeometry geo{c.num_heads, c.num_kv_heads, c.head_dim};
     if (auto dst = backend.kv_slots(layer_idx)) {
@@ -399,20 +457,16 @@ absl::StatusOr<at::Tensor> Model::Forward(const at::Tensor& tokens, const at::Te
     const auto& c = config_;
     const int64_t n = tokens.size(0);
     at::Tensor x = at::embedding(embed_, tokens);  // [N, hidden]
-    if (c.family == ModelFamily::kGemma) {
+    if (c.gemma_norms()) {
       // HF rounds sqrt(hidden) to the model dtype first.
       x = x * at::scalar_tensor(std::sqrt(static_cast<double>(c.hidden_size)), x.options());
     }
     const bool fused = uses_fused_ops(x);
-    Rope rope;
-    rope.positions = positions;
-    if (fused) {
-      rope.inv_freq = RopeFrequencies(max_position);
-    } else {
-      auto [cos, sin] = RopeCosSin(positions, max_position);
-      rope.cos_h = cos.unsqueeze(1);  // [N, 1, D]
-      rope.sin_h = sin.unsqueeze(1);
-    }
+    Ropes ropes;
+    ropes.global = MakeRope(c.rope, inv_freq_, positions, max_position, fused);
+    ropes.local = c.sliding_layers.empty()
+                      ? ropes.global
+                      : MakeRope(c.rope_local, inv_freq_local_, positions, max_position, fused);
     const auto act = c.hidden_act == "silu" ? kernels::GateActivation::kSilu
                                             : kernels::GateActivation::kGeluTanh;
     const GemvPlan gemv = PlanGemvs(x, fused);
@@ -440,7 +494,10 @@ absl::StatusOr<at::Tensor> Model::Forward(const at::Tensor& tokens, const at::Te
     for (int32_t i = 0; i < c.num_layers; ++i) {
       const Layer& l = layers_[i];
       QkvHeads heads;
-      auto kv_dst = gemv.qkv && !gemv.prologues ? backend.kv_slots(i) : std::nullopt;
+      const Rope& rope = ropes.of(c, i);
+      // (q/k norms come between the projection and RoPE: not in the GEMV's epilogue.)
+      auto kv_dst =
+          gemv.qkv && !gemv.prologues && !c.qk_norm ? backend.kv_slots(i) : std::nullopt;
       if (kv_dst) {
         // Decode through the plain GEMVs: the qkv GEMV's epilogue does RoPE and the K/V store
         // (kernels::RopeWriteKv's work, the same bits) and returns q.
@@ -458,12 +515,13 @@ absl::StatusOr<at::Tensor> Model::Forward(const at::Tensor& tokens, const at::Te
       ASSIGN_OR_RETURN(at::Tensor attn, backend.Attend(i, heads.q, heads.k, heads.v));
       // [N, hidden]
       ASSIGN_OR_RETURN(at::Tensor o, project(attn.reshape({n, c.q_size()}), l.o_w, l.o_b, gemv.o));
+      if (c.sandwich_norms) o = Norm(o, l.attn_out_norm);
       if (observer != nullptr && *observer) (*observer)(i, o);
       // [N, 2 inter]
       ASSIGN_OR_RETURN(auto gate_up,
                        norm_linear(o, l.post_norm, l.gate_up_w, l.gate_up_b, gemv.gate_up));
       const int64_t inter = c.intermediate_size;
-      if (gemv.down && gemv.prologues) {
+      if (gemv.down && gemv.prologues && !c.sandwich_norms) {
         ASSIGN_OR_RETURN(delta, kernels::GatedActivationGemv(gate_up, act, l.down_w, l.down_b));
         continue;
       }
@@ -476,6 +534,7 @@ absl::StatusOr<at::Tensor> Model::Forward(const at::Tensor& tokens, const at::Te
         gated = gate * gate_up.narrow(1, inter, inter);
       }
       ASSIGN_OR_RETURN(delta, project(gated, l.down_w, l.down_b, gemv.down));
+      if (c.sandwich_norms) delta = Norm(delta, l.mlp_out_norm);
     }
     return AddNorm(x, delta, final_norm_, fused);
   } catch (const std::exception& e) {
@@ -484,7 +543,11 @@ absl::StatusOr<at::Tensor> Model::Forward(const at::Tensor& tokens, const at::Te
 }
 
 at::Tensor Model::Logits(const at::Tensor& hidden) const {
-  return Linear(hidden, lm_head_, at::Tensor()).to(at::kFloat);
+  at::Tensor logits = Linear(hidden, lm_head_, at::Tensor()).to(at::kFloat);
+  if (const double cap = config_.final_logit_softcapping; cap > 0) {
+    logits = at::tanh(logits / cap) * cap;
+  }
+  return logits;
 }
 
 }  // namespace dropkv

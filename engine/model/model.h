@@ -1,4 +1,4 @@
-// The decoder-only transformer (Llama / Mistral / Qwen2 / Gemma 1) on ATen ops. One forward works
+// The decoder-only transformer (Llama / Mistral / Qwen2 / Qwen3 / Gemma 1, 2, 3) on ATen ops. One forward works
 // on N flat tokens (one prefill chunk, or one token per sequence of a decode batch); attention is
 // delegated to an AttentionBackend so that the runner decides where K/V live (paged cache,
 // compression hook). The model itself holds no cache.
@@ -47,8 +47,12 @@ using AttentionObserver = std::function<void(int32_t layer_idx, const at::Tensor
 // (one sequence, positions 0..N-1, no cache). For references and calibration.
 class FullAttentionBackend : public AttentionBackend {
  public:
+  explicit FullAttentionBackend(const ModelConfig& config) : config_(config) {}
   absl::StatusOr<at::Tensor> Attend(int32_t layer_idx, const at::Tensor& q, const at::Tensor& k,
                                     const at::Tensor& v) override;
+
+ private:
+  const ModelConfig& config_;
 };
 
 class Model {
@@ -67,7 +71,8 @@ class Model {
   const ModelConfig& config() const { return config_; }
   at::Device device() const;
   at::ScalarType dtype() const { return dtype_; }
-  double attention_scale() const;
+  // The softmax scale of layer `layer_idx`'s attention logits (ModelConfig::attention_scale).
+  double attention_scale(int32_t layer_idx) const { return config_.attention_scale(layer_idx); }
 
   // tokens, positions: int64 [N] on the model's device; max_position = max(positions) (only
   // dynamic RoPE reads it; the caller knows it on the host). Returns the final-norm hidden
@@ -105,7 +110,9 @@ class Model {
 
  private:
   struct Layer {
-    at::Tensor input_norm, post_norm;  // [hidden] (Gemma: 1 + w, fp32)
+    // Norms (Gemma: 1 + w, fp32): before attention and before the MLP [hidden]; with
+    // sandwich_norms also on the attention and MLP outputs; with qk_norm on q and k [head_dim].
+    at::Tensor input_norm, post_norm, attn_out_norm, mlp_out_norm, q_norm, k_norm;
     // As stored (freed once fused): [q_size, hidden], [kv_size, hidden] x2; [inter, hidden] x2.
     at::Tensor q_w, k_w, v_w, q_b, k_b, v_b, gate_w, up_w, gate_b, up_b;
     // Fused at load so that one GEMM does q, k and v (and one gate and up): fewer launches, and
@@ -131,18 +138,28 @@ class Model {
   // then replaced, not updated in place).
   absl::StatusOr<at::Tensor> AddNorm(at::Tensor& x, const at::Tensor& delta, const at::Tensor& w,
                                      bool fused) const;
-  // fp32 [D/2] frequencies for a forward whose largest position is max_position (only dynamic
-  // RoPE depends on it).
-  at::Tensor RopeFrequencies(int64_t max_position) const;
-  // cos, sin: [N, D] in the model dtype.
-  std::pair<at::Tensor, at::Tensor> RopeCosSin(const at::Tensor& positions,
-                                               int64_t max_position) const;
+  // fp32 [D/2] frequencies of `rope` (the global or the sliding layers') for a forward whose
+  // largest position is max_position (only dynamic RoPE depends on it).
+  at::Tensor RopeFrequencies(const RopeParams& rope, const at::Tensor& cached,
+                             int64_t max_position) const;
   // RoPE for one forward: the fused kernels take the frequencies, the ATen ops cos/sin tables.
   struct Rope {
     at::Tensor positions;     // int64 [N]
     at::Tensor inv_freq;      // fused: fp32 [D/2]
     at::Tensor cos_h, sin_h;  // unfused: [N, 1, D], model dtype
   };
+  // One forward's RoPE for the global layers and for the sliding layers (the same when their
+  // parameters are).
+  struct Ropes {
+    Rope global, local;
+    const Rope& of(const ModelConfig& c, int32_t layer_idx) const {
+      return c.is_sliding(layer_idx) ? local : global;
+    }
+  };
+  Rope MakeRope(const RopeParams& params, const at::Tensor& cached, const at::Tensor& positions,
+                int64_t max_position, bool fused) const;
+  // q and k of qkv [N, q_size + 2 kv_size] normed per head in place (qk_norm).
+  void NormQk(const at::Tensor& qkv, const Layer& l) const;
   struct QkvHeads {
     at::Tensor q, k, v;  // [N, Hq, D], [N, Hkv, D] x2; k, v undefined once stored by the kernel
   };
@@ -157,15 +174,16 @@ class Model {
   at::Tensor embed_;       // [vocab, hidden]
   at::Tensor final_norm_;  // [hidden]
   at::Tensor lm_head_;     // [vocab, hidden] (the embedding when tied)
-  at::Tensor inv_freq_;    // fp32 [D/2]
+  at::Tensor inv_freq_;        // fp32 [D/2], global layers
+  at::Tensor inv_freq_local_;  // fp32 [D/2], sliding layers
   std::vector<Layer> layers_;
   int32_t num_packed_weights_ = 0;
   bool fused_cuda_ops_ = true;
   GemvPlan gemv_wanted_;
 };
 
-// fp32 [D/2] RoPE inverse frequencies for `config` at sequence length `seq_len` (only dynamic
-// scaling depends on it), computed exactly as transformers does.
-at::Tensor RopeInvFreq(const ModelConfig& config, int64_t seq_len);
+// fp32 [D/2] RoPE inverse frequencies of `rope` for head_dim `head_dim` at sequence length
+// `seq_len` (only dynamic scaling depends on it), computed exactly as transformers does.
+at::Tensor RopeInvFreq(const RopeParams& rope, int64_t head_dim, int64_t seq_len);
 
 }  // namespace dropkv

@@ -139,12 +139,12 @@ struct DecodeInputs {
 class DecodeBackend : public AttentionBackend {
  public:
   // use_kernel: the CUDA split-K kernel (else the ATen reference, which syncs with the host).
-  DecodeBackend(BlockPool& pool, DecodeInputs in, int32_t max_seq_len, double scale,
+  DecodeBackend(BlockPool& pool, const ModelConfig& config, DecodeInputs in, int32_t max_seq_len,
                 bool use_kernel)
       : pool_(pool),
+        config_(config),
         in_(std::move(in)),
         max_seq_len_(max_seq_len),
-        scale_(scale),
         use_kernel_(use_kernel) {}
   bool wants_contiguous() const override { return false; }
   std::optional<KvSlots> kv_slots(int32_t layer_idx) override {
@@ -161,29 +161,32 @@ class DecodeBackend : public AttentionBackend {
       kc.view({-1, hkv, d}).index_copy_(0, slots, k);
       vc.view({-1, hkv, d}).index_copy_(0, slots, v);
     }
+    const double scale = config_.attention_scale(layer_idx);
     if (use_kernel_) {
       // The split-K CUDA kernel reads the block tables on the device: no host sync per layer;
       // the grid comes from max_seq_len, known on the host (fixed per captured graph).
       kernels::PagedAttentionParams params;
-      params.scale = scale_;
+      params.scale = scale;
       params.max_seq_len = max_seq_len_;
       // Both hold for a decode step: its tables and lengths were copied from the host before the
       // step's first kernel, and the op right before this one (RoPE + K/V store, in its own
       // kernel or the qkv GEMV's epilogue, or the index_copy_ above) writes only each sequence's
-      // newest entry.
+      // newest entry. That entry is the last one except in a sliding layer's ring, where it
+      // overwrites an older entry in place.
       params.metadata_uploaded = true;
-      params.older_keys_ready = true;
+      params.older_keys_ready = !config_.is_sliding(layer_idx);
       return kernels::PagedDecodeAttention(q, kc, vc, in_.tables[layer_idx], in_.lens[layer_idx],
                                            params);
     }
-    return PagedDecodeAttention(q, kc, vc, in_.tables[layer_idx], in_.lens[layer_idx], scale_);
+    return PagedDecodeAttention(q, kc, vc, in_.tables[layer_idx], in_.lens[layer_idx], scale,
+                                config_.attn_logit_softcapping);
   }
 
  private:
   BlockPool& pool_;
+  const ModelConfig& config_;
   DecodeInputs in_;
   int32_t max_seq_len_;
-  double scale_;
   bool use_kernel_;
 };
 
@@ -220,7 +223,10 @@ class TorchModelRunner : public ModelRunner {
       : options_(std::move(options)),
         model_(std::move(model)),
         pool_(std::move(pool)),
-        scratch_block_(scratch_block) {}
+        scratch_block_(scratch_block) {
+    for (int32_t l = 0, g = 0; l < config().num_layers; ++l)
+      global_index_.push_back(config().is_sliding(l) ? -1 : g++);
+  }
 
   const ModelConfig& config() const override { return model_->config(); }
   BlockPool& pool() override { return *pool_; }
@@ -230,7 +236,13 @@ class TorchModelRunner : public ModelRunner {
 
   int64_t BlocksForPrompt(int64_t prompt_len, const CompressionParams& c,
                           int64_t decode_reserve_tokens) const override {
-    const int64_t num_layers = config().num_layers;
+    // Sliding layers hold at most their window, compressed or not.
+    const int64_t sliding = config().num_sliding_layers();
+    const int64_t sliding_blocks =
+        sliding == 0 ? 0
+                     : sliding * pool_->BlocksFor(std::min(prompt_len + decode_reserve_tokens,
+                                                           config().sliding_window));
+    const int64_t num_layers = config().num_global_layers();
     int64_t peak_per_layer = prompt_len;
     if (c.method != ScoreMethod::kNone) {
       int64_t kept =
@@ -246,10 +258,12 @@ class TorchModelRunner : public ModelRunner {
         peak_per_layer = std::min(prompt_len, std::max(kept, c.budget_cap_tokens) + c.chunk_size);
       }  // kLastChunk: every chunk is stored in full before the last one compresses
       // Per-layer budgets (DepthKV) differ around the mean: one block of slack per layer.
-      return num_layers *
-             (pool_->BlocksFor(std::max(peak_per_layer, kept + decode_reserve_tokens)) + 1);
+      return sliding_blocks +
+             num_layers *
+                 (pool_->BlocksFor(std::max(peak_per_layer, kept + decode_reserve_tokens)) + 1);
     }
-    return num_layers * pool_->BlocksFor(peak_per_layer + decode_reserve_tokens);
+    return sliding_blocks +
+           num_layers * pool_->BlocksFor(peak_per_layer + decode_reserve_tokens);
   }
 
   absl::StatusOr<at::Tensor> Prefill(SequenceId seq, std::span<const int32_t> chunk,
@@ -363,7 +377,7 @@ class TorchModelRunner : public ModelRunner {
         const auto dev = model_->device();
         auto bytes = ToDeviceAsync(host, dev);
         DecodeInputs in = DecodeInputs::View(bytes, lay);
-        DecodeBackend backend(*pool_, in, static_cast<int32_t>(max_len), model_->attention_scale(),
+        DecodeBackend backend(*pool_, config(), in, static_cast<int32_t>(max_len),
                               UseDecodeKernel());
         auto hidden = model_->Forward(in.tokens, in.positions, max_pos, backend);
         if (!hidden.ok()) return undo(hidden.status());
@@ -404,6 +418,10 @@ class TorchModelRunner : public ModelRunner {
     if (layer_idx < 0 || layer_idx >= config().num_layers) {
       return absl::InvalidArgumentError(absl::StrCat("layer_idx ", layer_idx, " out of range"));
     }
+    if (config().is_sliding(layer_idx)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("layer ", layer_idx, " is a sliding-window layer: it is not compressed"));
+    }
     c10::InferenceMode guard;
     try {
       auto [k, v] = GatherLayer(seq, layer_idx);
@@ -441,7 +459,7 @@ class TorchModelRunner : public ModelRunner {
     AttentionObserver observer = [&](int32_t layer_idx, const at::Tensor& o) {
       outs[layer_idx] = o;
     };
-    FullAttentionBackend backend;
+    FullAttentionBackend backend(config());
     try {
       const int64_t n = static_cast<int64_t>(tokens.size());
       auto positions = at::arange(n, at::TensorOptions().dtype(at::kLong).device(model_->device()));
@@ -454,15 +472,50 @@ class TorchModelRunner : public ModelRunner {
   }
 
   // --- used by PrefillBackend ------------------------------------------------------------------
-  // The stored K, V of a layer: [Hkv, S, D] each.
+  // The stored K, V of a layer: [Hkv, S, D] each (a sliding layer's ring in position order).
   std::pair<at::Tensor, at::Tensor> GatherLayer(SequenceId seq, int32_t layer_idx) const {
     const int64_t s = pool_->stored_len(seq, layer_idx);
     const auto& kc = pool_->key_cache();
     const int64_t hkv = kc.size(2);
     const int64_t d = kc.size(3);
-    auto slots = ToDeviceAsync(pool_->SlotIndices(seq, layer_idx, 0, s), kc.device());
+    const int64_t end = pool_->logical_len(seq);
+    at::Tensor host_slots = pool_->capacity(layer_idx) > 0
+                                ? RingSlots(seq, layer_idx, end - s, end)
+                                : pool_->SlotIndices(seq, layer_idx, 0, s);
+    auto slots = ToDeviceAsync(host_slots, kc.device());
     return {kc.view({-1, hkv, d}).index_select(0, slots).transpose(0, 1),
             pool_->value_cache().view({-1, hkv, d}).index_select(0, slots).transpose(0, 1)};
+  }
+
+  // Slot indices (int64 [end - begin], CPU) of positions [begin, end) in a sliding layer's ring,
+  // where position p lives in entry p % capacity.
+  at::Tensor RingSlots(SequenceId seq, int32_t layer_idx, int64_t begin, int64_t end) const {
+    const auto& t = pool_->table(seq, layer_idx);
+    const int64_t ring = pool_->capacity(layer_idx);
+    const int64_t bs = pool_->block_size();
+    auto out = at::empty({end - begin}, at::kLong);
+    int64_t* p = out.data_ptr<int64_t>();
+    for (int64_t pos = begin; pos < end; ++pos) {
+      const int64_t e = pos % ring;
+      p[pos - begin] = int64_t{t.block_ids[e / bs]} * bs + e % bs;
+    }
+    return out;
+  }
+
+  // Stores the K/V of positions [start, start + T) (new_k/new_v [T, Hkv, D]) in a sliding
+  // layer's ring: only the last `capacity` of them can be seen again (and writing more would
+  // write one entry twice in one kernel).
+  absl::Status WriteRing(SequenceId seq, int32_t layer_idx, int64_t start, const at::Tensor& new_k,
+                         const at::Tensor& new_v) {
+    const int64_t t_len = new_k.size(0);
+    const int64_t skip = std::max<int64_t>(0, t_len - pool_->capacity(layer_idx));
+    RETURN_IF_ERROR(pool_->AppendLayerSlots(seq, layer_idx, t_len));
+    at::Tensor kc = pool_->key_cache();
+    at::Tensor vc = pool_->value_cache();
+    auto slots =
+        ToDeviceAsync(RingSlots(seq, layer_idx, start + skip, start + t_len), kc.device());
+    return kernels::WriteKv(kc, vc, new_k.narrow(0, skip, t_len - skip),
+                            new_v.narrow(0, skip, t_len - skip), slots);
   }
 
   // Writes new_k/new_v ([m, Hkv, D]) into slots [begin, begin + m) of a layer.
@@ -516,11 +569,12 @@ class TorchModelRunner : public ModelRunner {
   }
 
   BlockPool& block_pool() { return *pool_; }
-  double scale() const { return model_->attention_scale(); }
+  // Index of layer `layer_idx` among the global (compressible) layers; -1 for a sliding layer.
+  int32_t global_index(int32_t layer_idx) const { return global_index_[layer_idx]; }
 
  private:
   // Writes the packed decode inputs of `ids` (after AppendSlots: the new token's slot is the
-  // last stored one of each layer) into `base` (lay.num_bytes()). Rows past ids.size() are
+  // last stored one of each layer, or its ring entry) into `base` (lay.num_bytes()). Rows past ids.size() are
   // padding: token 0 at position 0, length 0 (attention reads nothing), K/V written into the
   // reserved scratch block, so a padded row never touches a live sequence's blocks.
   void FillDecodeInputs(uint8_t* base, const DecodeLayout& lay, std::span<const int64_t> ids,
@@ -551,7 +605,9 @@ class TorchModelRunner : public ModelRunner {
       pos_p[b] = seq.logical_len;
       for (int64_t l = 0; l < num_layers; ++l) {
         const auto& t = seq.layers[l];
-        const int64_t last = t.stored_len - 1;
+        // The new token's entry: appended last, or in a sliding layer's ring its position's.
+        const int64_t ring = pool_->capacity(static_cast<int32_t>(l));
+        const int64_t last = ring > 0 ? seq.logical_len % ring : t.stored_len - 1;
         slots_p[l * batch + b] = int64_t{t.block_ids[last / bs]} * bs + last % bs;
         lens_p[l * batch + b] = static_cast<int32_t>(t.stored_len);
         // The row: the table, then zeros (a valid block id) to the bucket's width.
@@ -567,7 +623,8 @@ class TorchModelRunner : public ModelRunner {
   // outside it run the ATen reference on the device instead (eager only).
   bool UseDecodeKernel() const {
     const auto& c = config();
-    return model_->device().is_cuda() &&
+    // (No kernel soft-caps logits: Gemma 2 decodes through the reference.)
+    return model_->device().is_cuda() && c.attn_logit_softcapping == 0 &&
            (c.head_dim == 64 || c.head_dim == 128 || c.head_dim == 256) &&
            c.num_heads % c.num_kv_heads == 0 && c.num_heads / c.num_kv_heads <= 16;
   }
@@ -614,7 +671,7 @@ class TorchModelRunner : public ModelRunner {
       const int32_t max_seq_len = static_cast<int32_t>(lay.max_blocks * pool_->block_size());
       const int64_t max_position = config().max_position_embeddings;  // unused: not dynamic
       auto forward = [this, in, max_seq_len, max_position]() -> absl::StatusOr<at::Tensor> {
-        DecodeBackend backend(*pool_, in, max_seq_len, model_->attention_scale(), true);
+        DecodeBackend backend(*pool_, config(), in, max_seq_len, true);
         ASSIGN_OR_RETURN(at::Tensor hidden,
                          model_->Forward(in.tokens, in.positions, max_position, backend));
         return model_->Logits(hidden);  // fp32 [B_bucket, vocab]
@@ -664,6 +721,7 @@ class TorchModelRunner : public ModelRunner {
   // arange(stored_len), the uncompressed case). Tracked through prefill; decode does not extend
   // them.
   std::unordered_map<SequenceId, std::vector<at::Tensor>> positions_;
+  std::vector<int32_t> global_index_;  // see global_index()
   // CUDA graphs of the decode step, by (batch bucket, block-table columns bucket).
   int32_t scratch_block_ = -1;  // reserved block padded rows write into (-1: no graphs)
   bool graphs_disabled_ = false;
@@ -675,6 +733,7 @@ class TorchModelRunner : public ModelRunner {
 absl::StatusOr<at::Tensor> PrefillBackend::Attend(int32_t layer_idx, const at::Tensor& q,
                                                   const at::Tensor& k, const at::Tensor& v) {
   BlockPool& pool = runner_.block_pool();
+  const ModelConfig& config = runner_.config();
   const int64_t t_len = q.size(0);
   const int64_t stored = pool.stored_len(seq_, layer_idx);
   auto chunk_k = k.transpose(0, 1);  // [Hkv, T, D]
@@ -687,7 +746,14 @@ absl::StatusOr<at::Tensor> PrefillBackend::Attend(int32_t layer_idx, const at::T
     all_v = at::cat({old_v, chunk_v}, 1);
   }
   // [T, Hq, D]; lse fp32 [Hq, T] from the CUDA fused ops, undefined on the SDPA fallback.
-  auto [out, lse] = PrefillAttentionWithLse(q, all_k, all_v, runner_.scale());
+  auto [out, lse] =
+      PrefillAttentionWithLse(q, all_k, all_v, config.attention_scale(layer_idx),
+                              PrefillAttentionImpl::kAuto, LimitsOf(config, layer_idx));
+  if (config.is_sliding(layer_idx)) {
+    // Outside compression: the ring keeps the window.
+    RETURN_IF_ERROR(runner_.WriteRing(seq_, layer_idx, start_pos_, k, v));
+    return out;
+  }
   const int64_t hkv = k.size(1);
   auto chunk_pos = at::arange(start_pos_, start_pos_ + t_len,
                               at::TensorOptions().dtype(at::kLong).device(k.device()))
@@ -699,8 +765,9 @@ absl::StatusOr<at::Tensor> PrefillBackend::Attend(int32_t layer_idx, const at::T
     ASSIGN_OR_RETURN(at::Tensor old_pos, runner_.StoredPositions(seq_, layer_idx));
     all_pos = at::cat({old_pos, chunk_pos}, 1);  // [Hkv, S + T]
     LayerKvView view;
-    view.layer_idx = layer_idx;
-    view.num_layers = runner_.config().num_layers;
+    // Budgets count the global layers only: the selector sees them numbered 0..G-1.
+    view.layer_idx = runner_.global_index(layer_idx);
+    view.num_layers = config.num_global_layers();
     view.logical_len = start_pos_ + t_len;
     view.queries = q.transpose(0, 1);  // [Hq, T, D]
     view.keys = all_k;
@@ -789,6 +856,11 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const RunnerOpt
   po.num_layers = config.num_layers;
   po.num_kv_heads = config.num_kv_heads;
   po.head_dim = config.head_dim;
+  if (!config.sliding_layers.empty()) {
+    // A sliding layer's cache is a ring of its window (RingSlots): it never holds more.
+    for (int32_t l = 0; l < config.num_layers; ++l)
+      po.layer_capacity.push_back(config.is_sliding(l) ? config.sliding_window : 0);
+  }
   po.dtype = dtype;
   po.device = device;
   const int64_t block_bytes = int64_t{2} * options.block_size * config.num_kv_heads *

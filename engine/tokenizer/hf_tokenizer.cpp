@@ -539,6 +539,14 @@ absl::Status HfTokenizer::LoadJson(const std::string& dir, std::string_view text
         ASSIGN_OR_RETURN(step.behavior, ParseBehavior(p.at("behavior").get<std::string>()));
         step.invert = p.value("invert", false);
         pre_tokenizers_.push_back(std::move(step));
+      } else if (type == "Digits") {
+        // HF's Digits splits on each numeric char (Rust char::is_numeric: Unicode N*), every digit
+        // its own piece or runs of them together.
+        PreStep step(PreStep::Kind::kSplit);
+        ASSIGN_OR_RETURN(step.regex, Pcre2Regex::Compile("\\p{N}"));
+        step.behavior = p.value("individual_digits", false) ? SplitBehavior::kIsolated
+                                                            : SplitBehavior::kContiguous;
+        pre_tokenizers_.push_back(std::move(step));
       } else if (type == "ByteLevel") {
         PreStep step(PreStep::Kind::kByteLevel);
         step.add_prefix_space = p.value("add_prefix_space", false);

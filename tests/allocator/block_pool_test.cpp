@@ -176,5 +176,69 @@ TEST(BlockPoolTest, ManySequencesNoLeak) {
   }
 }
 
+// A bounded layer (a sliding window's ring) grows to its capacity, then keeps its blocks; the
+// others grow; the decode undo of a full ring leaves it full.
+TEST(BlockPoolTest, BoundedLayerStopsGrowingAtCapacity) {
+  BlockPoolOptions o;
+  o.num_blocks = 40;
+  o.block_size = 4;
+  o.num_layers = 2;
+  o.allocate_storage = false;
+  o.layer_capacity = {6, 0};
+  auto created = BlockPool::Create(o);
+  ASSERT_TRUE(created.ok()) << created.status();
+  auto& pool = *created;
+  ASSERT_TRUE(pool->AddSequence(1).ok());
+  ASSERT_TRUE(pool->AppendLayerSlots(1, 0, 5).ok());
+  ASSERT_TRUE(pool->AppendLayerSlots(1, 1, 5).ok());
+  pool->set_logical_len(1, 5);
+  EXPECT_EQ(pool->stored_len(1, 0), 5);
+  const std::vector<int64_t> seqs = {1};
+  for (int step = 0; step < 7; ++step) {
+    ASSERT_TRUE(pool->AppendSlots(seqs, 1).ok());
+    EXPECT_EQ(pool->stored_len(1, 0), 6);  // 5 + 1, then full
+    EXPECT_EQ(pool->table(1, 0).block_ids.size(), 2u);
+    pool->set_logical_len(1, pool->logical_len(1) + 1);
+  }
+  EXPECT_EQ(pool->stored_len(1, 1), 12);
+  EXPECT_EQ(pool->table(1, 1).block_ids.size(), 3u);
+  // A 40-token prefill chunk on the bounded layer takes no block beyond its capacity's.
+  ASSERT_TRUE(pool->AppendLayerSlots(1, 0, 40).ok());
+  EXPECT_EQ(pool->stored_len(1, 0), 6);
+  EXPECT_EQ(pool->num_blocks_of(1), 2 + 3);
+  // Undo of a step on a full ring: still full; the unbounded layer shrinks back.
+  const int64_t used = pool->num_used_blocks();
+  ASSERT_TRUE(pool->AppendSlots(seqs, 1).ok());
+  EXPECT_EQ(pool->num_used_blocks(), used + 1);  // layer 1 crosses into a 4th block
+  pool->UndoAppendSlots(seqs, 1);
+  EXPECT_EQ(pool->stored_len(1, 0), 6);
+  EXPECT_EQ(pool->stored_len(1, 1), 12);
+  EXPECT_EQ(pool->num_used_blocks(), used);
+  pool->FreeSequence(1);
+  EXPECT_EQ(pool->num_free_blocks(), 40);
+
+  o.layer_capacity = {6};
+  EXPECT_EQ(BlockPool::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// Undo on a ring that was one short of full before the step: back to one short.
+TEST(BlockPoolTest, UndoOnRingThatJustFilled) {
+  BlockPoolOptions o;
+  o.num_blocks = 8;
+  o.block_size = 4;
+  o.num_layers = 1;
+  o.allocate_storage = false;
+  o.layer_capacity = {4};
+  auto pool = std::move(*BlockPool::Create(o));
+  ASSERT_TRUE(pool->AddSequence(3).ok());
+  ASSERT_TRUE(pool->AppendLayerSlots(3, 0, 3).ok());
+  pool->set_logical_len(3, 3);
+  const std::vector<int64_t> seqs = {3};
+  ASSERT_TRUE(pool->AppendSlots(seqs, 1).ok());
+  EXPECT_EQ(pool->stored_len(3, 0), 4);
+  pool->UndoAppendSlots(seqs, 1);
+  EXPECT_EQ(pool->stored_len(3, 0), 3);
+}
+
 }  // namespace
 }  // namespace dropkv

@@ -27,6 +27,10 @@ inline std::filesystem::path BuildDir() {
 inline std::string ReferencePython() {
   return EnvOr("DROPKV_PYTHON", "python3");
 }
+// The trained models scripts/setup.sh converts: smollm2-135m-instruct/, gemma-3-270m/.
+inline std::filesystem::path ModelsDir() {
+  return EnvOr("DROPKV_MODELS", "models");
+}
 // Python with kvpress (its own venv; it pins an older transformers).
 inline std::string KvpressPython() {
   return EnvOr("DROPKV_KVPRESS_PYTHON", "");

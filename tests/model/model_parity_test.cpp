@@ -5,8 +5,10 @@
 
 #include <ATen/ATen.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -99,12 +101,21 @@ TEST_P(ParityTest, Bf16GreedyTokensAndRelativeError) {
     auto ref_row = Row(ref["bf16"]["logits"], s);
     const double rel = ((r.logits[s] - ref_row).norm() / ref_row.norm()).item<double>();
     EXPECT_LT(rel, 2e-2) << GetParam() << " step " << s;
-    EXPECT_EQ(r.tokens[s], tokens[s]) << GetParam() << " step " << s;
+    // The same greedy token, unless HF's own logits hold a near tie there, closer than the
+    // relative tolerance above (a bf16 logit of 20-40 is exact to 0.125-0.25 only: HF's bf16 and
+    // fp32 runs of these random models flip at such steps too).
+    const double margin = (ref_row.max() - ref_row[r.tokens[s]]).item<double>();
+    const double tie = 2e-2 * ref_row.abs().max().item<double>();
+    EXPECT_TRUE(r.tokens[s] == tokens[s] || margin <= tie)
+        << GetParam() << " step " << s << ": token " << r.tokens[s] << " vs " << tokens[s]
+        << ", HF's margin " << margin;
   }
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, ParityTest,
-                         ::testing::Values("llama", "qwen2", "gemma", "mistral"));
+                         ::testing::Values("llama", "qwen2", "gemma", "mistral", "mistral_sliding",
+                                           "qwen3", "gemma2", "gemma3", "llama_yarn",
+                                           "qwen3_shape"));
 
 TEST(ParityConfigTest, ParsesFamilies) {
   auto llama = LoadModelConfig((ModelsDir() / "llama").string());
@@ -118,6 +129,33 @@ TEST(ParityConfigTest, ParsesFamilies) {
   ASSERT_TRUE(gemma.ok());
   EXPECT_EQ(gemma->head_dim, 256);
   EXPECT_TRUE(gemma->tie_word_embeddings);
+  auto gemma3 = LoadModelConfig((ModelsDir() / "gemma3").string());
+  ASSERT_TRUE(gemma3.ok()) << gemma3.status();
+  EXPECT_EQ(gemma3->family, ModelFamily::kGemma3);
+  EXPECT_EQ(gemma3->sliding_window, 7);
+  EXPECT_EQ(gemma3->sliding_layers, (std::vector<bool>{true, false, true}));
+  EXPECT_EQ(gemma3->num_global_layers(), 1);
+  EXPECT_EQ(gemma3->rope.type, RopeType::kLinear);
+  EXPECT_EQ(gemma3->rope.theta, 1e6);
+  EXPECT_EQ(gemma3->rope_local.type, RopeType::kDefault);
+  EXPECT_EQ(gemma3->rope_local.theta, 10000.0);
+  EXPECT_TRUE(gemma3->qk_norm && gemma3->sandwich_norms);
+  auto gemma2 = LoadModelConfig((ModelsDir() / "gemma2").string());
+  ASSERT_TRUE(gemma2.ok()) << gemma2.status();
+  EXPECT_EQ(gemma2->sliding_layers, (std::vector<bool>{true, false, true}));
+  EXPECT_DOUBLE_EQ(gemma2->attn_logit_softcapping, 0.03);
+  EXPECT_DOUBLE_EQ(gemma2->final_logit_softcapping, 10.0);
+  EXPECT_DOUBLE_EQ(gemma2->attention_scale(0), 1.0 / std::sqrt(48.0));
+  auto mistral = LoadModelConfig((ModelsDir() / "mistral").string());
+  ASSERT_TRUE(mistral.ok());
+  EXPECT_TRUE(mistral->sliding_layers.empty());
+  auto sliding = LoadModelConfig((ModelsDir() / "mistral_sliding").string());
+  ASSERT_TRUE(sliding.ok());
+  EXPECT_EQ(sliding->num_sliding_layers(), 3);
+  auto yarn = LoadModelConfig((ModelsDir() / "llama_yarn").string());
+  ASSERT_TRUE(yarn.ok());
+  EXPECT_EQ(yarn->rope.type, RopeType::kYarn);
+  EXPECT_NEAR(yarn->rope.attention_factor, 0.1 * std::log(4.0) + 1.0, 1e-12);
 }
 
 }  // namespace

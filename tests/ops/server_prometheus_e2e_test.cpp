@@ -85,7 +85,7 @@ TEST(ServerPrometheusE2eTest, RealServerRealPrometheus) {
   const fs::path dir = testing::ScratchDir("server_prometheus_e2e");
   const int metrics_port = testing::PickFreePort();
   testing::ChildProcess server;
-  ASSERT_TRUE(server.Start({server_bin.string(), "--host", "127.0.0.1", "--port", "0",
+  ASSERT_TRUE(server.Start({server_bin.string(), "--demo-model", "--host", "127.0.0.1", "--port", "0",
                             "--metrics-port", std::to_string(metrics_port), "--kv-blocks", "512",
                             "--block-size", "16", "--log-format", "json"},
                            (dir / "server.log").string()));

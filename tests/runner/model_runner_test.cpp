@@ -67,7 +67,7 @@ std::vector<int32_t> Tokens(int n, int offset) {
 at::Tensor FullForwardLast(const ModelRunner& runner, const std::vector<int32_t>& tokens) {
   const Model& m = *runner.model();
   const int64_t n = static_cast<int64_t>(tokens.size());
-  FullAttentionBackend backend;
+  FullAttentionBackend backend(m.config());
   auto ids = at::tensor(std::vector<int64_t>(tokens.begin(), tokens.end()), at::kLong);
   auto hidden = m.Forward(ids, at::arange(n, at::kLong), n - 1, backend);
   EXPECT_TRUE(hidden.ok());

@@ -81,7 +81,13 @@ int main(int argc, char** argv) {
   ro.num_kv_blocks = 1;  // the capture forward does not use the pool
   auto runner = dropkv::ModelRunner::Create(ro);
   if (!runner.ok()) return Fail(std::string(runner.status().message()));
-  const int32_t num_layers = (*runner)->config().num_layers;
+  // The profile covers the global layers (numbered 0..G-1, as the press numbers them): sliding-
+  // window layers keep their window and take no part in the budgets.
+  std::vector<int32_t> layers;
+  for (int32_t l = 0; l < (*runner)->config().num_layers; ++l) {
+    if (!(*runner)->config().is_sliding(l)) layers.push_back(l);
+  }
+  const auto num_layers = static_cast<int32_t>(layers.size());
 
   // Pooled representations per layer: [N, hidden] for originals and augmented copies.
   std::vector<std::vector<at::Tensor>> z_orig(num_layers), z_aug(num_layers);
@@ -94,7 +100,7 @@ int main(int argc, char** argv) {
     auto outs = (*runner)->CaptureAttentionOutputs(*ids);
     if (!outs.ok()) return outs.status();
     for (int32_t l = 0; l < num_layers; ++l) {
-      at::Tensor h = (*outs)[l].to(at::kCPU);  // [T, hidden]
+      at::Tensor h = (*outs)[layers[l]].to(at::kCPU);  // [T, hidden]
       (*z)[l].push_back(MeanPoolNormalized(h));
       if (spectral) {
         auto s = dropkv::compression::Spectral(h);
@@ -142,7 +148,7 @@ int main(int argc, char** argv) {
   }
   std::cout << "layer  infonce  spectral_entropy  effective_rank\n";
   for (int32_t l = 0; l < num_layers; ++l) {
-    std::cout << l << "  " << profile.values[l] << "  " << entropy[l] << "  " << erank[l] << "\n";
+    std::cout << layers[l] << "  " << profile.values[l] << "  " << entropy[l] << "  " << erank[l] << "\n";
   }
   std::cout << "wrote " << out_path << "\n";
   return 0;
