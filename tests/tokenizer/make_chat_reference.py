@@ -219,7 +219,7 @@ def main():
     dirs = [(f, os.path.join(out_dir, "tokenizers", f)) for f in SHARED_FAMILIES]
     dirs += [(m, os.path.join(models_dir(), m)) for m in REAL_MODELS]
     for name, d in dirs:
-        entry = {"name": name, "kind": "dir", "dir": os.path.abspath(d)}
+        entry = {"name": name, "kind": "dir", "dir": os.path.abspath(d), "model": name in REAL_MODELS}
         if not os.path.exists(os.path.join(d, "tokenizer.json")):
             entry["skipped"] = "%s has no tokenizer.json (scripts/setup.sh converts the model there)" % d
             templates.append(entry)
