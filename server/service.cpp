@@ -312,10 +312,8 @@ grpc::ServerUnaryReactor* InferenceService::Tokenize(grpc::CallbackServerContext
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "request: oversized");
     absl::StatusOr<std::vector<int32_t>> ids;
     if (request->has_chat()) {
-      std::vector<ChatMessage> messages;
-      for (const auto& m : request->chat().messages()) messages.push_back({m.role(), m.content()});
-      auto text = tokenizer_->ApplyChatTemplate(messages, true);
-      ids = text.ok() ? tokenizer_->Encode(*text, false) : text.status();
+      ids = ChatToTokenIds(request->chat(), "chat", *tokenizer_);
+      if (!ids.ok()) return ToGrpcStatus(ids.status());
     } else {
       const bool add_special = !request->has_add_special_tokens() || request->add_special_tokens();
       ids = tokenizer_->Encode(request->text(), add_special);
