@@ -250,13 +250,42 @@ std::optional<ApiError> MapMessages(const json& body, v1::GenerateRequest* r) {
     std::string role = f.String("role").value_or("");
     if (f.error) return f.error;
     if (role == "developer") role = "system";  // OpenAI's newer name for the system message
-    if (role != "system" && role != "user" && role != "assistant")
-      return MakeError(
-          400,
-          absl::StrCat(at, ".role: must be system, developer, user or assistant, got '", role, "'"),
-          at + ".role");
-    if (const json* calls = f.Get("tool_calls"); calls != nullptr && !calls->empty())
-      return Unsupported(at + ".tool_calls", "tool_calls");
+    if (role != "system" && role != "user" && role != "assistant" && role != "tool")
+      return MakeError(400,
+                       absl::StrCat(at, ".role: must be system, developer, user, assistant or ",
+                                    "tool, got '", role, "'"),
+                       at + ".role");
+    v1::ChatMessage* out = r->mutable_chat()->add_messages();
+    if (const json* calls = f.Get("tool_calls"); calls != nullptr && !calls->is_null()) {
+      if (!calls->is_array())
+        return MakeError(400, absl::StrCat(at, ".tool_calls: must be an array"),
+                         at + ".tool_calls");
+      for (size_t j = 0; j < calls->size(); ++j) {
+        const std::string call_at = absl::StrCat(at, ".tool_calls[", j, "]");
+        const json& call = (*calls)[j];
+        const json* function = nullptr;
+        if (call.is_object()) {
+          if (auto it = call.find("function"); it != call.end()) function = &*it;
+        }
+        if (function == nullptr || !function->is_object() || !function->contains("name") ||
+            !(*function)["name"].is_string())
+          return MakeError(400,
+                           absl::StrCat(call_at, ": must be {\"id\", \"type\": \"function\", ",
+                                        "\"function\": {\"name\", \"arguments\"}}"),
+                           call_at);
+        v1::ToolCall* tc = out->add_tool_calls();
+        tc->set_id(call.value("id", ""));
+        tc->set_type(call.value("type", "function"));
+        tc->mutable_function()->set_name((*function)["name"].get<std::string>());
+        const json args = function->value("arguments", json("{}"));
+        // OpenAI sends the arguments as JSON text; an object is taken as it is.
+        tc->mutable_function()->set_arguments(args.is_string() ? args.get<std::string>()
+                                                               : args.dump());
+      }
+    }
+    if (auto id = f.String("tool_call_id")) out->set_tool_call_id(*id);
+    if (auto name = f.String("name")) out->set_name(*name);
+    if (f.error) return f.error;
     std::string content;
     if (const json* c = f.Get("content")) {
       if (c->is_string()) {
@@ -281,7 +310,6 @@ std::optional<ApiError> MapMessages(const json& body, v1::GenerateRequest* r) {
                          at + ".content");
       }
     }
-    v1::ChatMessage* out = r->mutable_chat()->add_messages();
     out->set_role(role);
     out->set_content(std::move(content));
   }
@@ -448,8 +476,26 @@ std::optional<ApiError> ParseRequest(Endpoint endpoint, std::string_view text,
       return Unsupported("suffix", "suffix");
   } else {
     if (auto e = MapMessages(body, &prompts.emplace_back())) return e;
-    if (const json* tools = f.Get("tools"); tools != nullptr && !tools->empty())
-      return Unsupported("tools", "tools");
+    v1::ChatMessages* chat = prompts.back().mutable_chat();
+    // The template's inputs beside the messages (vLLM's extensions of the request body too).
+    const std::string tool_choice = f.String("tool_choice").value_or("auto");
+    if (tool_choice != "auto" && tool_choice != "none")
+      return Unsupported("tool_choice", "a tool_choice other than auto or none");
+    if (const json* tools = f.Get("tools"); tools != nullptr && !tools->is_null()) {
+      if (!tools->is_array()) return MakeError(400, "tools: must be an array", "tools");
+      if (tool_choice == "auto" && !tools->empty()) chat->set_tools_json(tools->dump());
+    }
+    if (const json* docs = f.Get("documents"); docs != nullptr && !docs->is_null()) {
+      if (!docs->is_array()) return MakeError(400, "documents: must be an array", "documents");
+      chat->set_documents_json(docs->dump());
+    }
+    if (const json* kwargs = f.Get("chat_template_kwargs"); kwargs != nullptr && !kwargs->is_null()) {
+      if (!kwargs->is_object())
+        return MakeError(400, "chat_template_kwargs: must be an object", "chat_template_kwargs");
+      chat->set_chat_template_kwargs_json(kwargs->dump());
+    }
+    if (auto v = f.Bool("add_generation_prompt")) chat->set_add_generation_prompt(*v);
+    if (auto v = f.Bool("continue_final_message")) chat->set_continue_final_message(*v);
     if (const json* functions = f.Get("functions"); functions != nullptr && !functions->empty())
       return Unsupported("functions", "functions");
     if (const json* format = f.Get("response_format");

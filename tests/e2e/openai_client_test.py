@@ -240,9 +240,37 @@ def test_default_model(args, pb, pb_grpc, grpc):
         expect_error(lambda: ch(model=model, messages=[{"role": "robot", "content": "hi"}]), 400,
                      "messages[0].role", "unknown role")
         expect_error(lambda: ch(model=model, messages=[]), 400, "messages", "no messages")
-        expect_error(lambda: ch(model=model, messages=messages,
+        expect_error(lambda: ch(model=model, messages=messages, tool_choice="required",
                                 tools=[{"type": "function", "function": {"name": "f"}}]),
-                     400, "tools", "tools")
+                     400, "tool_choice", "tool_choice required")
+        expect_error(lambda: ch(model=model, messages=[{"role": "assistant", "content": None,
+                                                         "tool_calls": [{"id": "c1"}]}]),
+                     400, "messages[0].tool_calls[0]", "a tool call without a function")
+
+        # --- chat on the default model through its own (ChatML) template ---
+        answer = ch(model=model, messages=messages, max_completion_tokens=12, temperature=0)
+        check("Paris" in answer.choices[0].message.content,
+              f"SmolLM2 chat: {answer.choices[0].message.content!r}")
+        tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+            "type": "object", "properties": {"city": {"type": "string"}}}}}]
+        turns = messages + [
+            {"role": "assistant", "content": "",
+             "tool_calls": [{"id": "c1", "type": "function",
+                             "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "name": "get_weather", "content": "sunny, 21 C"}]
+        with_tools = ch(model=model, messages=turns, tools=tools, max_completion_tokens=4,
+                        temperature=0)
+        rendered = stub.Tokenize(pb.TokenizeRequest(chat=pb.ChatMessages(
+            messages=[pb.ChatMessage(role=m["role"], content=m.get("content") or "",
+                                     tool_call_id=m.get("tool_call_id", ""), name=m.get("name", ""),
+                                     tool_calls=[pb.ToolCall(id=c["id"], type=c["type"],
+                                                             function=pb.ToolCallFunction(**c["function"]))
+                                                 for c in m.get("tool_calls", [])])
+                      for m in turns],
+            tools_json=json.dumps(tools))), metadata=md, timeout=10)
+        check(with_tools.usage.prompt_tokens == len(rendered.token_ids) > 30,
+              f"tools, a tool call and a tool turn: the prompt gRPC renders "
+              f"({with_tools.usage.prompt_tokens} tokens)")
         expect_error(lambda: cc(model=model, prompt=[10**9]), 400, "prompt", "unknown token id")
         expect_error(lambda: cc(model=model, prompt=""), 400, "prompt", "empty prompt")
         expect_error(lambda: cc(model="gpt-4", prompt="x"), 404, "model", "unknown model")
@@ -267,10 +295,8 @@ def test_default_model(args, pb, pb_grpc, grpc):
 
 
 def gemma3_with_published_template(scratch):
-    """Gemma-3-270M as set-up converted it, with the chat template of Gemma 3's published
-    tokenizer_config.json (../shared/tokenizers/gemma3): the template renderer of this branch knows
-    that text (the converted GGUF's template differs, as does SmolLM2's, which needs the Jinja
-    renderer of issue 20)."""
+    """Gemma-3-270M as set-up converted it (a base model: the GGUF carries no chat template), with
+    the chat template of Gemma 3's published tokenizer_config.json (../shared/tokenizers/gemma3)."""
     import gzip
     src = os.path.join(os.environ["DROPKV_MODELS"], "gemma-3-270m")
     dst = os.path.join(scratch, "gemma-3-270m-chat")
