@@ -151,7 +151,7 @@ def main():
                                                                              content="hi")]),
                                max_new_tokens=2)
         c, d = code_of(stub.GenerateUnary, r, metadata=auth)
-        check("chat_without_template", c == grpc.StatusCode.INVALID_ARGUMENT and
+        check("chat_without_template", c == grpc.StatusCode.FAILED_PRECONDITION and
               d.startswith("chat"), f"{c.name} {d}")
         raw_tok = grpc.secure_channel(target, creds).unary_unary(
             "/dropkv.v1.Inference/Tokenize", request_serializer=None,
