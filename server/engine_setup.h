@@ -1,36 +1,24 @@
-// Builds the engine side of dropkv-server from the config: the ModelRunner (model + KV pool, with
-// the compression selector factory), the Tokenizer, the Scheduler, and what the service answers
-// about the model. The only server TU that includes LibTorch headers; main() stays torch-free.
+// The engine a server runs (engine/engine.h), built from the server config, with what both front
+// ends answer about it (ModelInfo) and validate requests against (ValidationLimits). Torch-free.
 #pragma once
 
 #include <memory>
 
-#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "dropkv/v1/inference.pb.h"
+#include "engine/engine.h"
 #include "server/validation.h"
 
 namespace dropkv {
 
-class ModelRunner;
-class Tokenizer;
-class Scheduler;
 struct ServerConfig;
 
-struct Engine {
-  Engine();
-  ~Engine();
-  std::unique_ptr<ModelRunner> runner;
-  std::unique_ptr<Tokenizer> tokenizer;
-  std::unique_ptr<Scheduler> scheduler;
+struct ServedEngine {
+  std::unique_ptr<Engine> engine;
   v1::ModelInfo model_info;
   ValidationLimits limits;
 };
 
-absl::StatusOr<std::unique_ptr<Engine>> CreateEngine(const ServerConfig& config);
-
-// Runs one short greedy generation through the scheduler on the calling thread (before the
-// engine thread starts): the first forward pays the allocator/kernel start-up, not a client.
-absl::Status WarmUp(Engine& engine);
+absl::StatusOr<ServedEngine> CreateServedEngine(const ServerConfig& config);
 
 }  // namespace dropkv

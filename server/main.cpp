@@ -125,15 +125,16 @@ int main(int argc, char** argv) {
     http = std::move(*started);
   }
 
-  auto engine_or = CreateEngine(config);
-  if (!engine_or.ok()) {
-    spdlog::critical("cannot load the model: {}", engine_or.status().ToString());
+  auto served_or = CreateServedEngine(config);
+  if (!served_or.ok()) {
+    spdlog::critical("cannot load the model: {}", served_or.status().ToString());
     return 1;
   }
-  Engine& engine = **engine_or;
+  ServedEngine& served = *served_or;
+  Engine& engine = *served.engine;
 
   // Prometheus /metrics on its own port (0 = none).
-  ServerMetrics metrics(engine.model_info.model_name());
+  ServerMetrics metrics(served.model_info.model_name());
   metrics_for_http = &metrics;
   struct ForgetMetricsOnExit {  // destroyed before `metrics`: /metrics never reads a dead object
     std::atomic<ServerMetrics*>& pointer;
@@ -149,15 +150,15 @@ int main(int argc, char** argv) {
     }
     metrics_http = std::move(*started);
   }
-  SchedulerStatsPoller poller(&metrics, [&engine] { return engine.scheduler->Stats(); });
+  SchedulerStatsPoller poller(&metrics, [&engine] { return engine.scheduler().Stats(); });
 
   ServiceOptions service_options;
   service_options.metrics = &metrics;
   service_options.log_prompts = config.log_prompts;
-  service_options.limits = engine.limits;
-  service_options.model_info = engine.model_info;
+  service_options.limits = served.limits;
+  service_options.model_info = served.model_info;
   service_options.auth_token = auth_token;
-  InferenceService service(*engine.scheduler, engine.tokenizer.get(), service_options);
+  InferenceService service(engine.scheduler(), engine.tokenizer(), service_options);
 
   GrpcServerOptions grpc_options;
   grpc_options.host = config.host;
@@ -172,32 +173,32 @@ int main(int argc, char** argv) {
   }
   GrpcServer& server = **server_or;
   // Health stays NOT_SERVING until the warm-up ran.
-  if (absl::Status st = WarmUp(engine); !st.ok()) {
+  if (absl::Status st = engine.WarmUp(); !st.ok()) {
     spdlog::critical("{}", st.ToString());
     return 1;
   }
-  engine.scheduler->Start();
+  engine.scheduler().Start();
   server.SetServing(true);
   if (http) {
     HttpEngine http_engine;
-    http_engine.scheduler = engine.scheduler.get();
-    http_engine.tokenizer = engine.tokenizer.get();
+    http_engine.scheduler = &engine.scheduler();
+    http_engine.tokenizer = engine.tokenizer();
     http_engine.gateway = service_options.gateway();
     http_engine.served_model_name = config.served_model_name.empty()
                                         ? DefaultServedModelName(config)
                                         : config.served_model_name;
-    if (engine.model_info.model_name() != http_engine.served_model_name)
-      http_engine.model_aliases.push_back(engine.model_info.model_name());
-    http_engine.max_context_len = engine.model_info.max_context_len();
-    http_engine.vocab_size = engine.model_info.vocab_size();
+    if (served.model_info.model_name() != http_engine.served_model_name)
+      http_engine.model_aliases.push_back(served.model_info.model_name());
+    http_engine.max_context_len = served.model_info.max_context_len();
+    http_engine.vocab_size = served.model_info.vocab_size();
     http->Attach(std::move(http_engine));
   }
   spdlog::info(
       "dropkv-server listening on {}:{} (gRPC){} ({} layers, vocab {}, {} KV blocks, TLS {}, "
       "auth {})",
       config.host, server.port(), http ? fmt::format(", {} (HTTP)", http->port()) : "",
-      engine.model_info.num_layers(), engine.model_info.vocab_size(),
-      engine.scheduler->Stats().kv_blocks_total, config.tls_cert_file.empty() ? "off" : "on",
+      served.model_info.num_layers(), served.model_info.vocab_size(),
+      engine.scheduler().Stats().kv_blocks_total, config.tls_cert_file.empty() ? "off" : "on",
       auth_token.empty() ? "off" : "on");
   // The port line on stdout is what scripts and tests wait for: "LISTENING <grpc>" and, with the
   // HTTP API on, " HTTP <port>" after it (readers of the first number are unaffected).
@@ -209,10 +210,10 @@ int main(int argc, char** argv) {
   spdlog::info("signal {}: draining (grace {} s)", static_cast<int>(g_signal),
                config.shutdown_grace_seconds);
   if (http) http->SetDraining();
-  server.Shutdown(*engine.scheduler, config.shutdown_grace_seconds,
+  server.Shutdown(engine.scheduler(), config.shutdown_grace_seconds,
                   [&http] { return http ? http->num_active_requests() : 0; });
   if (http) http->Stop();  // before the engine stops: nothing is left waiting on it
-  engine.scheduler->Stop();
+  engine.scheduler().Stop();
   poller.Stop();
   if (metrics_http) metrics_http->Stop();
   spdlog::info("dropkv-server stopped");

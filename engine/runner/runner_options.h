@@ -1,0 +1,42 @@
+// How a ModelRunner is built (model folder, device, dtype, KV pool, CUDA decode options). Torch-
+// free, so that the engine facade (engine/engine.h) and its callers need no LibTorch headers.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace dropkv {
+
+struct RunnerOptions {
+  std::string model_dir;       // Hugging Face folder; empty = the built-in demo model
+  std::string device = "cpu";  // "cpu" or "cuda[:N]"
+  std::string dtype =
+      "auto";               // "auto" (bf16 on CUDA, fp32 on CPU), "float32", "bfloat16", "float16"
+  int32_t block_size = 16;  // KV slots per block
+  int64_t kv_cache_bytes = 0;    // 0 = a default (CPU: 1 GiB; CUDA: free memory after weights
+                                 // minus an activation reserve, see kv_reserve_bytes)
+  int64_t kv_reserve_bytes = 0;  // CUDA default pool: bytes left free (0 = max(4 GiB, 10%))
+  int64_t num_kv_blocks = 0;     // > 0 overrides kv_cache_bytes (tests use tiny pools)
+  bool random_weights =
+      false;                 // draw weights (normal, std 0.02) instead of reading them: benchmarks
+  uint64_t random_seed = 0;  // at real geometry from a config.json alone
+  // CUDA decode replays a captured graph per (batch bucket, context bucket) instead of launching
+  // each kernel from the host. Off: every step runs eagerly (for comparison and debugging).
+  bool cuda_graphs = true;
+  // CUDA: the fused residual + RMSNorm, RoPE + K/V store and gated-activation kernels
+  // (kernels/fused_ops.h) instead of chains of ATen ops. Off: for comparison and debugging.
+  bool cuda_fused_ops = true;
+  // CUDA, with the fused ops: which decode projections run as our GEMV (kernels/fused_gemv.h)
+  // instead of cuBLAS. kPlain (default): every projection through the plain GEMV at batch 1,
+  // the norms and the activation as the fused ops, so every kernel of the step is ours and
+  // programmatic dependent launch links them all, and the qkv GEMV does RoPE + the K/V store
+  // (kernels::GemvRopeWriteKv): bs1 8K 4.72-4.77 ms against cuBLAS's 4.91-4.93 in one call on the
+  // H200 (docs/benchmarks.md); larger batches keep cuBLAS (the GEMV's stages are tuned for one
+  // token). kAll: the norm before qkv / gate_up and the activation before down in the GEMV's
+  // prologue, up to 8 tokens (alone ~8 us per layer slower: the prologue precedes the first MMA;
+  // the step within 1-2% of cuBLAS). kOProj: o_proj alone, up to 8 tokens. kOff: cuBLAS.
+  enum class DecodeGemv { kOff, kOProj, kAll, kPlain };
+  DecodeGemv cuda_decode_gemv = DecodeGemv::kPlain;
+};
+
+}  // namespace dropkv
