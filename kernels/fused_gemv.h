@@ -42,7 +42,7 @@ absl::StatusOr<at::Tensor> Gemv(const at::Tensor& x, const at::Tensor& weight,
 // Decode's qkv projection with kernels::RopeWriteKv as its epilogue: y = x W^T (+ bias) as Gemv
 // computes it, then RoPE on q and k and the K/V store into the paged cache, rounded as
 // RopeWriteKv rounds them: the same bits as Gemv followed by RopeWriteKv, in one launch. (With D
-// not a multiple of 16, D > 128, or DROPKV_GEMV_ROPE=0, it is those two launches.)
+// not a multiple of 16 or D > 128, it is those two launches.)
 //   x: as Gemv's; weight: [(Hq + 2 Hkv) * D, K], the rows of the q, k, v heads; bias as Gemv's
 //   geo, positions, inv_freq, key_cache, value_cache, slots: as RopeWriteKv's
 //   returns q after RoPE, [M, Hq, D] contiguous

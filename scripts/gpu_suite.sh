@@ -8,9 +8,9 @@
 # then the device call, with carry [".gpu-pack"], from the repo root:
 #   bash scripts/gpu_suite.sh
 # Env: SKIP_HF=1 (no HF transformers peer), SKIP_SCORE=1, SKIP_E2E=1, E2E_REPEATS (default 3),
-#   BASELINE=1: dropkv-bench-e2e first with the previous kernels (DROPKV_DECODE_KERNELS=v7: the
-#   two-launch paged decode; DROPKV_PREFILL_ATTENTION=sdpa: at::scaled_dot_product_attention
-#   prefill, DropKV's three passes), so old and new are compared in one call.
+#   BASELINE=1: dropkv-bench-e2e first with DROPKV_PREFILL_ATTENTION=sdpa
+#   (at::scaled_dot_product_attention prefill, DropKV's three passes; kernels/tuning.h), so the
+#   two prefill paths are compared in one call.
 # Logs and JSON go to $OUT; a short table is printed last.
 # (scripts/gpu_check.sh is the other route: it builds the kernel targets on the GPU machine.)
 set -uo pipefail
@@ -53,7 +53,7 @@ e2e=(--geometry llama-3.1-8b --write-config /tmp/geo/llama-3.1-8b --prefill 3276
      --decode 1x8192,16x2048 --keep 1.0,0.1 --repeats "${E2E_REPEATS:-3}" --graphs on --json)
 [[ -n "${SKIP_E2E:-}" ]] && BASELINE=
 if [[ -n "${BASELINE:-}" ]]; then
-  DROPKV_DECODE_KERNELS=v7 DROPKV_PREFILL_ATTENTION=sdpa timeout 200 dropkv-bench-e2e "${e2e[@]}" \
+  DROPKV_PREFILL_ATTENTION=sdpa timeout 200 dropkv-bench-e2e "${e2e[@]}" \
     > "$OUT/e2e_llama_baseline.json" 2> "$OUT/e2e_llama_baseline.err"
   result[bench_e2e_baseline]="rc=$?"
 fi

@@ -42,6 +42,7 @@
 
 #include "kernels/fused_gemv.h"
 #include "kernels/fused_ops.h"
+#include "kernels/tuning.h"
 #endif
 
 namespace dropkv {
@@ -228,13 +229,9 @@ int RunGemvTable(const Json& geo) {
                         {"down (act)", hidden, inter, Pre::kGated},
                         {"lm_head", vocab, hidden, Pre::kPlain}};
   const auto opts = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
-  // The GEMV's launch variant (kernels/cuda/fused_gemv.cu reads these once). With PDL on, the
-  // graph's consecutive GEMV calls overlap as they do in a decode step; cuBLAS's do not.
-  const char* kernel_env = std::getenv("DROPKV_GEMV_KERNEL");
-  const char* pdl_env = std::getenv("DROPKV_PDL");
-  std::printf("GEMV kernel: %s, PDL %s\n\n",
-              kernel_env != nullptr && std::string(kernel_env) == "ring" ? "ring" : "stream",
-              pdl_env != nullptr && std::string(pdl_env) == "0" ? "off" : "on");
+  // With PDL on, the graph's consecutive GEMV calls overlap as they do in a decode step; cuBLAS's
+  // do not.
+  std::printf("PDL %s\n\n", kernels::Tuning().pdl ? "on" : "off");
   std::printf(
       "| proj | N x K | M | cuBLAS us | cuBLAS GB/s | GEMV us | GEMV GB/s | GEMV / cuBLAS |"
       " chain us | fused us | fused / chain |\n|---|---|---|---|---|---|---|---|---|---|---|\n");

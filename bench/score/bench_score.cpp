@@ -39,6 +39,7 @@
 #include "kernels/paged_attention.h"
 #include "kernels/scorers.h"
 #include "kernels/selection.h"
+#include "kernels/tuning.h"
 
 namespace {
 
@@ -451,10 +452,7 @@ int main(int argc, char** argv) {
     const double decode_bytes = 2.0 * layers * ctx * kHkv * kD * 2;  // K + V of 32 layers
     const double roofline_ms = decode_bytes / (copy_gbs * 1e9) * 1e3;
     const double roofline16_ms = decode16_bytes / (copy_gbs * 1e9) * 1e3;
-    const char* version = std::getenv("DROPKV_DECODE_KERNELS");
-    version = version != nullptr ? version : "default";
-    const char* pdl = std::getenv("DROPKV_PDL");
-    pdl = pdl != nullptr ? pdl : "default";
+    const char* pdl = dropkv::kernels::Tuning().pdl ? "on" : "off";
 
     if (json) {
       std::printf("{\"device\":\"%s\",\"copy_gbs\":%.1f,\"scoring\":[", props->name, copy_gbs);
@@ -472,12 +470,12 @@ int main(int argc, char** argv) {
             r.pass3_ms, r.pass3_frac, r.select_idx_ms, r.select_aten_ms, r.select_aten_idx_ms);
       }
       std::printf(
-          "],\"decode\":{\"kernels\":\"%s\",\"ctx\":%lld,\"layers\":%lld,\"paged_ms\":%.4f,"
+          "],\"decode\":{\"pdl\":\"%s\",\"ctx\":%lld,\"layers\":%lld,\"paged_ms\":%.4f,"
           "\"paged_keep10_ms\":%.4f,\"paged_graph_ms\":%.4f,\"paged_graph_nohint_ms\":%.4f,"
           "\"sdpa_dense_ms\":%.4f,\"roofline_ms\":%.4f,\"batch16_ctx2k_ms\":%.4f,"
           "\"batch16_graph_ms\":%.4f,\"batch16_roofline_ms\":%.4f,\"paged_keep10_graph_ms\":%.4f}}"
           "\n",
-          version, static_cast<long long>(ctx), static_cast<long long>(layers), decode_ms[0],
+          pdl, static_cast<long long>(ctx), static_cast<long long>(layers), decode_ms[0],
           decode_ms[1], decode_graph_ms[0], graph_nohint_ms, sdpa_ms, roofline_ms, decode16_ms,
           graph16_ms, roofline16_ms, decode_graph_ms[1]);
     } else {
@@ -498,9 +496,8 @@ int main(int argc, char** argv) {
                     100 * r.pass3_frac);
       }
       PrintSelection(rows);
-      std::printf(
-          "paged decode (DROPKV_DECODE_KERNELS=%s DROPKV_PDL=%s), %lld layers, ms per step:\n",
-          version, pdl, static_cast<long long>(layers));
+      std::printf("paged decode (PDL %s), %lld layers, ms per step:\n", pdl,
+                  static_cast<long long>(layers));
       std::printf("  %-28s %9s %9s %9s\n", "case", "eager", "graph", "roofline");
       std::printf("  %-28s %9.4f %9.4f %9.4f\n", "batch 1, ctx 8192", decode_ms[0],
                   decode_graph_ms[0], roofline_ms);

@@ -3,11 +3,11 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 #include <limits>
 #include <optional>
 #include <vector>
+
+#include "kernels/tuning.h"
 
 namespace dropkv {
 
@@ -27,8 +27,8 @@ at::Tensor VisibleKeys(int64_t row0, int64_t rows, int64_t t_len, int64_t n, int
 }
 
 // The pre-flash path (kept for CPU, fp32 and odd head dims, and as the A/B baseline).
-at::Tensor SdpaPrefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                       double scale, int64_t window) {
+at::Tensor SdpaPrefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+                       int64_t window) {
   const int64_t t_len = q.size(0);
   const int64_t n = k.size(1);
   auto qh = q.transpose(0, 1).unsqueeze(0);  // [1, Hq, T, D]
@@ -64,8 +64,10 @@ PrefillAttentionOutput MathPrefill(const at::Tensor& q, const at::Tensor& k, con
   for (int64_t r0 = 0; r0 < t_len; r0 += kRowsPerBlock) {
     const int64_t rows = std::min(kRowsPerBlock, t_len - r0);
     // [Hkv, G * rows, D]: query head h = kv * G + g.
-    auto qb = q.narrow(0, r0, rows).to(at::kFloat).permute({1, 0, 2}).reshape(
-        {num_kv_heads, group * rows, d});
+    auto qb = q.narrow(0, r0, rows)
+                  .to(at::kFloat)
+                  .permute({1, 0, 2})
+                  .reshape({num_kv_heads, group * rows, d});
     auto scores = at::bmm(qb, kf.transpose(1, 2)).mul_(scale);  // [Hkv, G * rows, n]
     if (limits.softcap > 0) scores = at::tanh(scores / limits.softcap) * limits.softcap;
     scores = scores.view({num_kv_heads, group, rows, n});
@@ -87,8 +89,8 @@ PrefillAttentionOutput FlashWindowPrefill(const at::Tensor& q, const at::Tensor&
   const int64_t t_len = q.size(0);
   const int64_t n = k.size(1);
   auto result = at::_flash_attention_forward(
-      q.unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
-      std::nullopt, std::nullopt, t_len, n, /*dropout_p=*/0.0, /*is_causal=*/true,
+      q.unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), std::nullopt,
+      std::nullopt, t_len, n, /*dropout_p=*/0.0, /*is_causal=*/true,
       /*return_debug_mask=*/false, scale, /*window_size_left=*/window - 1,
       /*window_size_right=*/0);
   const at::Tensor& out = std::get<0>(result);  // [1, T, Hq, D]
@@ -155,18 +157,19 @@ bool FlashApplies(const at::Tensor& q, const at::Tensor& k) {
 // (FA2: 0.5 ms per layer at 4K) does not pay back.
 constexpr int64_t kCudnnMinTokens = 8192;
 
-// DROPKV_PREFILL_ATTENTION (read once): "sdpa", "flash", "cudnn"; unset or other = kAuto's rule.
-std::optional<PrefillAttentionImpl> ImplFromEnv() {
-  static const std::optional<PrefillAttentionImpl> impl =
-      []() -> std::optional<PrefillAttentionImpl> {
-    const char* env = std::getenv("DROPKV_PREFILL_ATTENTION");
-    if (env == nullptr) return std::nullopt;
-    if (std::strcmp(env, "sdpa") == 0) return PrefillAttentionImpl::kSdpa;
-    if (std::strcmp(env, "flash") == 0) return PrefillAttentionImpl::kFlash;
-    if (std::strcmp(env, "cudnn") == 0) return PrefillAttentionImpl::kCudnn;
-    return std::nullopt;
-  }();
-  return impl;
+// KernelTuning::prefill_attention: kAuto's rule unless the tuning forces one.
+std::optional<PrefillAttentionImpl> ImplFromTuning() {
+  switch (kernels::Tuning().prefill_attention) {
+    case kernels::PrefillAttentionChoice::kSdpa:
+      return PrefillAttentionImpl::kSdpa;
+    case kernels::PrefillAttentionChoice::kFlash:
+      return PrefillAttentionImpl::kFlash;
+    case kernels::PrefillAttentionChoice::kCudnn:
+      return PrefillAttentionImpl::kCudnn;
+    case kernels::PrefillAttentionChoice::kAuto:
+      break;
+  }
+  return std::nullopt;
 }
 
 }  // namespace
@@ -195,7 +198,7 @@ PrefillAttentionOutput PrefillAttentionWithLse(const at::Tensor& q, const at::Te
   if (impl == PrefillAttentionImpl::kAuto) {
     if (!FlashApplies(q, k)) {
       impl = PrefillAttentionImpl::kSdpa;
-    } else if (auto forced = ImplFromEnv()) {
+    } else if (auto forced = ImplFromTuning()) {
       impl = *forced;
     } else {
       impl = q.size(0) >= kCudnnMinTokens ? PrefillAttentionImpl::kCudnn

@@ -33,8 +33,8 @@ at::Tensor PrefillAttention(const at::Tensor& q, const at::Tensor& k, const at::
 // Which implementation PrefillAttentionWithLse runs.
 enum class PrefillAttentionImpl {
   // Where kFlash applies: kCudnn for first chunks of >= 8192 tokens (faster there), else
-  // kFlash; DROPKV_PREFILL_ATTENTION=sdpa|flash|cudnn (read once) forces one instead (an A/B
-  // switch for benchmarks). Elsewhere (CPU, fp32, other head dims) kSdpa.
+  // kFlash; KernelTuning::prefill_attention (DROPKV_PREFILL_ATTENTION, kernels/tuning.h) forces
+  // one instead. Elsewhere (CPU, fp32, other head dims) kSdpa.
   kAuto,
   // at::scaled_dot_product_attention: is_causal for a first chunk, else a [T, n] bool mask. Any
   // device and dtype; gives no LSE.

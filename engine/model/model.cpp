@@ -170,9 +170,6 @@ absl::StatusOr<std::unique_ptr<Model>> Model::CreateRandom(const ModelConfig& c,
 
 void Model::PackForCpu() {
   if (dtype_ != at::kFloat || !embed_.is_cpu() || OneDnnOps() == nullptr) return;
-  if (const char* v = std::getenv("DROPKV_CPU_PACKED_WEIGHTS");
-      v != nullptr && std::string(v) == "0")
-    return;
   try {
     // Check the packed op against at::linear once before trusting it with every weight.
     const Layer& first = layers_.front();
@@ -321,9 +318,8 @@ absl::StatusOr<std::unique_ptr<Model>> Model::LoadOrDraw(const std::string& mode
       }
     }
     for (auto& l : m->layers_) FuseProjections(l);
-    m->PackForCpu();
-    m->inv_freq_ = RopeInvFreq(c.rope, c.head_dim, c.rope.original_max_position_embeddings)
-                       .to(device);
+    m->inv_freq_ =
+        RopeInvFreq(c.rope, c.head_dim, c.rope.original_max_position_embeddings).to(device);
     m->inv_freq_local_ =
         RopeInvFreq(c.rope_local, c.head_dim, c.rope_local.original_max_position_embeddings)
             .to(device);
@@ -347,7 +343,7 @@ at::Tensor Model::Norm(const at::Tensor& x, const at::Tensor& w) const {
   auto xf = x.to(at::kFloat);
   auto normed = xf * at::rsqrt(xf.pow(2).mean(-1, true) + config_.rms_norm_eps);
   if (gemma) return (normed * w).to(x.scalar_type());  // w = 1 + w, fp32
-  return w * normed.to(x.scalar_type());      // Llama: cast back before the weight, as HF does
+  return w * normed.to(x.scalar_type());  // Llama: cast back before the weight, as HF does
 }
 
 bool Model::uses_fused_ops(const at::Tensor& x) const {
@@ -496,8 +492,7 @@ absl::StatusOr<at::Tensor> Model::Forward(const at::Tensor& tokens, const at::Te
       QkvHeads heads;
       const Rope& rope = ropes.of(c, i);
       // (q/k norms come between the projection and RoPE: not in the GEMV's epilogue.)
-      auto kv_dst =
-          gemv.qkv && !gemv.prologues && !c.qk_norm ? backend.kv_slots(i) : std::nullopt;
+      auto kv_dst = gemv.qkv && !gemv.prologues && !c.qk_norm ? backend.kv_slots(i) : std::nullopt;
       if (kv_dst) {
         // Decode through the plain GEMVs: the qkv GEMV's epilogue does RoPE and the K/V store
         // (kernels::RopeWriteKv's work, the same bits) and returns q.

@@ -1,7 +1,7 @@
-// The decoder-only transformer (Llama / Mistral / Qwen2 / Qwen3 / Gemma 1, 2, 3) on ATen ops. One forward works
-// on N flat tokens (one prefill chunk, or one token per sequence of a decode batch); attention is
-// delegated to an AttentionBackend so that the runner decides where K/V live (paged cache,
-// compression hook). The model itself holds no cache.
+// The decoder-only transformer (Llama / Mistral / Qwen2 / Qwen3 / Gemma 1, 2, 3) on ATen ops. One
+// forward works on N flat tokens (one prefill chunk, or one token per sequence of a decode batch);
+// attention is delegated to an AttentionBackend so that the runner decides where K/V live (paged
+// cache, compression hook). The model itself holds no cache.
 #pragma once
 
 #include <cstdint>
@@ -107,6 +107,9 @@ class Model {
     int64_t max_tokens = kMaxFusedGemvTokens;
   };
   void set_fused_gemv(const GemvPlan& wanted) { gemv_wanted_ = wanted; }
+  // CPU fp32: replaces the large projection weights (and an untied LM head) by oneDNN-packed
+  // copies; elsewhere nothing. Memory-neutral: the plain ones go. Once, right after loading.
+  void PackForCpu();
 
  private:
   struct Layer {
@@ -130,9 +133,6 @@ class Model {
                                                            std::optional<uint64_t> random_seed);
   // Concatenates q/k/v and gate/up into qkv_w / gate_up_w and drops the separate tensors.
   static void FuseProjections(Layer& l);
-  // CPU fp32: replaces the large projection weights (and an untied LM head) by oneDNN-packed
-  // copies (DROPKV_CPU_PACKED_WEIGHTS=0 keeps them plain). Memory-neutral: the plain ones go.
-  void PackForCpu();
   at::Tensor Norm(const at::Tensor& x, const at::Tensor& w) const;
   // x += delta (when defined), then Norm(x, w): one kernel when `fused`, else two ATen ops (x is
   // then replaced, not updated in place).
@@ -171,9 +171,9 @@ class Model {
 
   ModelConfig config_;
   at::ScalarType dtype_;
-  at::Tensor embed_;       // [vocab, hidden]
-  at::Tensor final_norm_;  // [hidden]
-  at::Tensor lm_head_;     // [vocab, hidden] (the embedding when tied)
+  at::Tensor embed_;           // [vocab, hidden]
+  at::Tensor final_norm_;      // [hidden]
+  at::Tensor lm_head_;         // [vocab, hidden] (the embedding when tied)
   at::Tensor inv_freq_;        // fp32 [D/2], global layers
   at::Tensor inv_freq_local_;  // fp32 [D/2], sliding layers
   std::vector<Layer> layers_;

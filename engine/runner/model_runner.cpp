@@ -28,6 +28,7 @@
 #include "engine/runner/kv_selector.h"
 #include "kernels/cache_ops.h"
 #include "kernels/paged_attention.h"
+#include "kernels/tuning.h"
 
 namespace dropkv {
 namespace {
@@ -55,18 +56,12 @@ absl::StatusOr<at::ScalarType> ParseDtype(const std::string& s, bool cuda) {
       absl::StrCat("dtype: '", s, "' is not one of auto, float32, bfloat16, float16"));
 }
 
-void SetThreadsFromEnv() {
-  static bool done = false;
-  if (done) return;
-  done = true;
-  int threads = 2;
-  for (const char* name : {"DROPKV_NUM_THREADS", "OMP_NUM_THREADS"}) {
-    if (const char* v = std::getenv(name); v != nullptr && std::atoi(v) > 0) {
-      threads = std::atoi(v);
-      break;
-    }
-  }
-  at::set_num_threads(threads);
+void SetCpuThreadsOnce() {
+  static const bool done = [] {
+    at::set_num_threads(kernels::Tuning().cpu_threads);
+    return true;
+  }();
+  (void)done;
 }
 
 class TorchModelRunner;
@@ -262,8 +257,7 @@ class TorchModelRunner : public ModelRunner {
              num_layers *
                  (pool_->BlocksFor(std::max(peak_per_layer, kept + decode_reserve_tokens)) + 1);
     }
-    return sliding_blocks +
-           num_layers * pool_->BlocksFor(peak_per_layer + decode_reserve_tokens);
+    return sliding_blocks + num_layers * pool_->BlocksFor(peak_per_layer + decode_reserve_tokens);
   }
 
   absl::StatusOr<at::Tensor> Prefill(SequenceId seq, std::span<const int32_t> chunk,
@@ -512,8 +506,7 @@ class TorchModelRunner : public ModelRunner {
     RETURN_IF_ERROR(pool_->AppendLayerSlots(seq, layer_idx, t_len));
     at::Tensor kc = pool_->key_cache();
     at::Tensor vc = pool_->value_cache();
-    auto slots =
-        ToDeviceAsync(RingSlots(seq, layer_idx, start + skip, start + t_len), kc.device());
+    auto slots = ToDeviceAsync(RingSlots(seq, layer_idx, start + skip, start + t_len), kc.device());
     return kernels::WriteKv(kc, vc, new_k.narrow(0, skip, t_len - skip),
                             new_v.narrow(0, skip, t_len - skip), slots);
   }
@@ -574,9 +567,9 @@ class TorchModelRunner : public ModelRunner {
 
  private:
   // Writes the packed decode inputs of `ids` (after AppendSlots: the new token's slot is the
-  // last stored one of each layer, or its ring entry) into `base` (lay.num_bytes()). Rows past ids.size() are
-  // padding: token 0 at position 0, length 0 (attention reads nothing), K/V written into the
-  // reserved scratch block, so a padded row never touches a live sequence's blocks.
+  // last stored one of each layer, or its ring entry) into `base` (lay.num_bytes()). Rows past
+  // ids.size() are padding: token 0 at position 0, length 0 (attention reads nothing), K/V written
+  // into the reserved scratch block, so a padded row never touches a live sequence's blocks.
   void FillDecodeInputs(uint8_t* base, const DecodeLayout& lay, std::span<const int64_t> ids,
                         std::span<const int32_t> tokens) const {
     const int64_t batch = lay.batch, num_layers = lay.num_layers, m = lay.max_blocks;
@@ -807,7 +800,7 @@ absl::StatusOr<at::Tensor> PrefillBackend::Attend(int32_t layer_idx, const at::T
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const RunnerOptions& options) {
-  SetThreadsFromEnv();
+  SetCpuThreadsOnce();
   c10::InferenceMode guard;
   std::string dir = options.model_dir;
   if (dir.empty()) {
@@ -839,6 +832,7 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const RunnerOpt
   } else {
     ASSIGN_OR_RETURN(model, Model::Load(dir, config, device, dtype));
   }
+  if (options.cpu_packed_weights) model->PackForCpu();
   model->set_fused_cuda_ops(options.cuda_fused_ops);
   {
     using Gemv = RunnerOptions::DecodeGemv;

@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <string>
 
+#include "kernels/tuning.h"
+
 namespace dropkv {
 
 struct RunnerOptions {
@@ -37,6 +39,8 @@ struct RunnerOptions {
   // the step within 1-2% of cuBLAS). kOProj: o_proj alone, up to 8 tokens. kOff: cuBLAS.
   enum class DecodeGemv { kOff, kOProj, kAll, kPlain };
   DecodeGemv cuda_decode_gemv = DecodeGemv::kPlain;
+  // CPU fp32: the large projections in oneDNN's packed layout (Model::PackForCpu).
+  bool cpu_packed_weights = kernels::Tuning().cpu_packed_weights;
 };
 
 }  // namespace dropkv

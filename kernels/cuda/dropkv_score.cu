@@ -6,8 +6,6 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -38,7 +36,7 @@ bool VectorAligned(const at::Tensor& t) {
   return true;
 }
 
-// Pass 1 CTAs: about 8 per SM (4 resident x 2 waves: more loads in flight; v1 used 2 per SM
+// Pass 1 CTAs: about 8 per SM (4 resident x 2 waves: more loads in flight; 2 per SM
 // and was latency-bound), at least 4 key tiles per split, at most 48 splits.
 // ctas_per_sm: resident pass-1 CTAs per SM (tensor-core kernel: its occupancy, one wave, since
 // each CTA keeps its next tile in flight; CUDA-core kernel: 8, two waves of 4).
@@ -64,17 +62,7 @@ struct GivenAttention {
   const at::Tensor* lse = nullptr;
 };
 
-// DROPKV_SCORE_KERNELS=v7 selects the CTA-tiled tensor-core passes of v7b instead of the
-// warp-streaming ones (v9 / v10): an A/B switch for benchmarks and tests in one process run.
-bool UseV7Kernels() {
-  static const bool v7 = [] {
-    const char* env = std::getenv("DROPKV_SCORE_KERNELS");
-    return env != nullptr && std::strcmp(env, "v7") == 0;
-  }();
-  return v7;
-}
-
-// Split count of the warp-streaming pass 1 (v10): `requested` if set, else one wave of resident
+// Split count of the warp-streaming pass 1: `requested` if set, else one wave of resident
 // CTAs spread over the heads; at most one slab per warp and kMaxSplits.
 template <typename T, int D>
 int WarpPass1Splits(int64_t bh, int64_t max_n, int requested) {
@@ -99,7 +87,7 @@ int WarpPass1Splits(int64_t bh, int64_t max_n, int requested) {
       want, 1, std::min<int64_t>(kMaxSplits, (num_slabs + kScoreWarpWarps - 1) / kScoreWarpWarps)));
 }
 
-// Pass 3, warp-streaming (v9): one wave of CTAs spread over the heads (rounded down: v9's first
+// Pass 3, warp-streaming: one wave of CTAs spread over the heads (rounded down: a first
 // measurement rounded up, 400 CTAs for 396 slots, and the 4 of the second wave doubled the
 // time), at most one slab per warp.
 template <typename T, int D, int kMTiles>
@@ -125,11 +113,11 @@ void LaunchScoreWarp(const ScoreParams& sp, int64_t bh, int64_t max_n, int num_s
 }
 
 // Pass 3 on tensor cores: the warp-streaming kernel for up to kScoreWarpMaxRows packed rows per
-// KV head, the CTA-tiled one (v7b) above that.
+// KV head, the CTA-tiled one above that.
 template <typename T, int D>
 void LaunchScoreTc(const ScoreParams& sp, int64_t bh, int64_t max_n, cudaStream_t stream) {
   const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  if (sp.rows_pad <= kScoreWarpMaxRows && !UseV7Kernels()) {
+  if (sp.rows_pad <= kScoreWarpMaxRows) {
     switch (ScoreWarpMTiles(sp.rows_pad)) {
       case 1:
         return LaunchScoreWarp<T, D, 1>(sp, bh, max_n, num_sms, stream);
@@ -202,10 +190,9 @@ absl::Status Launch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
     lse = *given.lse;
     a_rows = rows;
   } else {
-    // v10: warp-streaming pass 1 when every row's accumulator fits in registers; one split per
+    // Warp-streaming pass 1 when every row's accumulator fits in registers; one split per
     // CTA of 4 warps, one wave of resident CTAs over the heads.
-    const bool warp_pass1 =
-        kHalfType && tc && D <= 128 && rows_pad <= kAttnWarpMaxRows && !UseV7Kernels();
+    const bool warp_pass1 = kHalfType && tc && D <= 128 && rows_pad <= kAttnWarpMaxRows;
     const int splits =
         warp_pass1 ? WarpPass1Splits<T, D>(bh, max_n, params.num_splits)
                    : ChooseSplits(bh, chunk_ctas, max_n, params.num_splits, key_tile, ctas_per_sm);

@@ -107,7 +107,7 @@ constexpr int PartialAttnTcSmemBytes() {
 
 // Pass 1 on tensor cores. grid (ceil(row chunks / 2), S, B*Hkv), kAttnTcThreads threads: warps
 // 0-3 take row chunk 2x, warps 4-7 chunk 2x + 1 of the same keys (one K/V tile in shared memory
-// serves both; v5 had one chunk per CTA of 4 warps and read each tile twice, through L2).
+// serves both; one chunk per CTA of 4 warps read each tile twice, through L2).
 // K/V tiles are double-buffered with cp.async: the next tile's copies are in flight while this
 // one goes through the products and the softmax.
 // Per tile and chunk: S = Q K^T (warp w: keys [16 (w % 4), +16), Q fragments kept in registers

@@ -1,8 +1,9 @@
-// Pass 3 of the fused DropKV scoring for bf16 / fp16 inputs without CTA barriers in the key loop
-// (v9): every warp streams its own 16-key slabs of K and V through a private cp.async ring and
+// Pass 3 of the fused DropKV scoring for bf16 / fp16 inputs without CTA barriers in the key
+// loop: every warp streams its own 16-key slabs of K and V through a private cp.async ring and
 // scores them with mma.sync m16n8k16 (fp32 accumulation), whose documented fragment layouts let
-// the epilogue work on the accumulator registers directly (wmma's are opaque: v7 stored them to
-// shared memory and synchronised the CTA on every 64-key tile). Raw-pointer device code, no torch.
+// the epilogue work on the accumulator registers directly (wmma's are opaque: the CTA-tiled
+// kernel of dropkv_score_tc.cuh stores them to shared memory and synchronises the CTA on every
+// 64-key tile). Raw-pointer device code, no torch.
 #pragma once
 
 #include <cstdint>
@@ -33,9 +34,9 @@ constexpr int ScoreWarpMTiles(int rows_pad) {
 }
 
 // Warps per CTA of pass 3: 12 (one CTA of 221 KB per SM: 12 rings of 2 slabs and the rows) where
-// that fits, else 4. v9's first version had 4 warps of 122 KB per CTA, so one CTA and one warp
-// per scheduler per SM: 3.4 cycles per issued instruction, 49% of the DRAM bandwidth; v9c had 8
-// warps with 3-slab rings (69% of DRAM, 4.4 cycles per issued instruction).
+// that fits, else 4. 4 warps of 122 KB per CTA measured one CTA and one warp per
+// scheduler per SM: 3.4 cycles per issued instruction, 49% of the DRAM bandwidth; 8 warps with
+// 3-slab rings 69% of DRAM, 4.4 cycles per issued instruction.
 template <int D, int kMTiles>
 constexpr int ScoreWarpCtaWarps() {
   return D <= 128 && kMTiles <= 2 ? 12 : 4;
@@ -336,7 +337,7 @@ constexpr int PartialAttnWarpSmemBytes() {
          + (ring > merge ? ring : merge);
 }
 
-// Pass 1, warp-streaming (v10), for g * W <= 32 packed rows and D <= 128 (the accumulators of
+// Pass 1, warp-streaming, for g * W <= 32 packed rows and D <= 128 (the accumulators of
 // all rows stay in registers: 16 D / 32 floats per lane and m-tile). grid (splits, B*Hkv),
 // kScoreWarpThreads threads: CTA (s, bh) is split s; its warp w streams the 16-key slabs
 // s * 4 + w, + splits * 4, ... through a private cp.async ring (as ScoreWarpKernel) and keeps its
@@ -344,8 +345,8 @@ constexpr int PartialAttnWarpSmemBytes() {
 // row max over the 4 lanes of a quad, P rounded to the model dtype and repacked from the C
 // fragments into A fragments in registers, acc += P V with V^T through ldmatrix.trans; lazy
 // rescaling as PartialAttnTcKernel). No barrier in the key loop; at the end the 4 warps' (m, l,
-// acc) merge through shared memory into the split's partial (v7's kernel synchronised the CTA
-// four times per 64-key tile).
+// acc) merge through shared memory into the split's partial (the CTA-tiled kernel synchronises the
+// CTA four times per 64-key tile).
 template <typename T, int D, int kMTiles>
 __global__ void __launch_bounds__(kScoreWarpThreads, 2)
     PartialAttnWarpKernel(const PartialAttnParams<T> p) {

@@ -5,7 +5,7 @@
 // Launches: LaunchMaybePdl (kernels/cuda/pdl.cuh). Each kernel waits for the kernel queued before
 // it (PdlWaitForPrimary) before its first read of an activation or cache and its first global
 // write, and releases its own dependents: AddRmsNorm and GatedActivation before that wait (so the
-// next GEMV starts in the previous one's tail; PdlWaitAndRelease), RoPE right after it (its
+// next GEMV starts in the previous one's tail; PdlReleaseThenWait), RoPE right after it (its
 // dependent is the paged attention, not a GEMV; at batch 1 the qkv GEMV's epilogue does RoPE's
 // work anyway). Only model constants (the norm weight, RoPE's inv_freq) are read before the wait:
 // no kernel of a decode step writes them.
@@ -77,8 +77,7 @@ __device__ float BlockSum(float x) {
 template <typename T, typename W, int kVec>
 __global__ void AddRmsNormKernel(T* __restrict__ residual, const T* __restrict__ delta,
                                  int64_t delta_stride, const W* __restrict__ weight,
-                                 T* __restrict__ out, int64_t hidden, float eps,
-                                 int release_first) {
+                                 T* __restrict__ out, int64_t hidden, float eps) {
   using P = Pack<T, kVec>;
   const int64_t row = blockIdx.x;
   P* r = reinterpret_cast<P*>(residual + row * hidden);
@@ -92,7 +91,7 @@ __global__ void AddRmsNormKernel(T* __restrict__ residual, const T* __restrict__
 #pragma unroll
   for (int k = 0; k < kVec; ++k)
     w_first[k] = i_first < num_packs ? ToFloat(weight[i_first * kVec + k]) : 0.f;
-  cuda::PdlWaitAndRelease(release_first);
+  cuda::PdlReleaseThenWait();
   float sum_sq = 0.f;
   for (int64_t i = threadIdx.x; i < num_packs; i += blockDim.x) {
     P x = r[i];
@@ -171,12 +170,11 @@ __global__ void RopeQkvKernel(const T* __restrict__ qkv, int64_t qkv_stride,
 //   gate_up: [N, 2 I] with row stride gu_stride (gate | up); out: [N, I] contiguous.
 template <typename T, GateActivation kAct, int kVec>
 __global__ void GatedActivationKernel(const T* __restrict__ gate_up, int64_t gu_stride,
-                                      int64_t inter, int64_t num_rows, T* __restrict__ out,
-                                      int release_first) {
+                                      int64_t inter, int64_t num_rows, T* __restrict__ out) {
   using P = Pack<T, kVec>;
   const int64_t packs_per_row = inter / kVec;
   const int64_t total = num_rows * packs_per_row;
-  cuda::PdlWaitAndRelease(release_first);
+  cuda::PdlReleaseThenWait();
   for (int64_t p = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; p < total;
        p += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t n = p / packs_per_row, i = p % packs_per_row;
@@ -219,12 +217,11 @@ void LaunchAddRmsNorm(at::Tensor& residual, const at::Tensor& delta, const at::T
                    (d == nullptr || (Aligned(d, 16) && (d_stride * sizeof(T)) % 16 == 0));
   auto stream = at::cuda::getCurrentCUDAStream();
   const dim3 grid(static_cast<unsigned>(rows));
-  const int early = cuda::PdlEarlyRelease();
   C10_CUDA_CHECK(vec ? cuda::LaunchMaybePdl(AddRmsNormKernel<T, W, kVec>, grid,
                                             RowThreads(hidden / kVec), 0, stream, r, d, d_stride, w,
-                                            o, hidden, eps, early)
+                                            o, hidden, eps)
                      : cuda::LaunchMaybePdl(AddRmsNormKernel<T, W, 1>, grid, RowThreads(hidden), 0,
-                                            stream, r, d, d_stride, w, o, hidden, eps, early));
+                                            stream, r, d, d_stride, w, o, hidden, eps));
 }
 
 template <typename T>
@@ -274,12 +271,10 @@ void LaunchGatedActivation(const at::Tensor& gate_up, at::Tensor& out) {
       static_cast<unsigned>(std::clamp<int64_t>((total + kThreads - 1) / kThreads, 1, max_ctas));
   auto stream = at::cuda::getCurrentCUDAStream();
   const int64_t gu_stride = gate_up.stride(0);
-  const int early = cuda::PdlEarlyRelease();
   C10_CUDA_CHECK(vec ? cuda::LaunchMaybePdl(GatedActivationKernel<T, kAct, kVec>, dim3(ctas),
-                                            kThreads, 0, stream, gu, gu_stride, inter, rows, o,
-                                            early)
+                                            kThreads, 0, stream, gu, gu_stride, inter, rows, o)
                      : cuda::LaunchMaybePdl(GatedActivationKernel<T, kAct, 1>, dim3(ctas), kThreads,
-                                            0, stream, gu, gu_stride, inter, rows, o, early));
+                                            0, stream, gu, gu_stride, inter, rows, o));
 }
 
 // Calls f with the CUDA element type of `dtype` as a value of that type (bf16, fp16, fp32).

@@ -7,8 +7,6 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
-#include <cstdlib>
-#include <string>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/check.h"
@@ -30,66 +28,24 @@ using cuda::gemv::Prologue;
 constexpr int64_t kMaxTokens = 16;  // two 8-token mma tiles
 constexpr int64_t kMaxK = int64_t{1} << 20;
 
-// Reads an integer environment variable in [lo, hi], or returns `fallback`.
-int EnvInt(const char* name, int lo, int hi, int fallback) {
-  const char* v = std::getenv(name);
-  if (v == nullptr) return fallback;
-  const int i = std::atoi(v);
-  return i >= lo && i <= hi ? i : fallback;
-}
-
-// The launch, read once, for comparison runs: DROPKV_GEMV_KERNEL=ring (the register-ring kernel
-// instead of the streaming one), for the ring DROPKV_GEMV_UNROLL=4 (chunks in flight per lane;
-// default 8) and DROPKV_GEMV_PERSISTENT=0 (one CTA per 16 rows instead of one wave), for the
-// streaming kernel DROPKV_GEMV_CTAS_PER_SM (1-3, default: per call, CtasPerSm), DROPKV_GEMV_STAGE_K
-// (512 or 1024, default 512) and DROPKV_GEMV_STAGES (the most weight stages per CTA, 2-12, default
-// 12), DROPKV_GEMV_FILL=bulk (stages filled by cp.async.bulk instead of cp.async) and
-// DROPKV_GEMV_ROPE=0 (GemvRopeWriteKv as two launches).
-cuda::gemv::LaunchOptions Options() {
-  static const cuda::gemv::LaunchOptions options = [] {
-    cuda::gemv::LaunchOptions o;
-    const char* kernel = std::getenv("DROPKV_GEMV_KERNEL");
-    o.stream = !(kernel != nullptr && std::string(kernel) == "ring");
-    o.unroll = EnvInt("DROPKV_GEMV_UNROLL", 4, 8, 8) == 4 ? 4 : 8;
-    o.persistent = EnvInt("DROPKV_GEMV_PERSISTENT", 0, 1, 1) == 1;
-    o.ctas_per_sm = EnvInt("DROPKV_GEMV_CTAS_PER_SM", 1, 3, 0);
-    o.stage_k = EnvInt("DROPKV_GEMV_STAGE_K", 512, 1024, 512) == 1024 ? 1024 : 512;
-    o.max_stages = EnvInt("DROPKV_GEMV_STAGES", 2, cuda::gemv::kMaxStages, cuda::gemv::kMaxStages);
-    o.rope_epilogue = EnvInt("DROPKV_GEMV_ROPE", 0, 1, 1) == 1;
-    const char* fill = std::getenv("DROPKV_GEMV_FILL");
-    o.bulk_copies = fill != nullptr && std::string(fill) == "bulk";
-    return o;
-  }();
-  cuda::gemv::LaunchOptions o = options;
-  const auto* props = at::cuda::getCurrentDeviceProperties();
-  o.num_sms = props->multiProcessorCount;
-  o.bulk_copies = o.bulk_copies && props->major >= 9;  // cp.async.bulk and mbarrier tx: sm_90+
-  if (o.bulk_copies) o.stage_k = 512;                  // bulk copies: 1 KB row segments
-  return o;
-}
-
-// The streaming kernel's stages for m tokens at inner dimension k on the current device.
+// The weight stages for m tokens at inner dimension k on the current device.
 int StreamStages(int64_t m, int64_t k, int64_t elem_bytes, int ctas_per_sm) {
   const auto* props = at::cuda::getCurrentDeviceProperties();
-  const cuda::gemv::LaunchOptions o = Options();
   return cuda::gemv::StreamStages(
-      static_cast<int>(m), static_cast<int>(k), static_cast<size_t>(elem_bytes), o.stage_k,
+      static_cast<int>(m), static_cast<int>(k), static_cast<size_t>(elem_bytes),
       props->sharedMemPerMultiprocessor, props->reservedSharedMemPerBlock,
-      props->sharedMemPerBlockOptin, o.max_stages, ctas_per_sm);
+      props->sharedMemPerBlockOptin, ctas_per_sm);
 }
 
-// The streaming kernel's CTAs per SM for an [m, k] x [n, k]^T call: DROPKV_GEMV_CTAS_PER_SM when
-// set; else 3 where one wave of three per SM takes fewer group-times per SM than waves of two
-// (cuda::gemv::PreferThreeCtasPerSm: Llama-3.1-8B's qkv) and three CTAs still get >= 3 stages
-// each, else 2.
+// The kernel's CTAs per SM for an [m, k] x [n, k]^T call: 3 where one wave of three per SM takes
+// fewer group-times per SM than waves of two (cuda::gemv::PreferThreeCtasPerSm: Llama-3.1-8B's qkv)
+// and three CTAs still get >= 3 stages each, else 2.
 int CtasPerSm(int64_t m, int64_t n, int64_t k, int64_t elem_bytes) {
-  const cuda::gemv::LaunchOptions o = Options();
-  if (o.ctas_per_sm > 0) return o.ctas_per_sm;
   const int groups = static_cast<int>((n + cuda::gemv::kRowsPerCta - 1) / cuda::gemv::kRowsPerCta);
   const auto* props = at::cuda::getCurrentDeviceProperties();
   const int three_share = cuda::gemv::StagesPerSharedSm(
-      static_cast<int>(m), static_cast<int>(k), static_cast<size_t>(elem_bytes), o.stage_k,
-      props->sharedMemPerMultiprocessor, props->reservedSharedMemPerBlock, o.max_stages, 3);
+      static_cast<int>(m), static_cast<int>(k), static_cast<size_t>(elem_bytes),
+      props->sharedMemPerMultiprocessor, props->reservedSharedMemPerBlock, 3);
   return cuda::gemv::PreferThreeCtasPerSm(groups, props->multiProcessorCount) && three_share >= 3
              ? 3
              : 2;
@@ -175,24 +131,18 @@ Params GemvParams(const at::Tensor& weight, const at::Tensor& bias, at::Tensor& 
   p.k = static_cast<int>(weight.size(1));
   p.x_smem_stride = cuda::gemv::XSmemStride(p.k);
   p.ctas_per_sm = CtasPerSm(m, p.n, p.k, weight.element_size());
-  p.stages = Options().stream ? StreamStages(m, p.k, weight.element_size(), p.ctas_per_sm) : 0;
-  p.stage_k = Options().stage_k;
+  p.stages = StreamStages(m, p.k, weight.element_size(), p.ctas_per_sm);
   return p;
 }
 
 // The norm weight may be fp32 only in the norm prologue (the others are instantiated with T).
 template <typename T, Prologue kP>
 cudaError_t LaunchTyped(const Params& p, bool fp32_norm_weight, cudaStream_t stream) {
-  cuda::gemv::LaunchOptions options = Options();
-  options.ctas_per_sm = p.ctas_per_sm;
+  const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   if constexpr (kP == Prologue::kAddRmsNorm) {
-    if (fp32_norm_weight) {
-      return options.stream ? cuda::gemv::LaunchStreamGemv<T, float, kP>(p, options, stream)
-                            : cuda::gemv::LaunchFusedGemv<T, float, kP>(p, options, stream);
-    }
+    if (fp32_norm_weight) return cuda::gemv::LaunchStreamGemv<T, float, kP>(p, num_sms, stream);
   }
-  return options.stream ? cuda::gemv::LaunchStreamGemv<T, T, kP>(p, options, stream)
-                        : cuda::gemv::LaunchFusedGemv<T, T, kP>(p, options, stream);
+  return cuda::gemv::LaunchStreamGemv<T, T, kP>(p, num_sms, stream);
 }
 
 template <Prologue kP>
@@ -215,13 +165,8 @@ bool FusedGemvBuilt() {
 int64_t FusedGemvMaxRows(int64_t k, at::ScalarType dtype) {
   if (!IsHalfType(dtype) || k <= 0 || k % 8 != 0 || k > kMaxK) return 0;
   if (!at::cuda::is_available()) return 0;
-  const auto* props = at::cuda::getCurrentDeviceProperties();
-  const size_t limit = props->sharedMemPerBlockOptin - cuda::gemv::kStaticSmemBytes;
-  const bool stream = Options().stream;
   for (int64_t m = kMaxTokens; m > 0; --m) {
-    if (stream ? StreamStages(m, k, 2, 2) > 0
-               : cuda::gemv::SmemBytes(static_cast<int>(m), static_cast<int>(k), 2) <= limit)
-      return m;
+    if (StreamStages(m, k, 2, 2) > 0) return m;
   }
   return 0;
 }
@@ -261,8 +206,7 @@ absl::StatusOr<at::Tensor> GemvRopeWriteKv(const at::Tensor& x, const at::Tensor
         absl::StrCat("weight: ", weight.size(0), " rows, expected (Hq + 2 Hkv) * D = ",
                      (geo.num_heads + 2 * geo.num_kv_heads) * geo.head_dim));
   }
-  if (geo.head_dim % cuda::gemv::kRowsPerCta != 0 || geo.head_dim > 128 || !Options().stream ||
-      !Options().rope_epilogue) {
+  if (geo.head_dim % cuda::gemv::kRowsPerCta != 0 || geo.head_dim > 128) {
     // The epilogue pairs rows j and j + D/2 in 16-row groups; elsewhere, the two launches. Also
     // at D 256: there the decode step (Gemma-7B, 8K, the CUDA-core paged kernel next) measured
     // 7.99 ms with the epilogue against 7.08 without, though the GEMV alone is 1.6 us faster per

@@ -1,21 +1,17 @@
-// Device code of kernels/fused_gemv.h: raw pointers, no torch. One kernel template; the prologue
-// (what x is made of) is a template parameter. Launchers: fused_gemv_launch.cuh.
+// Device code of kernels/fused_gemv.h shared by the streaming kernel (fused_gemv_stream.cuh): the
+// mma, the prologues (what x is made of), the warp-order reduction and the RoPE epilogue. Raw
+// pointers, no torch.
 //
 // Mapping. y [M, N] = x [M, K] W^T with W [N, K] row-major, M <= 16 tokens. A CTA of 8 warps owns
 // 16 rows of W (the A operand of mma.sync m16n8k16: 16 rows x 16 k); the tokens are the
-// mma's n (8 per tile, 1 or 2 tiles). The 8 warps split K into contiguous slices of 32-wide
-// chunks; the CTA sums their fp32 partials in warp order at the end (deterministic, no atomics).
+// mma's n (8 per tile, 1 or 2 tiles). The CTA sums the warps' fp32 partials in warp order at the
+// end (deterministic, no atomics).
 //
 // Why a permuted k: mma's A fragment gives a lane 4 scattered 2-element pieces per row, but a
 // dot product does not care which k pairs with which as long as W and x agree. So lane (g, q)
-// (g = lane / 4, q = lane % 4) loads 8 consecutive k of rows g and g + 8 with one 16-byte load
+// (g = lane / 4, q = lane % 4) reads 8 consecutive k of rows g and g + 8 with one 16-byte load
 // each (k = chunk * 32 + q * 8 .. + 7), feeds elements 0-3 to the chunk's first mma and 4-7 to
-// its second, and reads the same 8 k of x (token g) from shared memory as its B fragment. One
-// 16-row x 32-k chunk is then 2 global loads, 1 shared load and 2 mma per lane and tile.
-//
-// Streaming: each lane keeps kUnroll chunks (2 x kUnroll 16-byte loads) in flight and reloads a
-// slot as soon as its mma has read it; the first chunks are requested before the prologue, so
-// DRAM is busy while the CTA builds x in shared memory.
+// its second, and reads the same 8 k of x (token g) as its B fragment.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -39,15 +35,6 @@ struct alignas(16) Pack8 {
 template <typename T>
 __device__ __forceinline__ float RoundTo(float x) {
   return ToFloat(FromFloat<T>(x));
-}
-
-// W is read once per step: skip L1 (no reuse), keep L2 for the small vectors every CTA reads.
-__device__ __forceinline__ uint4 LoadStreaming(const void* p) {
-  uint4 r;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-               : "l"(p));
-  return r;
 }
 
 // c += A B: A 16x16 (row-major fragments a0..a3), B 16x8 (col-major b0, b1), fp32 c.
@@ -85,9 +72,7 @@ __device__ __forceinline__ void LoadPack(const E* src, float (&dst)[kPackElems])
 // --- prologues: build x [M, K] (the dtype) in shared memory; every thread of the CTA takes part.
 
 // Packs a thread loads before it stores any (the stores to shared memory would otherwise keep the
-// compiler from hoisting the next iteration's global load: one L2 round trip per pack). The
-// streaming kernel takes kPrologueBatch; the ring kernel 1 (its W registers are live across the
-// prologue: with 4 it spills).
+// compiler from hoisting the next iteration's global load: one L2 round trip per pack).
 constexpr int kPrologueBatch = 4;
 
 // x as it is.
@@ -123,8 +108,7 @@ __device__ void AddRmsNormPrologue(const Params& p, T* xs) {
   // One CTA writes the updated residual; the others only read the old one.
   T* residual_out = blockIdx.x == 0 ? static_cast<T*>(p.residual_out) : nullptr;
   // This thread's first two packs of the norm weight (all of them for K <= 4096), requested
-  // early so that their latency hides behind the residual's (with kBatch 1, the ring kernel's
-  // registers allow it only after the residual pass).
+  // early so that their latency hides behind the residual's.
   const NW* weight = static_cast<const NW*>(p.norm_weight);
   float w_first[2][kPackElems];
   auto load_w_first = [&] {
@@ -326,101 +310,6 @@ __device__ __forceinline__ void ReduceRopeAndStore(const Params& p, const float*
     }
     dst[j] = x1;
     dst[j + half] = x2;
-  }
-}
-
-// grid (<= ceil(N / 16)), block 256 = 8 warps: CTA b owns the 16-row groups b, b + gridDim.x, ...
-// (a persistent grid of one wave when N is large: the prologue runs once per CTA, and each lane's
-// ring of loads runs on from one group's last chunks into the next group's first, so the stream
-// does not drain between groups). Dynamic shared memory: x [M][x_smem_stride] (T), then two
-// buffers of partials [8 warps][kTiles * 8 tokens][16 rows] (fp32), alternating by group.
-// T: bf16 / fp16 (weight, x, y); NW: the norm weight's type (T or fp32); kTiles: 8-token tiles
-// (1: M <= 8, 2: M <= 16); kUnroll: chunks in flight per lane.
-template <typename T, typename NW, Prologue kP, int kTiles, int kUnroll>
-__global__ void __launch_bounds__(kThreads, 2) FusedGemvKernel(const Params p) {
-  extern __shared__ __align__(16) unsigned char smem[];
-  constexpr int kPartialFloats = kWarps * kTiles * 8 * kRowsPerCta;  // one buffer
-  T* xs = reinterpret_cast<T*>(smem);
-  float* partials =
-      reinterpret_cast<float*>(smem + static_cast<size_t>(p.m) * p.x_smem_stride * sizeof(T));
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int g = lane / 4, q = lane % 4;
-  const int num_groups = (p.n + kRowsPerCta - 1) / kRowsPerCta;
-  const int my_groups =
-      (num_groups - static_cast<int>(blockIdx.x) + gridDim.x - 1) / static_cast<int>(gridDim.x);
-  const int num_chunks = (p.k + kChunk - 1) / kChunk;
-  const int chunk_begin = warp * num_chunks / kWarps;
-  const int my_chunks = (warp + 1) * num_chunks / kWarps - chunk_begin;
-  // The warp's chunks of a group, rounded up to the ring: chunk c of every group sits in slot
-  // c % kUnroll (the padding loads nothing and multiplies nothing).
-  const int padded_chunks = (my_chunks + kUnroll - 1) / kUnroll * kUnroll;
-  const T* weight = static_cast<const T*>(p.weight);
-
-  uint4 lo[kUnroll], hi[kUnroll];
-  const uint4 zero = make_uint4(0, 0, 0, 0);
-  // Slot u <- rows g and g + 8 of this CTA's group gi, chunk c of this warp's slice; zeros past
-  // the last group, the slice, K or N.
-  auto load = [&](int u, int gi, int c) {
-    const int row0 =
-        (static_cast<int>(blockIdx.x) + gi * static_cast<int>(gridDim.x)) * kRowsPerCta;
-    const int kk = (chunk_begin + c) * kChunk + q * kPackElems;
-    const bool in = gi < my_groups && c < my_chunks && kk < p.k;
-    lo[u] = in && row0 + g < p.n ? LoadStreaming(weight + static_cast<int64_t>(row0 + g) * p.k + kk)
-                                 : zero;
-    hi[u] = in && row0 + g + 8 < p.n
-                ? LoadStreaming(weight + static_cast<int64_t>(row0 + g + 8) * p.k + kk)
-                : zero;
-  };
-#pragma unroll
-  for (int u = 0; u < kUnroll; ++u) load(u, 0, u);
-
-  if constexpr (kP == Prologue::kPlain) {
-    PlainPrologue<T, 1>(p, xs);
-  } else if constexpr (kP == Prologue::kAddRmsNorm) {
-    AddRmsNormPrologue<T, NW, kTiles * 8, 1>(p, xs);
-  } else {
-    GatedPrologue<T, kP, 1>(p, xs);
-  }
-  __syncthreads();
-
-  for (int gi = 0; gi < my_groups; ++gi) {
-    float acc[kTiles][4];
-#pragma unroll
-    for (int tile = 0; tile < kTiles; ++tile)
-      for (int i = 0; i < 4; ++i) acc[tile][i] = 0.f;
-    for (int c = 0; c < padded_chunks; c += kUnroll) {
-      // The chunks kUnroll ahead: this group's next stretch, or the next group's first.
-      const bool last_stretch = c + kUnroll >= padded_chunks;
-      const int next_gi = last_stretch ? gi + 1 : gi;
-      const int next_c = last_stretch ? 0 : c + kUnroll;
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int kk = (chunk_begin + c + u) * kChunk + q * kPackElems;
-        // The condition must be the same for the whole warp (mma.sync is .aligned): lanes past K
-        // (K % 32 != 0) take part with zeros (their W slots were loaded as zeros too).
-        if (c + u < my_chunks) {
-#pragma unroll
-          for (int tile = 0; tile < kTiles; ++tile) {
-            const int token = tile * 8 + g;
-            const uint4 xv =
-                token < p.m && kk < p.k
-                    ? *reinterpret_cast<const uint4*>(xs + token * p.x_smem_stride + kk)
-                    : zero;
-            Mma16816<T>(acc[tile], lo[u].x, hi[u].x, lo[u].y, hi[u].y, xv.x, xv.y);
-            Mma16816<T>(acc[tile], lo[u].z, hi[u].z, lo[u].w, hi[u].w, xv.z, xv.w);
-          }
-        }
-        load(u, next_gi, next_c + u);  // refill the slot just read
-      }
-    }
-
-    float* buffer = partials + (gi % 2) * kPartialFloats;
-    StorePartials<kTiles>(buffer, warp, g, q, acc);
-    // One barrier per group: the other buffer is written next, and this one again only after
-    // the next group's barrier, which the threads reducing it pass once they are done.
-    __syncthreads();
-    ReduceAndStoreRows<T, kTiles>(
-        p, buffer, (static_cast<int>(blockIdx.x) + gi * static_cast<int>(gridDim.x)) * kRowsPerCta);
   }
 }
 

@@ -1,4 +1,4 @@
-// The plain-data side of kernels/cuda/fused_gemv_kernels.cuh: the call's arguments, the shared
+// The plain-data side of kernels/cuda/fused_gemv_stream.cuh: the call's arguments, the shared
 // memory layout and the launcher's declaration, for fused_gemv.cu (which must not instantiate the
 // kernels: they live in fused_gemv_{plain,norm,gated}.cu). No torch, no device code.
 #pragma once
@@ -46,10 +46,9 @@ struct Params {
   void* y = nullptr;             // [M, N] contiguous
   int m = 0, n = 0, k = 0;
   int x_smem_stride = 0;  // elements per token row of x in shared memory (XSmemStride(k))
-  int stages = 0;         // the streaming kernel's weight stages in shared memory (StreamStages)
-  int stage_k = 512;      // and the k of each (16 rows x stage_k)
-  int ctas_per_sm = 2;    // the streaming kernel's grid: CTAs per SM (host side only)
-  RopeEpilogue rope;      // the streaming kernel with the plain prologue only
+  int stages = 0;         // weight stages in shared memory (StreamStages), 16 rows x kStageK each
+  int ctas_per_sm = 2;    // the grid: CTAs per SM (host side only)
+  RopeEpilogue rope;      // with the plain prologue only
 };
 
 // Row stride of x in shared memory: K rounded up to 64 elements plus 32, so that the 8 lanes of a
@@ -62,56 +61,47 @@ __host__ __device__ constexpr int PartialsBytes(int num_tiles) {
   return 2 * kWarps * num_tiles * 8 * kRowsPerCta * 4;
 }
 
-// Dynamic shared memory of a call with m tokens and inner dimension k, elements of elem_bytes.
-inline size_t SmemBytes(int m, int k, size_t elem_bytes) {
-  return static_cast<size_t>(m) * XSmemStride(k) * elem_bytes + PartialsBytes(m <= 8 ? 1 : 2);
-}
 // Static shared memory of the kernel (the norm prologue's warp sums), with room to spare.
 constexpr size_t kStaticSmemBytes = 1024;
 
-// --- the streaming kernel (kernels/cuda/fused_gemv_stream.cuh): W through shared memory.
-// A stage is 16 rows x stage_k elements of W (stage_k 512 or 1024: 1 or 2 KB per row in bf16);
-// each row segment is padded by 64 bytes so that the 8 lanes of a quarter warp (rows g, g + 1; 4
-// lanes each) read 16-byte pieces from all 32 banks once.
+// --- W through shared memory: a stage is 16 rows x kStageK elements of W (1 KB per row in bf16;
+// 2 KB stages measured no faster, docs/benchmarks.md); each row segment is padded by 64 bytes so
+// that the 8 lanes of a quarter warp (rows g, g + 1; 4 lanes each) read 16-byte pieces from all
+// 32 banks once.
+constexpr int kStageK = 512;
 constexpr int kMaxStages = 12;
-__host__ __device__ constexpr int StageRowBytes(int stage_k) {
-  return stage_k * 2 + 64;
-}
-__host__ __device__ constexpr int StageBytes(int stage_k) {
-  return kRowsPerCta * StageRowBytes(stage_k);
-}
+constexpr int kStageRowBytes = kStageK * 2 + 64;
+constexpr int kStageBytes = kRowsPerCta * kStageRowBytes;
 
-// Dynamic shared memory of the streaming kernel: the weight ring, the partials, then x.
-inline size_t StreamSmemBytes(int m, int k, int stages, size_t elem_bytes, int stage_k) {
-  return static_cast<size_t>(stages) * StageBytes(stage_k) + PartialsBytes(m <= 8 ? 1 : 2) +
+// Dynamic shared memory of the kernel: the weight ring, the partials, then x.
+inline size_t StreamSmemBytes(int m, int k, int stages, size_t elem_bytes) {
+  return static_cast<size_t>(stages) * kStageBytes + PartialsBytes(m <= 8 ? 1 : 2) +
          static_cast<size_t>(m) * XSmemStride(k) * elem_bytes;
 }
 
-// Weight stages of 16 x stage_k that fit a CTA with `budget` bytes of shared memory beside its
-// partials and x (m tokens, inner dimension k), at most max_stages.
-inline int StagesWithin(size_t budget, int m, int k, size_t elem_bytes, int stage_k,
-                        int max_stages) {
-  const size_t fixed = StreamSmemBytes(m, k, 0, elem_bytes, stage_k) + kStaticSmemBytes;
-  const int n = budget > fixed ? static_cast<int>((budget - fixed) / StageBytes(stage_k)) : 0;
-  return n < max_stages ? n : max_stages;
+// Weight stages that fit a CTA with `budget` bytes of shared memory beside its partials and x
+// (m tokens, inner dimension k), at most kMaxStages.
+inline int StagesWithin(size_t budget, int m, int k, size_t elem_bytes) {
+  const size_t fixed = StreamSmemBytes(m, k, 0, elem_bytes) + kStaticSmemBytes;
+  const int n = budget > fixed ? static_cast<int>((budget - fixed) / kStageBytes) : 0;
+  return n < kMaxStages ? n : kMaxStages;
 }
 // The same for one of ctas_per_sm CTAs sharing an SM (`sm_smem`, `reserved` per CTA).
-inline int StagesPerSharedSm(int m, int k, size_t elem_bytes, int stage_k, size_t sm_smem,
-                             size_t reserved, int max_stages, int ctas_per_sm) {
-  return StagesWithin(sm_smem / ctas_per_sm - reserved, m, k, elem_bytes, stage_k, max_stages);
+inline int StagesPerSharedSm(int m, int k, size_t elem_bytes, size_t sm_smem, size_t reserved,
+                             int ctas_per_sm) {
+  return StagesWithin(sm_smem / ctas_per_sm - reserved, m, k, elem_bytes);
 }
 
-// The streaming kernel's stage count for m tokens at inner dimension k: as many as fit, up to
-// max_stages, with ctas_per_sm CTAs per SM when >= 3 fit so; else with one CTA per SM in the
-// opt-in limit `optin`. 0 when not even 2 fit there (m x k too large).
-inline int StreamStages(int m, int k, size_t elem_bytes, int stage_k, size_t sm_smem,
-                        size_t reserved, size_t optin, int max_stages, int ctas_per_sm) {
+// The stage count for m tokens at inner dimension k: as many as fit, up to kMaxStages, with
+// ctas_per_sm CTAs per SM when >= 3 fit so; else with one CTA per SM in the opt-in limit
+// `optin`. 0 when not even 2 fit there (m x k too large).
+inline int StreamStages(int m, int k, size_t elem_bytes, size_t sm_smem, size_t reserved,
+                        size_t optin, int ctas_per_sm) {
   if (ctas_per_sm >= 2) {
-    const int shared =
-        StagesPerSharedSm(m, k, elem_bytes, stage_k, sm_smem, reserved, max_stages, ctas_per_sm);
+    const int shared = StagesPerSharedSm(m, k, elem_bytes, sm_smem, reserved, ctas_per_sm);
     if (shared >= 3) return shared;
   }
-  const int alone = StagesWithin(optin, m, k, elem_bytes, stage_k, max_stages);
+  const int alone = StagesWithin(optin, m, k, elem_bytes);
   return alone >= 2 ? alone : 0;
 }
 
@@ -124,31 +114,11 @@ constexpr bool PreferThreeCtasPerSm(int groups, int num_sms) {
   return num_sms > 0 && group_times(3) < group_times(2);
 }
 
-// How a call is launched (the defaults are the tuned ones; the others are for comparison).
-struct LaunchOptions {
-  int unroll = 8;          // chunks in flight per lane: 4 or 8
-  bool persistent = true;  // grid <= one wave of resident CTAs; false: one CTA per 16 rows
-  int num_sms = 0;         // the device's multiprocessors (persistent grid)
-  // Which kernel: the streaming one (default) or the register ring (for comparison).
-  bool stream = true;
-  // The streaming kernel: CTAs per SM in its grid (1: one wave of one CTA per SM; 0: chosen per
-  // call, fused_gemv.cu), and the most weight stages per CTA.
-  int ctas_per_sm = 0;
-  int max_stages = kMaxStages;
-  int stage_k = 512;          // 512 or 1024 (cp.async only: Options() sets 512 for bulk copies)
-  bool bulk_copies = false;   // fill the stages with cp.async.bulk (true) or cp.async (false)
-  bool rope_epilogue = true;  // GemvRopeWriteKv in one launch (false: Gemv, then RopeWriteKv)
-};
-
-// Launches y = prologue(x) W^T (+ bias) on `stream`. T: __nv_bfloat16 or __half; NW: the norm
-// weight's type (T or float; T for the other prologues). p.m in [1, 16] and its shared memory
-// within the device's opt-in limit.
+// Launches y = prologue(x) W^T (+ bias) on `stream` as one wave of p.ctas_per_sm CTAs per SM
+// (num_sms: the device's), with programmatic dependent launch (kernels/cuda/pdl.cuh). T:
+// __nv_bfloat16 or __half; NW: the norm weight's type (T or float; T for the other prologues).
+// p.m in [1, 16], p.stages set by StreamStages.
 template <typename T, typename NW, Prologue kP>
-cudaError_t LaunchFusedGemv(const Params& p, const LaunchOptions& options, cudaStream_t stream);
-
-// The same with the streaming kernel (p.stages set by StreamStages), launched with programmatic
-// dependent launch (kernels/cuda/pdl.cuh).
-template <typename T, typename NW, Prologue kP>
-cudaError_t LaunchStreamGemv(const Params& p, const LaunchOptions& options, cudaStream_t stream);
+cudaError_t LaunchStreamGemv(const Params& p, int num_sms, cudaStream_t stream);
 
 }  // namespace dropkv::kernels::cuda::gemv

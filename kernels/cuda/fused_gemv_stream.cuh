@@ -1,23 +1,22 @@
-// The streaming decode GEMV of kernels/fused_gemv.h (the default; DROPKV_GEMV_KERNEL=ring selects
-// the register-ring kernel of fused_gemv_kernels.cuh for comparison). Raw pointers, no torch.
+// The decode GEMV of kernels/fused_gemv.h: W streamed through shared memory. Raw pointers, no
+// torch.
 //
-// Why: the register ring holds only 16 registers' worth of W per lane in flight and has each warp
-// load touch 8 rows x 64 bytes; it streamed 7-8% slower than cuBLAS. Here W goes through a ring of
-// shared-memory stages of 16 rows x stage_k (512 or 1024) k: each warp instruction copies 512
-// contiguous bytes of a row (cp.async, 16 bytes a thread, zeros past N and K), and no registers
-// wait on the loads. (DROPKV_GEMV_FILL=bulk fills the stages with cp.async.bulk instead, one copy
-// per 1 KB row segment completing on the slot's mbarrier: measured 2.0-2.1 TB/s at one CTA per SM,
-// slower than cp.async; docs/benchmarks.md.)
+// Why: a register ring (each lane holding 16 registers' worth of W in flight, each warp load
+// touching 8 rows x 64 bytes) streamed 7-8% slower than cuBLAS. Here W goes through a ring of
+// shared-memory stages of 16 rows x kStageK k: each warp instruction copies 512 contiguous bytes
+// of a row (cp.async, 16 bytes a thread, zeros past N and K), and no registers wait on the loads.
+// (Filling the stages with cp.async.bulk, one copy per 1 KB row segment completing on an
+// mbarrier, measured 2.0-2.1 TB/s at one CTA per SM, slower than cp.async; that variant and the
+// register ring are deleted, their figures are in docs/benchmarks.md.)
 //
-// Mapping. As in the ring kernel: a CTA of 8 warps owns 16 rows of W at a time (mma.sync
-// m16n8k16's A operand; the tokens are its n, 1 or 2 tiles of 8). Warp w takes k [w stage_k / 8,
-// (w + 1) stage_k / 8) of each stage in 32-wide chunks with the ring kernel's permuted k (lane
-// (g, q) reads 8 consecutive k of rows g and g + 8 and the same 8 k of x). Each warp sums its
-// share over the stages of a group in order, then the CTA sums the warps' fp32 partials in warp
-// order: deterministic, no atomics. Grid: one wave of ctas_per_sm CTAs per SM (default 2; one
-// CTA alone measured ~22 GB/s at stage_k 512, whatever its depth: the per-stage wait + barrier
-// bounds it), each looping over groups b, b + grid, ... with the ring running on from one group
-// into the next.
+// Mapping (fused_gemv_kernels.cuh): a CTA of 8 warps owns 16 rows of W at a time (mma.sync
+// m16n8k16's A operand; the tokens are its n, 1 or 2 tiles of 8). Warp w takes k [w kStageK / 8,
+// (w + 1) kStageK / 8) of each stage in 32-wide chunks with the permuted k (lane (g, q) reads 8
+// consecutive k of rows g and g + 8 and the same 8 k of x). Each warp sums its share over the
+// stages of a group in order, then the CTA sums the warps' fp32 partials in warp order:
+// deterministic, no atomics. Grid: one wave of ctas_per_sm CTAs per SM (default 2; one CTA alone
+// measured ~22 GB/s, whatever its depth: the per-stage wait + barrier bounds it), each looping
+// over groups b, b + grid, ... with the ring running on from one group into the next.
 //
 // PDL (kernels/cuda/pdl.cuh): the first stages are requested before PdlWaitForPrimary() (no kernel
 // writes W), and PdlLaunchDependents() follows right after, so that the next GEMV's CTAs start
@@ -40,62 +39,11 @@ __device__ __forceinline__ uint32_t SharedAddress(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-__device__ __forceinline__ void MbarrierInit(uint32_t bar, uint32_t count) {
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-#else
-  __trap();  // sm_90 features: the bulk fill is chosen only on sm_90+ (fused_gemv.cu)
-#endif
-}
-
-// One arrival that also expects `bytes` of async copies to complete on the barrier.
-__device__ __forceinline__ void MbarrierArriveExpectTx(uint32_t bar, uint32_t bytes) {
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
-               : "memory");
-#else
-  __trap();  // sm_90 features: the bulk fill is chosen only on sm_90+ (fused_gemv.cu)
-#endif
-}
-
-__device__ __forceinline__ void MbarrierWait(uint32_t bar, uint32_t parity) {
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
-  uint32_t done = 0;
-  do {
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n"
-        "}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (done == 0);
-#else
-  __trap();  // sm_90 features: the bulk fill is chosen only on sm_90+ (fused_gemv.cu)
-#endif
-}
-
 // W is read once per step: evict it from L2 first, so the activations and the KV cache stay.
 __device__ __forceinline__ uint64_t EvictFirstPolicy() {
   uint64_t policy;
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
   return policy;
-}
-
-// bytes (a multiple of 16, both addresses 16-byte aligned) global -> shared, completing on bar.
-__device__ __forceinline__ void BulkCopyToShared(uint32_t dst, const void* src, uint32_t bytes,
-                                                 uint32_t bar, uint64_t policy) {
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint "
-      "[%0], [%1], %2, [%3], %4;" ::"r"(dst),
-      "l"(src), "r"(bytes), "r"(bar), "l"(policy)
-      : "memory");
-#else
-  __trap();  // sm_90 features: the bulk fill is chosen only on sm_90+ (fused_gemv.cu)
-#endif
 }
 
 // 16 bytes global -> shared by this thread (cp.async, L1 bypassed), zeros when !valid.
@@ -143,19 +91,14 @@ __device__ __forceinline__ void CopyAsyncWaitAllBut(int pending) {
 
 // grid <= num_sms * ctas_per_sm, block 256 = 8 warps. Dynamic shared memory: the ring of
 // p.stages stages [16 rows][kStageRowBytes], two buffers of partials [8 warps][kTiles * 8
-// tokens][16 rows] (fp32, alternating by group), then x [M][x_smem_stride] (T).
-// kBulk: the stages are filled by bulk copies (one per row, issued by warp 0, completion on the
-// slot's mbarrier; p.stages in flight); else by every thread with 16-byte cp.async (a warp
-// copies 512 contiguous bytes of a row per instruction; p.stages - 1 in flight).
-// kRope: the RoPE epilogue (p.rope; plain prologue, cp.async fill): groups of RoPE pairs.
-template <typename T, typename NW, Prologue kP, int kTiles, bool kBulk, int kStageK, bool kRope>
+// tokens][16 rows] (fp32, alternating by group), then x [M][x_smem_stride] (T). Every thread
+// fills the stages with 16-byte cp.async (a warp copies 512 contiguous bytes of a row per
+// instruction; p.stages - 1 in flight).
+// kRope: the RoPE epilogue (p.rope; plain prologue): groups of RoPE pairs.
+template <typename T, typename NW, Prologue kP, int kTiles, bool kRope>
 __global__ void __launch_bounds__(kThreads, 2) StreamGemvKernel(const Params p) {
-  constexpr int kStageRowBytes = StageRowBytes(kStageK);
-  constexpr int kStageBytes = StageBytes(kStageK);
-  static_assert(!kBulk || kStageK == 512, "bulk copies: 1 KB per row");
-  static_assert(!kRope || (kP == Prologue::kPlain && !kBulk), "RoPE epilogue: plain, cp.async");
+  static_assert(!kRope || kP == Prologue::kPlain, "RoPE epilogue: plain prologue only");
   extern __shared__ __align__(128) unsigned char smem[];
-  __shared__ __align__(8) uint64_t full[kMaxStages];
   constexpr int kPartialFloats = kWarps * kTiles * 8 * kRowsPerCta;  // one buffer
   const int stages = p.stages;
   const uint32_t ring = SharedAddress(smem);
@@ -171,26 +114,7 @@ __global__ void __launch_bounds__(kThreads, 2) StreamGemvKernel(const Params p) 
   const int my_stages = my_groups * stages_per_group;
   const T* weight = static_cast<const T*>(p.weight);
 
-  // Warp 0 requests stage i (group i / stages_per_group, k stage i % stages_per_group) into slot
-  // i % stages: lane 0 arms the slot's barrier with the bytes, lanes 0..15 copy a row each.
   const uint64_t policy = EvictFirstPolicy();
-  auto request = [&](int i) {
-    if (i >= my_stages) return;
-    const int slot = i % stages, gi = i / stages_per_group, ks = i % stages_per_group;
-    const int row0 =
-        (static_cast<int>(blockIdx.x) + gi * static_cast<int>(gridDim.x)) * kRowsPerCta;
-    const int rows = min(kRowsPerCta, p.n - row0);
-    const int k0 = ks * kStageK;
-    const uint32_t bytes = static_cast<uint32_t>(min(kStageK, p.k - k0)) * sizeof(T);
-    const uint32_t bar = SharedAddress(&full[slot]);
-    if (lane == 0) MbarrierArriveExpectTx(bar, bytes * rows);
-    __syncwarp();
-    if (lane < rows) {
-      BulkCopyToShared(ring + slot * kStageBytes + lane * kStageRowBytes,
-                       weight + static_cast<int64_t>(row0 + lane) * p.k + k0, bytes, bar, policy);
-    }
-  };
-
   // Every thread requests stage i into slot i % stages (16-byte pieces, zeros past N and K), and
   // commits a group even when there is none left, so that the group count stays uniform.
   auto request_async = [&](int i) {
@@ -213,21 +137,7 @@ __global__ void __launch_bounds__(kThreads, 2) StreamGemvKernel(const Params p) 
     CpAsyncCommit();
   };
 
-  if constexpr (kBulk) {
-    if (threadIdx.x == 0) {
-      for (int s = 0; s < stages; ++s) MbarrierInit(SharedAddress(&full[s]), 1);
-        // Make the initialised barriers visible to the async proxy (the copies' completions).
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
-      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-#endif
-    }
-    __syncthreads();
-    if (warp == 0) {
-      for (int i = 0; i < stages; ++i) request(i);
-    }
-  } else {
-    for (int i = 0; i < stages - 1; ++i) request_async(i);
-  }
+  for (int i = 0; i < stages - 1; ++i) request_async(i);
   PdlLaunchDependents();
   PdlWaitForPrimary();  // x, the residual, the gate are the previous kernel's outputs
 
@@ -251,15 +161,11 @@ __global__ void __launch_bounds__(kThreads, 2) StreamGemvKernel(const Params p) 
     float* buffer = partials + (gi % 2) * kPartialFloats;
     for (int ks = 0; ks < stages_per_group; ++ks, ++i) {
       const int slot = i % stages;
-      if constexpr (kBulk) {
-        MbarrierWait(SharedAddress(&full[slot]), (i / stages) & 1);
-      } else {
-        // This thread's pieces of stage i have landed; the barrier makes everyone's visible and
-        // frees slot (i - 1) % stages, which the next request refills.
-        CopyAsyncWaitAllBut(stages - 2);
-        __syncthreads();
-        request_async(i + stages - 1);
-      }
+      // This thread's pieces of stage i have landed; the barrier makes everyone's visible and
+      // frees slot (i - 1) % stages, which the next request refills.
+      CopyAsyncWaitAllBut(stages - 2);
+      __syncthreads();
+      request_async(i + stages - 1);
       const uint32_t stage = ring + slot * kStageBytes;
 #pragma unroll
       for (int c = 0; c < kStageK / (kWarps * kChunk); ++c) {
@@ -283,21 +189,10 @@ __global__ void __launch_bounds__(kThreads, 2) StreamGemvKernel(const Params p) 
         }
       }
       if (ks == stages_per_group - 1) StorePartials<kTiles>(buffer, warp, g, q, acc);
-      if constexpr (kBulk) {
-        // Every warp is done with the slot (and, at a group's end, has written its partials).
-        __syncthreads();
-        if (warp == 0) {
-          // The slot's generic-proxy reads are ordered before the copy engine's writes.
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
-          asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-#endif
-          request(i + stages);
-        }
-      }
     }
     // The partials of every warp are written. (The other buffer is written next, and this one
     // again only after the next group's barrier, which the threads reducing it pass once done.)
-    if constexpr (!kBulk) __syncthreads();
+    __syncthreads();
     const int group = static_cast<int>(blockIdx.x) + gi * static_cast<int>(gridDim.x);
     if constexpr (kRope) {
       ReduceRopeAndStore<T, kTiles>(p, buffer, group);

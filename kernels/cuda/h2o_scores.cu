@@ -4,9 +4,6 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
-#include <cstdlib>
-#include <cstring>
-
 #include "kernels/check.h"
 #include "kernels/cuda/h2o_scores.cuh"
 #include "kernels/cuda/launchers.h"
@@ -56,14 +53,9 @@ void Launch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& lse, at:
 }  // namespace
 
 bool H2oKernelApplies(const at::Tensor& q, const at::Tensor& k) {
-  // DROPKV_H2O_KERNEL=0 falls back to the row-chunked ATen path (A/B runs, a way out).
-  static const bool enabled = [] {
-    const char* env = std::getenv("DROPKV_H2O_KERNEL");
-    return env == nullptr || std::strcmp(env, "0") != 0;
-  }();
   const auto dt = q.scalar_type();
-  return enabled && q.is_cuda() && k.scalar_type() == dt &&
-         (dt == at::kBFloat16 || dt == at::kHalf) && (q.size(3) == 64 || q.size(3) == 128) &&
+  return q.is_cuda() && k.scalar_type() == dt && (dt == at::kBFloat16 || dt == at::kHalf) &&
+         (q.size(3) == 64 || q.size(3) == 128) &&
          k.size(2) <= int64_t{65535} * kH2oTileKeys  // grid.y: key tiles
          && q.size(1) * q.size(2) < (int64_t{1} << 30);
 }

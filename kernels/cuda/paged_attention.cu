@@ -1,17 +1,13 @@
 // Paged decode attention on CUDA, one launch for the whole batch (paged_decode_kernels.cuh):
-// v12 PagedDecodeMmaKernel (tensor cores, bf16 / fp16 with head_dim 64 / 128) or v11
-// PagedDecodeKernel<kFused> (CUDA cores, the rest), both with the split-K merge folded in. v7b
-// (the partial kernel, then MergeKernel of attention_common.cuh) stays behind
-// DROPKV_DECODE_KERNELS=v7 for A/B runs. v11 and v12 are launched with programmatic dependent
-// launch (pdl.cuh; DROPKV_PDL=0 turns it off), v7b the usual way.
+// PagedDecodeMmaKernel (tensor cores, bf16 / fp16 with head_dim 64 / 128) or PagedDecodeKernel
+// (CUDA cores, the rest), both with the split-K merge folded in, both launched with programmatic
+// dependent launch (pdl.cuh; kernels/tuning.h turns it off).
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 #include <map>
 #include <mutex>
 #include <utility>
@@ -25,21 +21,6 @@
 
 namespace dropkv::kernels::cuda {
 namespace {
-
-enum class DecodeVersion { kV7b, kV11, kV12 };
-
-// DROPKV_DECODE_KERNELS=v7: v7b (two launches); v11: the CUDA-core kernel with the merge folded
-// in, for every dtype; unset (or anything else): v12 where it applies, else v11. Read once: an A/B
-// switch for benchmarks and tests in one process run.
-DecodeVersion SelectedVersion() {
-  static const DecodeVersion version = [] {
-    const char* env = std::getenv("DROPKV_DECODE_KERNELS");
-    if (env != nullptr && std::strcmp(env, "v7") == 0) return DecodeVersion::kV7b;
-    if (env != nullptr && std::strcmp(env, "v11") == 0) return DecodeVersion::kV11;
-    return DecodeVersion::kV12;
-  }();
-  return version;
-}
 
 // Arrival counters of the folded merge (int32, one per (sequence, KV head, row chunk)), one
 // buffer per stream: each is 0 between launches (the merging CTA resets its own), so launches in
@@ -92,9 +73,9 @@ struct DecodeArgs {
 struct SplitPlan {
   int64_t max_len, splits, split_len, table_len;
 };
-// Default split counts. CUDA cores (v7b, v11): about 2 CTAs per SM and >= 64 keys per split; 4
-// (all resident slots, v6) measured slower at 8K x 32 layers (0.86 vs 0.79 ms: twice the
-// partials to merge, no faster partial kernel). Tensor cores (v12, kTensorCores): one CTA per SM
+// Default split counts. CUDA cores: about 2 CTAs per SM and >= 64 keys per split; 4
+// (all resident slots) measured slower at 8K x 32 layers (0.86 vs 0.79 ms: twice the
+// partials to merge, no faster partial kernel). Tensor cores (kTensorCores): one CTA per SM
 // when that still gives every KV head 2 splits, and >= 128 keys per split; measured 2026-12-01,
 // graphs of 32 layers: batch 1 x 8K 16 splits 0.506 ms vs 0.556 at 33 (2 per SM) and 0.569 at 20
 // (a second CTA on some SMs only); 819 keys: 7 splits 0.242 ms vs 0.261 at 13. More heads (batch
@@ -125,10 +106,10 @@ SplitPlan PlanSplits(const DecodeArgs& a, int64_t ctas_per_split, int occupancy,
 }
 
 // Kernel parameters; `part` receives the partials' scratch (kept alive by the caller until the
-// launch is queued; none when there is one split and the kernel is fused).
+// launch is queued; none when there is one split).
 template <typename T>
 PagedDecodeParams<T> BaseParams(const DecodeArgs& a, int64_t rows_pad, int64_t num_chunks,
-                                const SplitPlan& plan, bool fused, at::Tensor& part) {
+                                const SplitPlan& plan, at::Tensor& part) {
   const int64_t block_size = a.k_cache.size(1), hkv = a.k_cache.size(2), d = a.q.size(2);
   PagedDecodeParams<T> pa{};
   pa.q = reinterpret_cast<const T*>(a.q.data_ptr());
@@ -150,14 +131,12 @@ PagedDecodeParams<T> BaseParams(const DecodeArgs& a, int64_t rows_pad, int64_t n
   pa.table_len = plan.table_len <= kDecMaxTableEntries ? static_cast<int32_t>(plan.table_len) : 0;
   pa.scale_log2 = a.scale * 1.4426950408889634f;
   pa.num_chunks = static_cast<int32_t>(num_chunks);
-  pa.metadata_before_wait = fused && a.metadata_uploaded ? 1 : 0;
+  pa.metadata_before_wait = a.metadata_uploaded ? 1 : 0;
   pa.older_keys_before_wait = pa.metadata_before_wait && a.older_keys_ready ? 1 : 0;
   pa.out = reinterpret_cast<T*>(a.out.data_ptr());
   const int64_t bh = a.q.size(0) * hkv;
-  if (fused) {
-    pa.counters = MergeCounters(bh * num_chunks, at::cuda::getCurrentCUDAStream());
-    if (plan.splits == 1) return pa;
-  }
+  pa.counters = MergeCounters(bh * num_chunks, at::cuda::getCurrentCUDAStream());
+  if (plan.splits == 1) return pa;
   // Partials [acc | m | l] in one allocation.
   part = at::empty({bh * plan.splits * rows_pad * (d + 2)}, a.q.options().dtype(at::kFloat));
   pa.part_acc = part.data_ptr<float>();
@@ -177,35 +156,25 @@ int Occupancy(Kernel kernel, int threads, int smem, int max_smem) {
   return std::max(1, blocks);
 }
 
-// CUDA cores, RC query heads per CTA (row chunks in z). !kFused: v7b + MergeKernel.
-template <typename T, int D, int RC, bool kFused>
+// CUDA cores, RC query heads per CTA (row chunks in z).
+template <typename T, int D, int RC>
 void LaunchCudaCores(const DecodeArgs& a) {
   const int64_t hkv = a.k_cache.size(2), g = a.q.size(1) / hkv, bh = a.q.size(0) * hkv;
   const int64_t num_chunks = (g + RC - 1) / RC, rows_pad = num_chunks * RC;
-  auto kernel = PagedDecodeKernel<T, D, RC, kFused>;
+  auto kernel = PagedDecodeKernel<T, D, RC>;
   constexpr int base_smem = PagedDecodeSmemBytes<T, D, RC>();
   static const int occupancy =
       Occupancy(kernel, kDecThreads, base_smem + 1024, base_smem + kDecMaxTableEntries * 4);
   const SplitPlan plan = PlanSplits(a, bh * num_chunks, occupancy, SplitRule::kCudaCores);
   at::Tensor part;
-  const PagedDecodeParams<T> pa = BaseParams<T>(a, rows_pad, num_chunks, plan, kFused, part);
-  auto stream = at::cuda::getCurrentCUDAStream();
+  const PagedDecodeParams<T> pa = BaseParams<T>(a, rows_pad, num_chunks, plan, part);
   const int smem = base_smem + pa.table_len * 4;
   const dim3 grid(bh, plan.splits, num_chunks);
-  if constexpr (kFused) {
-    C10_CUDA_CHECK(LaunchMaybePdl(kernel, grid, kDecThreads, smem, stream, pa));
-  } else {  // v7b as it was: the A/B baseline
-    kernel<<<grid, kDecThreads, smem, stream>>>(pa);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
-  if constexpr (!kFused) {
-    MergeKernel<T, D><<<dim3(bh, rows_pad), D, 0, stream>>>(
-        pa.part_m, pa.part_l, pa.part_acc, pa.num_splits, pa.rows_pad, pa.group, pa.out, nullptr);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
+  C10_CUDA_CHECK(
+      LaunchMaybePdl(kernel, grid, kDecThreads, smem, at::cuda::getCurrentCUDAStream(), pa));
 }
 
-// Tensor cores (v12): the g <= 16 query heads of a KV head in one m16 tile.
+// Tensor cores: the g <= 16 query heads of a KV head in one m16 tile.
 template <typename T, int D, bool kHigh>
 void LaunchMma(const DecodeArgs& a) {
   const int64_t hkv = a.k_cache.size(2), g = a.q.size(1) / hkv, bh = a.q.size(0) * hkv;
@@ -215,30 +184,23 @@ void LaunchMma(const DecodeArgs& a) {
       Occupancy(kernel, kDecMmaThreads, base_smem + 1024, base_smem + kDecMaxTableEntries * 4);
   const SplitPlan plan = PlanSplits(a, bh, occupancy, SplitRule::kTensorCores);
   at::Tensor part;
-  const PagedDecodeParams<T> pa = BaseParams<T>(a, g, 1, plan, true, part);
+  const PagedDecodeParams<T> pa = BaseParams<T>(a, g, 1, plan, part);
   const int smem = base_smem + pa.table_len * 4;
   C10_CUDA_CHECK(LaunchMaybePdl(kernel, dim3(bh, plan.splits), kDecMmaThreads, smem,
                                 at::cuda::getCurrentCUDAStream(), pa));
 }
 
-template <typename T, int D, int RC>
-void LaunchRows(const DecodeArgs& a) {
-  if (SelectedVersion() == DecodeVersion::kV7b) return LaunchCudaCores<T, D, RC, false>(a);
-  return LaunchCudaCores<T, D, RC, true>(a);
-}
 template <typename T, int D>
 void DispatchRows(int64_t g, const DecodeArgs& a) {
   if constexpr (sizeof(T) == 2 && D <= 128) {
-    if (SelectedVersion() == DecodeVersion::kV12) {
-      return g > 8 ? LaunchMma<T, D, true>(a) : LaunchMma<T, D, false>(a);
-    }
+    return g > 8 ? LaunchMma<T, D, true>(a) : LaunchMma<T, D, false>(a);
   }
   // CUDA cores: rows per CTA = the group rounded up to a power of two, at most 8 (more: row
   // chunks in z).
-  if (g == 1) return LaunchRows<T, D, 1>(a);
-  if (g == 2) return LaunchRows<T, D, 2>(a);
-  if (g <= 4) return LaunchRows<T, D, 4>(a);
-  return LaunchRows<T, D, kDecMaxRows>(a);
+  if (g == 1) return LaunchCudaCores<T, D, 1>(a);
+  if (g == 2) return LaunchCudaCores<T, D, 2>(a);
+  if (g <= 4) return LaunchCudaCores<T, D, 4>(a);
+  return LaunchCudaCores<T, D, kDecMaxRows>(a);
 }
 
 template <typename T>

@@ -1,30 +1,29 @@
 // Paged decode attention, split-K (flash-decoding). Raw-pointer device code, no torch.
-// - PagedDecodeKernel<T, D, RC, kFused> (CUDA cores, every dtype and head_dim). kFused = false is
-//   v7b: it writes the same partials as PartialAttnKernel (attention_common.cuh) and MergeKernel
-//   finishes the job in a second launch. kFused = true (v11) merges the splits itself
-//   (MergeSplitsIfLast): one launch.
-// - PagedDecodeMmaKernel<T, D, kHigh> (v12, bf16 / fp16, D <= 128): the products on the tensor
-//   cores, merge folded in as v11.
+// - PagedDecodeKernel<T, D, RC> (CUDA cores, every dtype and head_dim): the last CTA of a sequence
+//   merges the splits itself (MergeSplitsIfLast), one launch. (A partial kernel followed by a
+//   merge launch was 5-8% slower at batch 1 and is deleted; docs/benchmarks.md.)
+// - PagedDecodeMmaKernel<T, D, kHigh> (bf16 / fp16, D <= 128): the products on the tensor cores,
+//   the merge folded in the same way.
 //
-// Layout of the work (v5, replacing the W = 1 use of PartialAttnKernel):
+// Layout of the CUDA-core kernel's work:
 // - a key row of one head is D elements; kLanesPerKey = D / kElems lanes share a key, each
 //   holding kElems = 16 (8 when 8 rows) elements; a warp covers 32 / kLanesPerKey keys per step,
 //   the 4 warps of the CTA consecutive keys.
 // - every thread streams its own 16-byte K and V pieces through a kDecStages-deep cp.async ring
 //   in shared memory that only it reads: no barrier in the key loop, several stages of loads in
-//   flight per thread (v4 had one tile in flight and four barriers per tile).
+//   flight per thread (one tile in flight with four barriers per tile was slower).
 // - logits: 8-element partial dot products reduced by xor shuffles inside the key's lane group;
 //   each lane group keeps its own online-softmax state (m, l, acc over its 8 columns) in
 //   registers, exponentials in base 2. The states of the lane groups are merged at the end
 //   (shuffles inside a warp, shared memory across the 4 warps).
 // - the split's block ids are read once into shared memory (one coalesced load, one barrier).
 //
-// Programmatic dependent launch (pdl.cuh; v11 and v12 are launched with LaunchMaybePdl, v7b the
-// usual way): q and the cache (the kernel before stores the newest K/V) are read, and anything is
-// written, only after PdlWaitForPrimary(); the CTAs release their dependents right after it.
-// Block ids and lengths come before the wait when the caller says no kernel of the chain writes
-// them (metadata_before_wait: the runner uploads them before the step's first kernel); v12 also
-// starts its first K/V copies before it when they hold only keys older than a sequence's last
+// Programmatic dependent launch (pdl.cuh; both kernels are launched with LaunchMaybePdl): q and the
+// cache (the kernel before stores the newest K/V) are read, and anything is written, only after
+// PdlWaitForPrimary(); the CTAs release their dependents right after it. Block ids and lengths come
+// before the wait when the caller says no kernel of the chain writes them (metadata_before_wait:
+// the runner uploads them before the step's first kernel); the tensor-core kernel also starts its
+// first K/V copies before it when they hold only keys older than a sequence's last
 // (older_keys_before_wait: the kernel before stores just the newest key).
 #pragma once
 
@@ -66,24 +65,23 @@ struct PagedDecodeParams {
   int32_t split_len;   // keys per split
   int32_t table_len;   // block ids per CTA cached in shared memory (0: read them from global)
   float scale_log2;    // softmax scale * log2(e)
-  float* part_m;       // [B*Hkv, S, rows_pad] (v7b: natural-log units, as MergeKernel expects;
-                       // fused kernels: base 2)
+  float* part_m;       // [B*Hkv, S, rows_pad], base 2
   float* part_l;       // [B*Hkv, S, rows_pad]
   float* part_acc;     // [B*Hkv, S, rows_pad, D]
-  // Fused kernels only:
   T* out;              // [B, Hq, D] = [B*Hkv, g, D]
   int32_t* counters;   // [B*Hkv, num_chunks] arrival counts, 0 between launches (see below)
   int32_t num_chunks;  // row chunks per KV head (gridDim.z of PagedDecodeKernel, 1 for mma)
   // 1: block_tables and seq_lens are read before PdlWaitForPrimary (no kernel of the launch chain
   // writes them); 0: after it.
   int32_t metadata_before_wait;
-  // 1 (v12, with metadata_before_wait): keys before seq_lens[b] - 1 are not written by the kernel
-  // queued before; copies of slabs that hold only such keys go out before PdlWaitForPrimary.
+  // 1 (tensor-core kernel, with metadata_before_wait): keys before seq_lens[b] - 1 are not written
+  // by the kernel queued before; copies of slabs that hold only such keys go out before
+  // PdlWaitForPrimary.
   int32_t older_keys_before_wait;
 };
 
 // Splits of a sequence that hold keys: ceil(n / split_len), at least 1 (n = 0: split 0 writes
-// the zeros), at most the grid's (a length past max_seq_len is cut there, as in v7b). CTAs of
+// the zeros), at most the grid's (a length past max_seq_len is cut there). CTAs of
 // later splits exit at once and write nothing.
 __device__ __forceinline__ int ActiveSplits(int n, int split_len, int num_splits) {
   return n <= split_len ? 1 : min(num_splits, (n + split_len - 1) / split_len);
@@ -105,7 +103,7 @@ __device__ __forceinline__ int LoadSplitMetadata(const PagedDecodeParams<T>& p, 
   return n;
 }
 
-// The split merge folded into the partial kernel (v11). Called by every thread of each CTA of
+// The split merge folded into the partial kernel. Called by every thread of each CTA of
 // (bh, chunk) whose split holds keys, after it wrote its partial (rows [row0, row0 + rows), m in
 // base 2) to part_*. The CTAs count their arrivals on counters[bh, chunk]; the last of the
 // num_active resets the count to 0 (so the next launch and every CUDA-graph replay start from
@@ -117,9 +115,9 @@ __device__ __forceinline__ int LoadSplitMetadata(const PagedDecodeParams<T>& p, 
 // The merge: each thread owns 4 columns of a row and walks the splits in order, kMergeChunk at a
 // time with a running max (every load of a chunk is independent: one L2 round trip per chunk; a
 // first version computed the split weights in shared memory first, two more round trips and a
-// barrier on the critical path of the last CTA). kChunk 16 (v12: its default split counts are
-// <= 16 at batch 1, so one round trip instead of two; 2026-12-01) needs 96 registers for the
-// loads: v11's 4-CTA register budget keeps 8.
+// barrier on the critical path of the last CTA). kChunk 16 (the tensor-core kernel: its default
+// split counts are <= 16 at batch 1, so one round trip instead of two) needs 96 registers for
+// the loads: the CUDA-core kernel's 4-CTA register budget keeps 8.
 constexpr int kMergeChunk = 8;
 template <typename T, int D, int kThreads, int kChunk = kMergeChunk>
 __device__ __forceinline__ void MergeSplitsIfLast(const PagedDecodeParams<T>& p, int bh, int chunk,
@@ -210,9 +208,9 @@ constexpr int PagedDecodeSmemBytes() {
 
 // grid (B*Hkv, S, ceil(g / RC)), kDecThreads threads. CTA (bh, s, chunk) attends query heads
 // [chunk*RC, chunk*RC + RC) of KV head bh % Hkv of sequence bh / Hkv over keys
-// [s*split_len, min(n, (s+1)*split_len)) and writes one partial (m, l, acc) per row; kFused: the
-// output itself when the sequence has one split, else the partial and MergeSplitsIfLast.
-template <typename T, int D, int RC, bool kFused>
+// [s*split_len, min(n, (s+1)*split_len)) and writes the output itself when the sequence has one
+// split, else one partial (m, l, acc) per row and MergeSplitsIfLast.
+template <typename T, int D, int RC>
 __global__ void __launch_bounds__(kDecThreads, RC <= 4 ? 4 : 2)
     PagedDecodeKernel(const PagedDecodeParams<T> p) {
   using Shape = DecodeShape<T, RC>;
@@ -240,9 +238,9 @@ __global__ void __launch_bounds__(kDecThreads, RC <= 4 ? 4 : 2)
   const int row0 = chunk * RC;
   const int64_t part_row0 = (static_cast<int64_t>(bh) * p.num_splits + split) * p.rows_pad + row0;
 
-  // Block ids of the split, once (v4 loaded one per key, a dependent load before each K/V load).
-  // The whole range a split can touch is read without knowing n (entries past n are never used),
-  // so this load overlaps the length's instead of waiting for it (v7 chained length -> ids -> K/V).
+  // Block ids of the split, once (not one dependent load before each K/V load). The whole range
+  // a split can touch is read without knowing n (entries past n are never used), so this load
+  // overlaps the length's instead of waiting for it (not a chain length -> ids -> K/V).
   const int blk0 = key_begin / p.block_size;
   const int32_t* table_g = p.block_tables + static_cast<int64_t>(b) * p.max_blocks + blk0;
   const bool cached = p.table_len > 0;  // the host sized the cache for the longest split
@@ -256,18 +254,10 @@ __global__ void __launch_bounds__(kDecThreads, RC <= 4 ? 4 : 2)
   const int key_end = min(n, key_begin + p.split_len);
   [[maybe_unused]] const int rows = min(RC, p.group - row0);  // query heads of this chunk
   if (key_begin >= key_end) {                                 // empty split (uniform over the CTA)
-    if constexpr (kFused) {
-      // Fused: splits past the sequence write nothing; split 0 of an empty sequence the zeros.
-      if (split == 0) {
-        T* out = p.out + (static_cast<int64_t>(bh) * p.group + row0) * D;
-        for (int idx = tid; idx < rows * D; idx += kDecThreads) out[idx] = FromFloat<T>(0.f);
-      }
-    } else {  // weight 0 in MergeKernel
-      for (int idx = tid; idx < RC * D; idx += kDecThreads) p.part_acc[part_row0 * D + idx] = 0.f;
-      if (tid < RC) {
-        p.part_m[part_row0 + tid] = -INFINITY;
-        p.part_l[part_row0 + tid] = 0.f;
-      }
+    // Splits past the sequence write nothing; split 0 of an empty sequence the zeros.
+    if (split == 0) {
+      T* out = p.out + (static_cast<int64_t>(bh) * p.group + row0) * D;
+      for (int idx = tid; idx < rows * D; idx += kDecThreads) out[idx] = FromFloat<T>(0.f);
     }
     return;
   }
@@ -292,7 +282,7 @@ __global__ void __launch_bounds__(kDecThreads, RC <= 4 ? 4 : 2)
       if (valid) {
         const int rel = j - blk0 * p.block_size;
         // Power-of-two block sizes (the usual 16) shift and mask instead of dividing (an integer
-        // division is ~20 instructions, twice per key piece in v5).
+        // division is ~20 instructions, twice per key piece).
         const int blk_idx = p.block_shift >= 0 ? rel >> p.block_shift : rel / p.block_size;
         const int in_blk = p.block_shift >= 0 ? rel & (p.block_size - 1) : rel % p.block_size;
         const int32_t blk = table[blk_idx];
@@ -390,7 +380,7 @@ __global__ void __launch_bounds__(kDecThreads, RC <= 4 ? 4 : 2)
       }
       // Lazy rescaling: m is a reference max that moves only when a key beats it by more than
       // kDecLazyRescale (base 2): p <= 2^8 against it, and the RC x kElems rescale multiplies
-      // run a few times per split instead of every stage (v5). Always moves on the first key.
+      // run a few times per split instead of every stage. Always moves on the first key.
       if (m_new > m[r] + kDecLazyRescale) {
         const float alpha = m[r] == -INFINITY ? 0.f : FastExp2(m[r] - m_new);
         m[r] = m_new;
@@ -474,44 +464,31 @@ __global__ void __launch_bounds__(kDecThreads, RC <= 4 ? 4 : 2)
       a = fmaf(row[c], f, a);
       l_sum = fmaf(row[D + 1], f, l_sum);
     }
-    if constexpr (kFused) {
-      if (r < rows) {
-        if (num_active == 1) {  // the whole sequence in this CTA: the output directly
-          p.out[(static_cast<int64_t>(bh) * p.group + row0 + r) * D + c] =
-              FromFloat<T>(l_sum > 0.f ? a / l_sum : 0.f);
-        } else {
-          p.part_acc[(part_row0 + r) * D + c] = a;
-          if (c == 0) {
-            p.part_m[part_row0 + r] = m_max;  // base 2, as MergeSplitsIfLast reads it
-            p.part_l[part_row0 + r] = l_sum;
-          }
+    if (r < rows) {
+      if (num_active == 1) {  // the whole sequence in this CTA: the output directly
+        p.out[(static_cast<int64_t>(bh) * p.group + row0 + r) * D + c] =
+            FromFloat<T>(l_sum > 0.f ? a / l_sum : 0.f);
+      } else {
+        p.part_acc[(part_row0 + r) * D + c] = a;
+        if (c == 0) {
+          p.part_m[part_row0 + r] = m_max;  // base 2, as MergeSplitsIfLast reads it
+          p.part_l[part_row0 + r] = l_sum;
         }
       }
-    } else {
-      p.part_acc[(part_row0 + r) * D + c] = a;
-      if (c == 0) {
-        // Base 2 -> natural units for MergeKernel's exp(m - m_max).
-        p.part_m[part_row0 + r] = m_max == -INFINITY ? -INFINITY : m_max * 0.69314718055994531f;
-        p.part_l[part_row0 + r] = l_sum;
-      }
     }
   }
-  if constexpr (kFused) {
-    if (num_active > 1) {
-      MergeSplitsIfLast<T, D, kDecThreads>(p, bh, chunk, row0, rows, num_active);
-    }
-  }
+  if (num_active > 1) MergeSplitsIfLast<T, D, kDecThreads>(p, bh, chunk, row0, rows, num_active);
 }
 
 // ---------------------------------------------------------------------------------------------
-// v12: the products on the tensor cores. The g <= 16 query heads of a KV head are the 16 rows of
-// one mma m16 tile (rows past g are zero), so a 16-key slab costs D / 8 ldmatrix.x4 and D / 4
-// mma.sync m16n8k16 per warp instead of ~75 warp instructions per key on the CUDA cores (v7b's
-// FMAs, lane-group shuffles and the softmax every lane of a group repeats).
-// 4 warps per CTA. 8 (one CTA per SM at batch 1, each warp half the slabs, twice the bytes in
-// flight per SM) measured no faster: 8K 0.460 vs 0.456 ms, 819 keys 0.201 vs 0.194 (2026-12-01,
-// graphs of 32 layers): the stream runs near the copy rate already; the time above it is the
-// per-launch fixed part (prologue, the merge's fence / atomic / L2 reads, the tail).
+// The tensor-core kernel: the products on the tensor cores. The g <= 16 query heads of a KV head
+// are the 16 rows of one mma m16 tile (rows past g are zero), so a 16-key slab costs D / 8
+// ldmatrix.x4 and D / 4 mma.sync m16n8k16 per warp instead of ~75 warp instructions per key on the
+// CUDA cores (their FMAs, lane-group shuffles and the softmax every lane of a group repeats). 4
+// warps per CTA. 8 (one CTA per SM at batch 1, each warp half the slabs, twice the bytes in flight
+// per SM) measured no faster: 8K 0.460 vs 0.456 ms, 819 keys 0.201 vs 0.194 (2026-12-01, graphs of
+// 32 layers): the stream runs near the copy rate already; the time above it is the per-launch fixed
+// part (prologue, the merge's fence / atomic / L2 reads, the tail).
 constexpr int kDecMmaWarps = 4;
 constexpr int kDecMmaThreads = 32 * kDecMmaWarps;
 // Ring slabs per warp: 2 in flight while one is used. 4 (a 143 KB CTA, one per SM) measured the
@@ -532,12 +509,12 @@ constexpr int PagedDecodeMmaSmemBytes() {
 // rows stay in registers: D / 2 floats per lane). CTA (bh, s) attends the g query heads of KV
 // head bh % Hkv of sequence bh / Hkv over keys [s split_len, min(n, (s + 1) split_len)); warp w
 // streams the split's 16-key slabs w, w + 4, ... through its own cp.async ring (no CTA barrier
-// in the key loop) and keeps its own online softmax (base 2, lazy rescaling as v7b) on the
+// in the key loop) and keeps its own online softmax (base 2, lazy rescaling as above) on the
 // accumulator fragments: S = Q K^T with the rows as M and the keys as N, P rounded to the model
 // dtype and repacked from the C fragments into A fragments in registers, acc += P V with V^T
 // through ldmatrix.trans. kHigh: g > 8, rows 8..15 of the tile hold query heads too (else their
 // softmax is skipped and their P is 0). The 4 warps merge through shared memory; then the split
-// merge as v11 (the output directly when the sequence has one split).
+// merge as above (the output directly when the sequence has one split).
 template <typename T, int D, bool kHigh>
 __global__ void __launch_bounds__(kDecMmaThreads, 3)
     PagedDecodeMmaKernel(const PagedDecodeParams<T> p) {

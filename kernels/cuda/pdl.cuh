@@ -12,18 +12,18 @@
 //     global write (a no-op when the launch had no PDL attribute or the device is older);
 //   - it may call PdlLaunchDependents() once it no longer needs its SM resources for the rest of
 //     its grid to be scheduled (e.g. at its start when its grid fits one wave, before or after its
-//     wait: PdlWaitAndRelease); without the call, its dependents are released when its CTAs exit.
+//     wait: PdlReleaseThenWait); without the call, its dependents are released when its CTAs exit.
 // Transitivity holds: a kernel's PdlWaitForPrimary() returns only after its predecessor has
 // completed and flushed, and that predecessor waited for its own.
-// DROPKV_PDL=0 (read once) launches everything the usual way, for A/B runs.
+// KernelTuning::pdl = false (DROPKV_PDL=0) launches everything the usual way.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <atomic>
-#include <cstdlib>
-#include <cstring>
 #include <utility>
+
+#include "kernels/tuning.h"
 
 namespace dropkv::kernels::cuda {
 
@@ -39,37 +39,22 @@ __device__ __forceinline__ void PdlLaunchDependents() {
 #endif
 }
 
-// The wait and the release of a kernel that needs few SM resources (the decode step's norms and
+// The release and the wait of a kernel that needs few SM resources (the decode step's norms and
 // activation, between two GEMVs): released first, its dependent (the next GEMV) launches while the
 // kernel queued before this one (the previous GEMV) still runs, so the GEMV's CTAs take each SM as
 // the previous one's CTAs leave it and request their first weights in its tail, instead of
 // launching only once this kernel has waited. Safe under the rules above: the dependent still
 // waits for this kernel's completion, which follows this kernel's own wait. Measured at batch 1,
 // Llama-3.1-8B geometry: -0.09 ms per step at 8K (-0.11 at keep 10%), docs/benchmarks.md.
-__device__ __forceinline__ void PdlWaitAndRelease(bool release_first) {
-  if (release_first) PdlLaunchDependents();
+__device__ __forceinline__ void PdlReleaseThenWait() {
+  PdlLaunchDependents();
   PdlWaitForPrimary();
-  if (!release_first) PdlLaunchDependents();
-}
-
-// Whether the fused decode ops release their dependents before their wait (PdlWaitAndRelease):
-// yes unless DROPKV_PDL_EARLY_RELEASE=0 (read once; for A/B runs).
-inline bool PdlEarlyRelease() {
-  static const bool on = [] {
-    const char* env = std::getenv("DROPKV_PDL_EARLY_RELEASE");
-    return env == nullptr || std::strcmp(env, "0") != 0;
-  }();
-  return on;
 }
 
 // True when launches on the current device may carry the PDL attribute (compute capability
-// >= 9.0 and DROPKV_PDL is not "0"). The device answer is cached per device index.
+// >= 9.0 and KernelTuning::pdl). The device answer is cached per device index.
 inline bool PdlEnabled() {
-  static const bool env_allows = [] {
-    const char* env = std::getenv("DROPKV_PDL");
-    return env == nullptr || std::strcmp(env, "0") != 0;
-  }();
-  if (!env_allows) return false;
+  if (!Tuning().pdl) return false;
   constexpr int kMaxDevices = 64;
   static std::atomic<int> major_by_device[kMaxDevices] = {};  // 0: not asked yet
   int device = 0;

@@ -24,6 +24,7 @@
 #include "kernels/paged_attention.h"
 #include "kernels/scorers.h"
 #include "kernels/selection.h"
+#include "kernels/tuning.h"
 
 namespace dropkv::kernels {
 namespace {
@@ -554,8 +555,7 @@ TEST_F(KernelsGpuTest, PdlChainGraphAndEagerEqualSynchronized) {
   GTEST_SKIP() << "built without CUDA";
 #else
   if (!FusedOpsBuilt()) GTEST_SKIP() << "fused ops not built";
-  const char* pdl_env = std::getenv("DROPKV_PDL");
-  std::printf("DROPKV_PDL=%s\n", pdl_env != nullptr ? pdl_env : "(unset: on)");
+  std::printf("PDL %s (kernels/tuning.h)\n", kernels::Tuning().pdl ? "on" : "off");
   const int64_t hq = 32, hkv = 8, d = 128, bs = 16, layers = 3;
   const int64_t width = (hq + 2 * hkv) * d, inter = hq * d / 2;
   const QkvGeometry geo{hq, hkv, d};

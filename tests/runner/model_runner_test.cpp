@@ -281,20 +281,19 @@ TEST(ModelRunnerTest, PackedCpuWeightsGiveTheSameLogits) {
     "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
     "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": false, "torch_dtype": "float32"
   })";
-  auto make = [&](const char* packed) {
-    setenv("DROPKV_CPU_PACKED_WEIGHTS", packed, 1);
+  auto make = [&](bool packed) {
     RunnerOptions o;
+    o.cpu_packed_weights = packed;
     o.model_dir = dir.string();
     o.random_weights = true;
     o.random_seed = 7;
     o.num_kv_blocks = 64;
     auto r = ModelRunner::Create(o);
-    unsetenv("DROPKV_CPU_PACKED_WEIGHTS");
     EXPECT_TRUE(r.ok()) << r.status();
     return std::move(*r);
   };
-  auto plain = make("0");
-  auto packed = make("1");
+  auto plain = make(false);
+  auto packed = make(true);
   EXPECT_EQ(plain->model()->num_packed_weights(), 0);
   // q/k/v (1536 x 1024), o, gate/up (2048 x 1024), down per layer, and the untied head.
   EXPECT_EQ(packed->model()->num_packed_weights(), 2 * 4 + 1);
