@@ -22,6 +22,8 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "engine/compression/compression.h"
+#include "kernels/tuning.h"
 
 extern char** environ;
 
@@ -627,19 +629,10 @@ absl::Status ValidateServerConfig(const ServerConfig& c) {
   if (c.max_prompt_tokens != 0 && c.prefill_tokens_per_step < 1) {
     return err("prefill_tokens_per_step", "must be >= 1");
   }
-  const CompressionParams& p = c.compression;
-  if (p.pooling_kernel % 2 == 0) {
-    return err("compression.pooling_kernel", absl::StrCat("must be odd, got ", p.pooling_kernel));
-  }
-  if (p.allocator == BudgetAllocator::kExplicit && p.explicit_layer_prune.empty()) {
-    return err("compression.explicit_layer_prune", "allocator explicit needs one value per layer");
-  }
-  if (AllocatorNeedsProfile(p.allocator) && p.profile_path.empty()) {
-    return err("compression.profile_path",
-               absl::StrCat("allocator ", A(BudgetAllocatorName(p.allocator)), " needs a profile"));
-  }
-  if (p.chunk_policy == ChunkPolicy::kBudget && p.budget_cap_tokens <= 0) {
-    return err("compression.budget_cap_tokens", "chunk_policy budget needs a cap > 0");
+  // Compression's one validator; the model's depth is not known here (the server checks the
+  // depth-dependent rules when it loads the model).
+  if (absl::Status s = compression::ValidateCompression(c.compression, 0); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("compression.", s.message()));
   }
   return absl::OkStatus();
 }
@@ -785,16 +778,20 @@ absl::StatusOr<ServerConfig> LoadServerConfigFrom(const std::vector<std::string>
       if (!st.ok()) return st;
     }
   }
-  // A misspelt DROPKV_* variable would otherwise be ignored without a word.
+  // A misspelt DROPKV_* variable would otherwise be ignored without a word. The kernel tuning's
+  // variables are read by kernels/tuning.h, not here; a bad value of one is warned about.
+  const kernels::KernelTuning tuning = kernels::KernelTuning::FromVariables(env, &config.warnings);
   static const char* kNotSettings[] = {
-      "DROPKV_CONFIG",         "DROPKV_SHARED",     "DROPKV_PYTHON",
-      "DROPKV_KVPRESS_PYTHON", "DROPKV_SOURCE_DIR", "DROPKV_BUILD_DIR",
-      "DROPKV_VENV",           "DROPKV_CACHE",      "DROPKV_TEST_JOBS",
-      "DROPKV_MODELS"};
+      "DROPKV_CONFIG",     "DROPKV_SHARED",    "DROPKV_PYTHON", "DROPKV_KVPRESS_PYTHON",
+      "DROPKV_SOURCE_DIR", "DROPKV_BUILD_DIR", "DROPKV_VENV",   "DROPKV_CACHE",
+      "DROPKV_TEST_JOBS",  "DROPKV_MODELS"};
   for (const auto& [name, value] : env) {
     if (!absl::StartsWith(name, "DROPKV_")) continue;
-    bool known = std::any_of(std::begin(kNotSettings), std::end(kNotSettings),
-                             [&](const char* n) { return name == n; });
+    bool known =
+        std::any_of(std::begin(kNotSettings), std::end(kNotSettings),
+                    [&](const char* n) { return name == n; }) ||
+        std::any_of(std::begin(kernels::kTuningVariables), std::end(kernels::kTuningVariables),
+                    [&](std::string_view n) { return name == n; });
     for (const Setting& s : settings) known = known || name == ServerConfigEnvName(s.key);
     if (!known) {
       config.warnings.push_back(
@@ -805,7 +802,7 @@ absl::StatusOr<ServerConfig> LoadServerConfigFrom(const std::vector<std::string>
   if (!valid.ok()) return absl::InvalidArgumentError(absl::StrCat("config: ", valid.message()));
   if (config.model_dir.empty() && !config.demo_model) config.model_dir = DefaultModelDir(env);
   if (print_config) {
-    out << ServerConfigToYaml(config);
+    out << ServerConfigToYaml(config) << kernels::TuningToYaml(tuning);
     config.exit_after_load = true;
   }
   return config;
@@ -833,7 +830,9 @@ absl::StatusOr<ServerConfig> LoadServerConfig(int argc, char** argv) {
     if (eq == absl::string_view::npos) continue;
     env.emplace(std::string(entry.substr(0, eq)), std::string(entry.substr(eq + 1)));
   }
-  if (const char* home = std::getenv("HOME"); home != nullptr) env.emplace("HOME", home);
+  for (const char* name : {"HOME", "OMP_NUM_THREADS"}) {
+    if (const char* v = std::getenv(name); v != nullptr) env.emplace(name, v);
+  }
   return LoadServerConfigFrom(args, env, std::cout);
 }
 

@@ -3,10 +3,12 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstring>
 #include <optional>
 #include <random>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "dropkv/v1/inference.pb.h"
@@ -203,9 +205,24 @@ absl::StatusOr<std::vector<int32_t>> ChatToTokenIds(const v1::ChatMessages& chat
   return ids;
 }
 
+// compression::ValidateCompression's message as the request's field: "window: ..." ->
+// "compression.window: ..."; one that names no field (a depth rule) -> "compression: ...".
+std::string CompressionMessage(absl::string_view message) {
+  static const char* kFields[] = {
+      "keep_ratio", "budget_tokens",     "window",       "pooling_kernel",       "num_sinks",
+      "chunk_size", "budget_cap_tokens", "profile_path", "explicit_layer_prune", "allocator"};
+  for (const char* field : kFields) {
+    if (absl::StartsWith(message, field) &&
+        (message.size() == strlen(field) || message[strlen(field)] == ':' ||
+         message[strlen(field)] == ' '))
+      return absl::StrCat("compression.", message);
+  }
+  return absl::StrCat("compression: ", message);
+}
+
 absl::StatusOr<CompressionParams> MapCompression(const v1::CompressionSettings& c,
                                                  const CompressionParams& defaults,
-                                                 int64_t max_context_len) {
+                                                 int64_t max_context_len, int32_t num_layers) {
   CompressionParams p = defaults;
   if (!c.method().empty()) {
     auto m = CompressionField(compression::ParseScoreMethod(c.method()));
@@ -214,9 +231,6 @@ absl::StatusOr<CompressionParams> MapCompression(const v1::CompressionSettings& 
   }
   switch (c.budget_case()) {
     case v1::CompressionSettings::kKeepRatio:
-      if (!(c.keep_ratio() > 0.0 && c.keep_ratio() <= 1.0))
-        return Invalid("compression.keep_ratio",
-                       absl::StrCat("must be in (0, 1], got ", c.keep_ratio()));
       p.keep_ratio = c.keep_ratio();
       p.budget_tokens.reset();
       break;
@@ -228,7 +242,8 @@ absl::StatusOr<CompressionParams> MapCompression(const v1::CompressionSettings& 
       p.budget_tokens.reset();
       break;
     case v1::CompressionSettings::kBudgetTokens:
-      if (c.budget_tokens() < 1 || (max_context_len > 0 && c.budget_tokens() > max_context_len))
+      // The lower bound is compression's; the upper one this server's context.
+      if (max_context_len > 0 && c.budget_tokens() > max_context_len)
         return Invalid("compression.budget_tokens", absl::StrCat("must be in [1, ", max_context_len,
                                                                  "], got ", c.budget_tokens()));
       p.budget_tokens = c.budget_tokens();
@@ -241,52 +256,26 @@ absl::StatusOr<CompressionParams> MapCompression(const v1::CompressionSettings& 
     if (!a.ok()) return a.status();
     p.allocator = *a;
   }
-  if (c.has_window()) {
-    if (c.window() < 1)
-      return Invalid("compression.window", absl::StrCat("must be >= 1, got ", c.window()));
-    p.window = c.window();
-  }
+  if (c.has_window()) p.window = c.window();
   if (!c.pooling().empty()) {
     auto k = CompressionField(compression::ParsePoolingType(c.pooling()));
     if (!k.ok()) return k.status();
     p.pooling = *k;
   }
-  if (c.has_pooling_kernel()) {
-    if (c.pooling_kernel() < 1 || c.pooling_kernel() % 2 == 0)
-      return Invalid("compression.pooling_kernel",
-                     absl::StrCat("must be odd and >= 1, got ", c.pooling_kernel()));
-    p.pooling_kernel = c.pooling_kernel();
-  }
+  if (c.has_pooling_kernel()) p.pooling_kernel = c.pooling_kernel();
   if (!c.chunk_policy().empty()) {
     auto k = CompressionField(compression::ParseChunkPolicy(c.chunk_policy()));
     if (!k.ok()) return k.status();
     p.chunk_policy = *k;
   }
-  if (c.has_chunk_size()) {
-    if (c.chunk_size() < 0 || (c.chunk_size() > 0 && c.chunk_size() < p.window))
-      return Invalid("compression.chunk_size",
-                     absl::StrCat("must be 0 or >= window (", p.window, "), got ", c.chunk_size()));
-    p.chunk_size = c.chunk_size();
-  }
-  if (c.has_budget_cap_tokens()) {
-    if (c.budget_cap_tokens() < 0)
-      return Invalid("compression.budget_cap_tokens",
-                     absl::StrCat("must be >= 0, got ", c.budget_cap_tokens()));
-    p.budget_cap_tokens = c.budget_cap_tokens();
-  }
+  if (c.has_chunk_size()) p.chunk_size = c.chunk_size();
+  if (c.has_budget_cap_tokens()) p.budget_cap_tokens = c.budget_cap_tokens();
   if (c.has_protect_sinks()) p.protect_sinks = c.protect_sinks();
-  if (c.has_num_sinks()) {
-    if (c.num_sinks() < 0)
-      return Invalid("compression.num_sinks", absl::StrCat("must be >= 0, got ", c.num_sinks()));
-    p.num_sinks = c.num_sinks();
-  }
+  if (c.has_num_sinks()) p.num_sinks = c.num_sinks();
   if (c.has_random_seed()) p.random_seed = c.random_seed();
-  if (p.chunk_policy == ChunkPolicy::kBudget && p.budget_cap_tokens <= 0 &&
-      p.method != ScoreMethod::kNone)
-    return Invalid("compression.budget_cap_tokens", "chunk_policy 'budget' needs a cap > 0");
-  if ((p.allocator == BudgetAllocator::kExplicit && p.explicit_layer_prune.empty()) &&
-      p.method != ScoreMethod::kNone)
-    return Invalid("compression.allocator", "'explicit' needs a server-side per-layer profile");
+  // Ranges and consistency: compression's one validator (with the model's depth when known).
+  absl::Status valid = compression::ValidateCompression(p, num_layers);
+  if (!valid.ok()) return absl::InvalidArgumentError(CompressionMessage(valid.message()));
   return p;
 }
 
@@ -375,18 +364,9 @@ absl::StatusOr<GenerationRequest> ValidateGenerateRequest(const v1::GenerateRequ
   out.sampling.stop_token_ids.assign(request.stop_token_ids().begin(),
                                      request.stop_token_ids().end());
 
-  auto compression =
-      MapCompression(request.compression(), limits.default_compression, limits.max_context_len);
+  auto compression = MapCompression(request.compression(), limits.default_compression,
+                                    limits.max_context_len, limits.num_layers);
   if (!compression.ok()) return compression.status();
-  if (limits.num_layers > 0 && compression->method != ScoreMethod::kNone) {
-    // Depth-dependent rules (profile length, infeasible MLP budgets, ...) live with compression.
-    absl::Status depth = compression::ValidateCompression(*compression, limits.num_layers);
-    if (!depth.ok()) {
-      const std::string msg(depth.message());
-      return absl::InvalidArgumentError(
-          msg.rfind("compression", 0) == 0 ? msg : absl::StrCat("compression: ", msg));
-    }
-  }
   out.compression = std::move(*compression);
   return out;
 }

@@ -59,10 +59,12 @@ absl::StatusOr<std::vector<int32_t>> ChatToTokenIds(const v1::ChatMessages& chat
                                                     absl::string_view field,
                                                     const Tokenizer& tokenizer);
 
-// Maps one CompressionSettings over `defaults` (also used for the server's own defaults).
+// Maps one CompressionSettings over `defaults` and validates the result with
+// compression::ValidateCompression (num_layers > 0: also the depth-dependent rules); errors name
+// the field as "compression.<field>".
 absl::StatusOr<CompressionParams> MapCompression(const v1::CompressionSettings& settings,
                                                  const CompressionParams& defaults,
-                                                 int64_t max_context_len);
+                                                 int64_t max_context_len, int32_t num_layers = 0);
 
 // absl::Status -> grpc::Status, code for code, message unchanged.
 grpc::Status ToGrpcStatus(const absl::Status& status);

@@ -27,7 +27,6 @@ void AddCompressionFlags(CLI::App& app, CompressionParams* p) {
       ->envname("DROPKV_METHOD");
   auto* keep = app.add_option("--keep", p->keep_ratio, "Fraction of the KV cache kept, (0, 1]")
                    ->capture_default_str()
-                   ->check(CLI::Range(1e-9, 1.0))
                    ->envname("DROPKV_KEEP");
   auto* cr = app.add_option_function<double>(
                     "--compression-ratio",
@@ -38,11 +37,7 @@ void AddCompressionFlags(CLI::App& app, CompressionParams* p) {
                     "Fraction removed, kvpress convention: keep = 1 - ratio, [0, 1)")
                  ->envname("DROPKV_COMPRESSION_RATIO");
   auto* bt = app.add_option_function<int64_t>(
-                    "--budget-tokens",
-                    [p](int64_t v) {
-                      if (v <= 0) throw CLI::ValidationError("--budget-tokens", "must be > 0");
-                      p->budget_tokens = v;
-                    },
+                    "--budget-tokens", [p](int64_t v) { p->budget_tokens = v; },
                     "Absolute budget: tokens kept per layer on average per sequence")
                  ->envname("DROPKV_BUDGET_TOKENS");
   keep->excludes(cr)->excludes(bt);
@@ -62,7 +57,6 @@ void AddCompressionFlags(CLI::App& app, CompressionParams* p) {
       ->envname("DROPKV_EXPLICIT_PRUNE");
   app.add_option("--window", p->window, "Observation window W, protected from eviction")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber)
       ->envname("DROPKV_WINDOW");
   app.add_option_function<std::string>(
          "--pooling",

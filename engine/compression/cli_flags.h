@@ -2,7 +2,8 @@
 // --compression-ratio, --budget-tokens, --allocator, --profile, --explicit-prune, --window,
 // --pooling, --pooling-kernel, --sinks, --protect-sinks, --chunk-policy, --chunk-size,
 // --budget-cap-tokens, --compression-seed. Each also reads DROPKV_<NAME> from the environment
-// (e.g. DROPKV_METHOD). Bad values fail the parse with a message naming the flag.
+// (e.g. DROPKV_METHOD). Unknown names fail the parse with a message naming the flag; ranges are
+// compression::ValidateCompression's (the one validator), which the caller runs after parsing.
 #pragma once
 
 #include "engine/request.h"

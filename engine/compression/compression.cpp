@@ -19,36 +19,38 @@ int32_t ProtectedSinks(const CompressionParams& p) {
 }
 
 absl::Status ValidateCompression(const CompressionParams& p, int32_t num_layers) {
-  if (p.method == ScoreMethod::kNone) return absl::OkStatus();
-  if (num_layers <= 0) return Invalid(absl::StrCat("num_layers must be > 0, got ", num_layers));
   if (!(p.keep_ratio > 0.0 && p.keep_ratio <= 1.0)) {
-    return Invalid(absl::StrCat("keep_ratio must be in (0, 1], got ", p.keep_ratio));
+    return Invalid(absl::StrCat("keep_ratio: must be in (0, 1], got ", p.keep_ratio));
   }
   if (p.budget_tokens.has_value() && *p.budget_tokens <= 0) {
-    return Invalid(absl::StrCat("budget_tokens must be > 0, got ", *p.budget_tokens));
+    return Invalid(absl::StrCat("budget_tokens: must be >= 1, got ", *p.budget_tokens));
   }
-  if (p.window < 1) return Invalid(absl::StrCat("window must be >= 1, got ", p.window));
+  if (p.window < 1) return Invalid(absl::StrCat("window: must be >= 1, got ", p.window));
   if (p.pooling_kernel < 1 || p.pooling_kernel % 2 == 0) {
-    return Invalid(absl::StrCat("pooling_kernel must be odd and >= 1, got ", p.pooling_kernel));
+    return Invalid(absl::StrCat("pooling_kernel: must be odd and >= 1, got ", p.pooling_kernel));
   }
-  if (p.num_sinks < 0) return Invalid(absl::StrCat("num_sinks must be >= 0, got ", p.num_sinks));
-  if (p.chunk_size < 0) return Invalid(absl::StrCat("chunk_size must be >= 0, got ", p.chunk_size));
-  if (p.chunk_size > 0 && p.chunk_size < p.window) {
-    return Invalid(absl::StrCat("chunk_size ", p.chunk_size, " must be >= window ", p.window,
+  if (p.num_sinks < 0) return Invalid(absl::StrCat("num_sinks: must be >= 0, got ", p.num_sinks));
+  if (p.chunk_size < 0 || (p.chunk_size > 0 && p.chunk_size < p.window)) {
+    return Invalid(absl::StrCat("chunk_size: must be 0 or >= window (", p.window, "), got ",
+                                p.chunk_size,
                                 " (the last chunk's window queries score the cache)"));
   }
   if (p.chunk_policy == ChunkPolicy::kBudget) {
     if (p.budget_cap_tokens <= 0) {
-      return Invalid(absl::StrCat("budget_cap_tokens must be > 0 for chunk_policy budget, got ",
+      return Invalid(absl::StrCat("budget_cap_tokens: chunk_policy budget needs a cap > 0, got ",
                                   p.budget_cap_tokens));
     }
   } else if (p.budget_cap_tokens < 0) {
-    return Invalid(absl::StrCat("budget_cap_tokens must be >= 0, got ", p.budget_cap_tokens));
+    return Invalid(absl::StrCat("budget_cap_tokens: must be >= 0, got ", p.budget_cap_tokens));
   }
   if (AllocatorNeedsProfile(p.allocator) && p.profile_path.empty()) {
-    return Invalid(absl::StrCat("profile_path is required for allocator ",
+    return Invalid(absl::StrCat("profile_path: required by allocator ",
                                 std::string(BudgetAllocatorName(p.allocator))));
   }
+  if (p.allocator == BudgetAllocator::kExplicit && p.explicit_layer_prune.empty()) {
+    return Invalid("explicit_layer_prune: allocator explicit needs one value per layer");
+  }
+  if (p.method == ScoreMethod::kNone || num_layers <= 0) return absl::OkStatus();
   absl::StatusOr<BudgetOptions> opts = ResolveBudgetOptions(p, num_layers, /*num_tokens=*/0);
   if (!opts.ok()) return opts.status();
   return ValidateBudgetOptions(*opts, num_layers);

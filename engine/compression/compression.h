@@ -27,9 +27,13 @@ using ::dropkv::ParseScoreMethod;
 using ::dropkv::PoolingTypeName;
 using ::dropkv::ScoreMethodName;
 
-// INVALID_ARGUMENT naming the field when a setting is out of range or inconsistent with the model
-// depth (profile / explicit list length, chunk_size < window, ...). Reads the profile file for
-// MGA / MLMA. `method == kNone` is always valid.
+// The one validator of compression settings (the server's requests, the config file, the tools'
+// flags): INVALID_ARGUMENT whose message starts with the field ("window: must be >= 1, got 0";
+// callers prefix "compression."). The fields' ranges and their consistency (chunk_size >= window,
+// chunk_policy budget with a cap, a profile for the allocators that read one) are checked
+// whatever the method; with a method and num_layers > 0 also what depends on the model's depth
+// (profile / explicit list length, the allocator's feasibility), reading the profile file for
+// MGA / MLMA.
 absl::Status ValidateCompression(const CompressionParams& params, int32_t num_layers);
 
 // The canonical budget of `params` for a sequence that has seen `num_tokens` tokens: the

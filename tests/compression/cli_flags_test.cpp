@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include "CLI/CLI.hpp"
+#include "engine/compression/compression.h"
 
 namespace dropkv::compression {
 namespace {
@@ -79,7 +80,12 @@ TEST(CompressionFlags, BadValuesNameTheFlag) {
   EXPECT_NE(Parse({"--compression-ratio", "1.0"}, &p).find("compression_ratio"), std::string::npos);
   EXPECT_NE(Parse({"--allocator", "cone"}, &p).find("allocator"), std::string::npos);
   EXPECT_NE(Parse({"--keep", "0.5", "--compression-ratio", "0.5"}, &p), "");
-  EXPECT_NE(Parse({"--keep", "0"}, &p), "");
+  // Ranges are not the parser's: the one validator names the field after it.
+  CompressionParams zero;
+  EXPECT_EQ(Parse({"--keep", "0"}, &zero), "");
+  absl::Status bad = ValidateCompression(zero, 4);
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(bad.message(), "keep_ratio: must be in (0, 1], got 0");
 }
 
 }  // namespace

@@ -8,6 +8,8 @@
 #include <fstream>
 #include <sstream>
 
+#include "absl/strings/str_join.h"
+#include "kernels/tuning.h"
 #include "tests/common/test_env.h"
 
 namespace dropkv {
@@ -321,12 +323,33 @@ TEST(ServerConfigTest, PrintConfigRoundTrips) {
   EXPECT_TRUE(c->exit_after_load);
   auto back = ParseServerConfigYaml(out.str(), "printed");
   ASSERT_TRUE(back.ok()) << back.status() << "\n" << out.str();
-  EXPECT_EQ(ServerConfigToYaml(*back), out.str());
+  // The config, then the kernel tuning as comments (environment only: not a config key).
+  const std::string yaml = ServerConfigToYaml(*back);
+  ASSERT_EQ(out.str().substr(0, yaml.size()), yaml);
+  EXPECT_EQ(out.str().substr(yaml.size()), kernels::TuningToYaml(kernels::KernelTuning{}));
   EXPECT_EQ(back->port, 4321);
   EXPECT_EQ(back->model_dir, "dir with: colon");
   EXPECT_EQ(back->kv_memory_bytes, 3LL << 30);
   EXPECT_EQ(back->compression.keep_ratio, 0.1);
   EXPECT_EQ(back->compression.explicit_layer_prune, (std::vector<double>{0.3, 0.7}));
+}
+
+// The kernel tuning's variables are known (a bad value is named), every other DROPKV_* variable
+// is reported as ignored, and --print-config shows the tuning in effect.
+TEST(ServerConfigTest, TuningVariablesAreKnownAndPrinted) {
+  std::ostringstream out;
+  auto c = LoadServerConfigFrom({"--print-config"},
+                                {{"DROPKV_PDL", "0"},
+                                 {"DROPKV_PREFILL_ATTENTION", "fastest"},
+                                 {"DROPKV_GEMV_KERNEL", "ring"}},
+                                out);
+  ASSERT_TRUE(c.ok()) << c.status();
+  ASSERT_EQ(c->warnings.size(), 2u) << absl::StrJoin(c->warnings, "; ");
+  EXPECT_THAT(c->warnings, testing::Contains(HasSubstr("DROPKV_PREFILL_ATTENTION='fastest'")));
+  EXPECT_THAT(c->warnings,
+              testing::Contains(HasSubstr("DROPKV_GEMV_KERNEL is not a setting and was ignored")));
+  EXPECT_THAT(out.str(), HasSubstr("#   pdl: false  # DROPKV_PDL"));
+  EXPECT_THAT(out.str(), HasSubstr("#   prefill_attention: auto"));
 }
 
 TEST(ServerConfigTest, HelpListsEveryFlagWithEnvAndDefault) {
