@@ -20,9 +20,8 @@ elseif(NOT _dropkv_cuda STREQUAL "OFF")
 endif()
 
 if(DROPKV_CUDA_ENABLED)
-  if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
-    set(CMAKE_CUDA_ARCHITECTURES "80;90")
-  endif()
+  # A cache entry, so that tools reading CMakeCache.txt (scripts/gpu_pack.sh) see it.
+  set(CMAKE_CUDA_ARCHITECTURES "80;90" CACHE STRING "CUDA architectures (A100: 80, H100/H200: 90)")
   # CMake 3.25 (Debian 12) knows no CUDA20 dialect for nvcc; device code is C++17.
   set(CMAKE_CUDA_STANDARD 17)
   set(CMAKE_CUDA_STANDARD_REQUIRED ON)

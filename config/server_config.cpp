@@ -272,6 +272,18 @@ std::vector<Setting> MakeSettings() {
   v.push_back(IntSetting<int32_t>(
       "metrics_port", "Prometheus /metrics HTTP port; 0 = off",
       [](C& c) -> int32_t& { return c.metrics_port; }, 0, 65535));
+  v.push_back(IntSetting<int32_t>(
+      "http_port",
+      "OpenAI-compatible HTTP API port (/v1/completions, /v1/chat/completions, /v1/models, "
+      "/health, /metrics; same host, TLS and token as gRPC); 0 = off",
+      [](C& c) -> int32_t& { return c.http_port; }, 0, 65535));
+  v.push_back(IntSetting<int32_t>(
+      "http_threads", "HTTP I/O threads (each holds any number of connections)",
+      [](C& c) -> int32_t& { return c.http_threads; }, 1, 64));
+  v.push_back(StringSetting(
+      "served_model_name",
+      "the model's name in the HTTP API (`model`, /v1/models); empty = the model folder's name",
+      [](C& c) -> std::string& { return c.served_model_name; }));
   v.push_back(IntSetting<int64_t>(
       "max_message_bytes", "gRPC max message size (bytes, e.g. 16MiB)",
       [](C& c) -> int64_t& { return c.max_message_bytes; }, 1024, kInt32Max, Kind::kBytes));
@@ -607,6 +619,10 @@ absl::Status ValidateServerConfig(const ServerConfig& c) {
   }
   if (c.metrics_port != 0 && c.metrics_port == c.port) {
     return err("metrics_port", absl::StrCat("must differ from port (", c.port, ")"));
+  }
+  if (c.http_port != 0 && (c.http_port == c.port || c.http_port == c.metrics_port)) {
+    return err("http_port", absl::StrCat("must differ from port (", c.port, ") and metrics_port (",
+                                         c.metrics_port, ")"));
   }
   if (c.max_prompt_tokens != 0 && c.prefill_tokens_per_step < 1) {
     return err("prefill_tokens_per_step", "must be >= 1");

@@ -34,9 +34,14 @@ struct ServerConfig {
       "auto";  // auto | float32 | bfloat16 | float16 (auto = bf16 on GPU, fp32 on CPU)
 
   // --- network ---
-  std::string host = "127.0.0.1";                // gRPC bind address (0.0.0.0 to serve other hosts)
-  int32_t port = 50051;                          // gRPC port; 0 = any free port (tests)
-  int32_t metrics_port = 9400;                   // Prometheus /metrics port; 0 = no endpoint
+  std::string host = "127.0.0.1";  // gRPC bind address (0.0.0.0 to serve other hosts)
+  int32_t port = 50051;            // gRPC port; 0 = any free port (tests)
+  int32_t metrics_port = 9400;     // Prometheus /metrics port; 0 = no endpoint
+  int32_t http_port = 0;           // OpenAI-compatible HTTP API port (binds host); 0 = off
+  int32_t http_threads = 2;        // HTTP I/O threads (asynchronous: each holds many connections)
+  // The model's name in the HTTP API (`model`, /v1/models); empty = the model folder's base name
+  // ("demo" for the demo model).
+  std::string served_model_name;
   int64_t max_message_bytes = 16 * 1024 * 1024;  // gRPC max receive/send message size
   std::string tls_cert_file;                     // PEM certificate chain; set with tls_key_file
   std::string tls_key_file;                      // PEM private key; empty both = plaintext

@@ -117,7 +117,7 @@ def gemma3_tokenizer_json(gguf_path):
     when their concatenation is a piece, highest score first; user-defined pieces (runs of spaces,
     tabs and newlines) are matched whole before BPE, so their merges come first, longest first.
     The result has the published tokenizer's vocabulary and merge set (checked against it by
-    tests/model/real_models_test.py).
+    tests/model/converted_models_test.py).
     """
     from gguf import GGUFReader
 

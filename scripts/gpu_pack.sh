@@ -8,18 +8,18 @@
 #
 # Pack: strips the artifacts and copies every shared library they need except glibc, libstdc++ /
 # libgcc_s (the GPU machine's are newer) and LibTorch's own (the same torch 2.11.0+cu130 wheel is
-# installed there) into .gpu-pack/pack.tar.gz (git-ignored; carry .gpu-pack, not .gpu too: both
-# together pass the device call's 64 MiB limit). BUILD_DIR must be configured for sm_90
-# (-DCMAKE_CUDA_ARCHITECTURES=90; default build-gpu-local).
+# installed there) into .gpu-pack/pack.tar.xz (git-ignored; carry .gpu-pack, not .gpu too: both
+# together pass the device call's 64 MiB limit). BUILD_DIR must be built for sm_90 (README's
+# build/ is, with 80;90; default build-gpu-local, configured with -DCMAKE_CUDA_ARCHITECTURES=90).
 # Unpack: extracts into /opt/dropkv-pack and exports PATH (its bin/ and tests/) and LD_LIBRARY_PATH
 # (its lib/, then the torch wheel's lib/), plus DROPKV_PYTHON for tests that call python3.
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-pack="$root/.gpu-pack/pack.tar.gz"
+pack="$root/.gpu-pack/pack.tar.xz"
 
 if [[ "${1:-}" == "--unpack" ]]; then
   dest=/opt/dropkv-pack
-  mkdir -p "$dest" && tar -xzf "$pack" -C "$dest" || { echo "gpu_pack: cannot unpack $pack" >&2; return 1 2>/dev/null || exit 1; }
+  mkdir -p "$dest" && tar -xJf "$pack" -C "$dest" || { echo "gpu_pack: cannot unpack $pack" >&2; return 1 2>/dev/null || exit 1; }
   torch_lib=$(python3 -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))')
   export PATH="$dest/bin:$dest/tests:$PATH"
   export LD_LIBRARY_PATH="$dest/lib:$torch_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
@@ -51,5 +51,6 @@ for artifact in "$@"; do
     while read -r lib; do cp -Lu "$lib" "$stage/lib/"; done
 done
 mkdir -p "$(dirname "$pack")"
-tar -czf "$pack" -C "$stage" .
+# xz: a pack of the bench and the GPU tests is ~17 MB against gzip's ~64 MB (the call's limit).
+XZ_OPT=-6T2 tar -cJf "$pack" -C "$stage" .
 echo "gpu_pack: $pack ($(du -h "$pack" | cut -f1)): $* + $(ls "$stage/lib" | wc -l) libraries"

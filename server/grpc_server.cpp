@@ -63,18 +63,22 @@ void GrpcServer::SetServing(bool serving) {
   }
 }
 
-void GrpcServer::Shutdown(Scheduler& scheduler, double grace_seconds) {
+void GrpcServer::Shutdown(Scheduler& scheduler, double grace_seconds,
+                          const std::function<int64_t()>& num_other_active) {
   SetServing(false);
   scheduler.BeginDrain();
+  auto num_active = [&] {
+    return service_->num_active_calls() + (num_other_active ? num_other_active() : 0);
+  };
   const auto deadline = std::chrono::steady_clock::now() +
                         std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                             std::chrono::duration<double>(grace_seconds));
-  while (service_->num_active_calls() > 0 && std::chrono::steady_clock::now() < deadline)
+  while (num_active() > 0 && std::chrono::steady_clock::now() < deadline)
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  if (service_->num_active_calls() > 0) {
+  if (num_active() > 0) {
     scheduler.CancelAll();  // the engine sends each a final CANCELLED event at its next step
     const auto cancel_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
-    while (service_->num_active_calls() > 0 && std::chrono::steady_clock::now() < cancel_deadline)
+    while (num_active() > 0 && std::chrono::steady_clock::now() < cancel_deadline)
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -37,7 +38,9 @@ class GrpcServer {
   void SetServing(bool serving);
   // Graceful stop: NOT_SERVING, the scheduler refuses new work (UNAVAILABLE), running calls get
   // `grace_seconds` to finish, then everything left is cancelled and the server stops.
-  void Shutdown(Scheduler& scheduler, double grace_seconds);
+  // `num_other_active` counts the other front ends' requests (HTTP) to wait for as well.
+  void Shutdown(Scheduler& scheduler, double grace_seconds,
+                const std::function<int64_t()>& num_other_active = nullptr);
   void Wait();
 
  private:

@@ -1,6 +1,9 @@
 // dropkv-server: loads the config (config/server_config.h: defaults <- YAML <- flags <- env),
-// builds the engine, serves dropkv.v1.Inference + health + reflection until SIGTERM/SIGINT, then
-// drains gracefully and exits 0.
+// builds the engine, serves dropkv.v1.Inference + health + reflection (gRPC) and, with http_port,
+// the OpenAI-compatible HTTP API until SIGTERM/SIGINT, then drains gracefully and exits 0.
+#include <sys/resource.h>
+
+#include <atomic>
 #include <csignal>
 #include <cstring>
 #include <iostream>
@@ -16,6 +19,8 @@
 #include "engine/scheduler/scheduler.h"
 #include "server/engine_setup.h"
 #include "server/grpc_server.h"
+#include "server/http/metrics_http_server.h"
+#include "server/http/openai_frontend.h"
 #include "server/metrics/request_metrics.h"
 #include "server/metrics/server_metrics.h"
 #include "server/service.h"
@@ -25,6 +30,24 @@ namespace {
 volatile std::sig_atomic_t g_signal = 0;
 void OnSignal(int signal) {
   g_signal = signal;
+}
+
+// Each HTTP stream holds a socket: allow as many descriptors as the hard limit permits.
+void RaiseOpenFileLimit() {
+  rlimit limit{};
+  if (::getrlimit(RLIMIT_NOFILE, &limit) == 0 && limit.rlim_cur < limit.rlim_max) {
+    limit.rlim_cur = limit.rlim_max;
+    ::setrlimit(RLIMIT_NOFILE, &limit);
+  }
+}
+
+// The HTTP API's model name: the model folder's base name ("demo" for the demo model).
+std::string DefaultServedModelName(const dropkv::ServerConfig& config) {
+  if (config.demo_model) return "demo";
+  std::string dir = config.model_dir;
+  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+  const size_t slash = dir.rfind('/');
+  return slash == std::string::npos ? dir : dir.substr(slash + 1);
 }
 
 // `--model DIR` is the documented short form of the config's `--model-dir DIR`.
@@ -78,6 +101,30 @@ int main(int argc, char** argv) {
     }
   }
 
+  // The HTTP API listens while the model loads: /health answers 503 "loading" until Attach.
+  RaiseOpenFileLimit();
+  std::atomic<ServerMetrics*> metrics_for_http{nullptr};
+  std::unique_ptr<HttpFrontend> http;
+  if (config.http_port > 0) {
+    HttpFrontendOptions http_options;
+    http_options.host = config.host;
+    http_options.port = config.http_port;
+    http_options.num_threads = config.http_threads;
+    http_options.max_body_bytes = config.max_message_bytes;
+    http_options.tls_cert_file = config.tls_cert_file;
+    http_options.tls_key_file = config.tls_key_file;
+    http_options.render_metrics = [&metrics_for_http] {
+      ServerMetrics* m = metrics_for_http.load();
+      return m != nullptr ? m->RenderText() : std::string();
+    };
+    auto started = HttpFrontend::Start(http_options);
+    if (!started.ok()) {
+      spdlog::critical("{}", started.status().ToString());
+      return 1;
+    }
+    http = std::move(*started);
+  }
+
   auto engine_or = CreateEngine(config);
   if (!engine_or.ok()) {
     spdlog::critical("cannot load the model: {}", engine_or.status().ToString());
@@ -87,15 +134,20 @@ int main(int argc, char** argv) {
 
   // Prometheus /metrics on its own port (0 = none).
   ServerMetrics metrics(engine.model_info.model_name());
+  metrics_for_http = &metrics;
+  struct ForgetMetricsOnExit {  // destroyed before `metrics`: /metrics never reads a dead object
+    std::atomic<ServerMetrics*>& pointer;
+    ~ForgetMetricsOnExit() { pointer = nullptr; }
+  } forget_metrics{metrics_for_http};
   std::unique_ptr<MetricsHttpServer> metrics_http;
   if (config.metrics_port > 0) {
-    auto http = MetricsHttpServer::Start(config.host, config.metrics_port,
-                                         [&metrics] { return metrics.RenderText(); });
-    if (!http.ok()) {
-      spdlog::critical("metrics_port: {}", http.status().ToString());
+    auto started = MetricsHttpServer::Start(config.host, config.metrics_port,
+                                            [&metrics] { return metrics.RenderText(); });
+    if (!started.ok()) {
+      spdlog::critical("metrics_port: {}", started.status().ToString());
       return 1;
     }
-    metrics_http = std::move(*http);
+    metrics_http = std::move(*started);
   }
   SchedulerStatsPoller poller(&metrics, [&engine] { return engine.scheduler->Stats(); });
 
@@ -126,18 +178,40 @@ int main(int argc, char** argv) {
   }
   engine.scheduler->Start();
   server.SetServing(true);
+  if (http) {
+    HttpEngine http_engine;
+    http_engine.scheduler = engine.scheduler.get();
+    http_engine.tokenizer = engine.tokenizer.get();
+    http_engine.gateway = service_options.gateway();
+    http_engine.served_model_name = config.served_model_name.empty()
+                                        ? DefaultServedModelName(config)
+                                        : config.served_model_name;
+    if (engine.model_info.model_name() != http_engine.served_model_name)
+      http_engine.model_aliases.push_back(engine.model_info.model_name());
+    http_engine.max_context_len = engine.model_info.max_context_len();
+    http_engine.vocab_size = engine.model_info.vocab_size();
+    http->Attach(std::move(http_engine));
+  }
   spdlog::info(
-      "dropkv-server listening on {}:{} ({} layers, vocab {}, {} KV blocks, TLS {}, auth {})",
-      config.host, server.port(), engine.model_info.num_layers(), engine.model_info.vocab_size(),
+      "dropkv-server listening on {}:{} (gRPC){} ({} layers, vocab {}, {} KV blocks, TLS {}, "
+      "auth {})",
+      config.host, server.port(), http ? fmt::format(", {} (HTTP)", http->port()) : "",
+      engine.model_info.num_layers(), engine.model_info.vocab_size(),
       engine.scheduler->Stats().kv_blocks_total, config.tls_cert_file.empty() ? "off" : "on",
       auth_token.empty() ? "off" : "on");
-  // The port line on stdout is what scripts and tests wait for.
-  std::cout << "LISTENING " << server.port() << std::endl;
+  // The port line on stdout is what scripts and tests wait for: "LISTENING <grpc>" and, with the
+  // HTTP API on, " HTTP <port>" after it (readers of the first number are unaffected).
+  std::cout << "LISTENING " << server.port();
+  if (http) std::cout << " HTTP " << http->port();
+  std::cout << std::endl;
 
   while (g_signal == 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
   spdlog::info("signal {}: draining (grace {} s)", static_cast<int>(g_signal),
                config.shutdown_grace_seconds);
-  server.Shutdown(*engine.scheduler, config.shutdown_grace_seconds);
+  if (http) http->SetDraining();
+  server.Shutdown(*engine.scheduler, config.shutdown_grace_seconds,
+                  [&http] { return http ? http->num_active_requests() : 0; });
+  if (http) http->Stop();  // before the engine stops: nothing is left waiting on it
   engine.scheduler->Stop();
   poller.Stop();
   if (metrics_http) metrics_http->Stop();

@@ -229,18 +229,17 @@ void FillFinal(const GenerationEvent& event, v1::GenerateResponse* response) {
 
 InferenceService::InferenceService(Scheduler& scheduler, const Tokenizer* tokenizer,
                                    ServiceOptions options)
-    : scheduler_(scheduler),
+    : gateway_(scheduler, tokenizer, options.gateway()),
       tokenizer_(tokenizer),
       options_(std::move(options)),
       num_active_calls_(std::make_shared<std::atomic<int64_t>>(0)) {}
 
 grpc::Status InferenceService::CheckAuth(const grpc::CallbackServerContext* context) const {
-  if (options_.auth_token.empty()) return grpc::Status::OK;
   const auto& md = context->client_metadata();
   auto it = md.find("authorization");
-  const std::string want = "Bearer " + options_.auth_token;
-  if (it != md.end() && std::string(it->second.data(), it->second.size()) == want)
-    return grpc::Status::OK;
+  const std::string_view value =
+      it == md.end() ? std::string_view() : std::string_view(it->second.data(), it->second.size());
+  if (gateway_.Authorized(value)) return grpc::Status::OK;
   return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
                       "missing or wrong 'authorization: Bearer <token>' metadata");
 }
@@ -250,13 +249,8 @@ absl::Status InferenceService::Start(grpc::CallbackServerContext* context,
                                      std::shared_ptr<RequestChannel> channel,
                                      std::string* request_id,
                                      std::unique_ptr<RequestMetricsTracker>* tracker) {
-  auto validated = ValidateGenerateRequest(request, options_.limits, tokenizer_);
-  if (!validated.ok()) {
-    // Refused before it became a request: counted under its code, nothing else to track.
-    if (options_.metrics != nullptr)
-      options_.metrics->OnRequestFinished(validated.status().code(), 0.0);
-    return validated.status();
-  }
+  auto validated = gateway_.Validate(request);
+  if (!validated.ok()) return validated.status();
   // gRPC deadline (system clock) -> the engine's steady clock.
   const auto deadline = context->deadline();
   if (deadline != std::chrono::system_clock::time_point::max()) {
@@ -265,12 +259,8 @@ absl::Status InferenceService::Start(grpc::CallbackServerContext* context,
                           std::chrono::duration_cast<std::chrono::steady_clock::duration>(left);
   }
   *request_id = validated->request_id;
-  *tracker = std::make_unique<RequestMetricsTracker>(
-      options_.metrics, *validated, options_.log_prompts,
-      options_.log_prompts && request.has_prompt() ? request.prompt() : "");
-  absl::Status st = scheduler_.Submit(std::move(*validated), std::move(channel));
-  if (!st.ok()) (*tracker)->OnRejected(st);
-  return st;
+  return gateway_.Submit(std::move(*validated), std::move(channel),
+                         request.has_prompt() ? request.prompt() : "", tracker);
 }
 
 template <typename Reactor>
@@ -322,10 +312,8 @@ grpc::ServerUnaryReactor* InferenceService::Tokenize(grpc::CallbackServerContext
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "request: oversized");
     absl::StatusOr<std::vector<int32_t>> ids;
     if (request->has_chat()) {
-      std::vector<ChatMessage> messages;
-      for (const auto& m : request->chat().messages()) messages.push_back({m.role(), m.content()});
-      auto text = tokenizer_->ApplyChatTemplate(messages, true);
-      ids = text.ok() ? tokenizer_->Encode(*text, false) : text.status();
+      ids = ChatToTokenIds(request->chat(), "chat", *tokenizer_);
+      if (!ids.ok()) return ToGrpcStatus(ids.status());
     } else {
       const bool add_special = !request->has_add_special_tokens() || request->add_special_tokens();
       ids = tokenizer_->Encode(request->text(), add_special);
@@ -374,7 +362,7 @@ grpc::ServerUnaryReactor* InferenceService::GetServerStats(grpc::CallbackServerC
                                                            const v1::GetServerStatsRequest*,
                                                            v1::ServerStats* response) {
   return FinishUnary(context, [&] {
-    const SchedulerStats s = scheduler_.Stats();
+    const SchedulerStats s = gateway_.scheduler().Stats();
     response->set_num_waiting(s.num_waiting);
     response->set_num_running(s.num_running);
     response->set_kv_blocks_total(s.kv_blocks_total);

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "dropkv/v1/inference.grpc.pb.h"
+#include "server/request_gateway.h"
 #include "server/validation.h"
 
 namespace dropkv {
@@ -22,6 +23,9 @@ struct ServiceOptions {
   std::string auth_token;            // non-empty: every RPC needs "authorization: Bearer <token>"
   ServerMetrics* metrics = nullptr;  // Prometheus (server/metrics); null = request log line only
   bool log_prompts = false;          // the request log line includes the prompt text
+
+  // The part every front end shares (server/request_gateway.h).
+  GatewayOptions gateway() const { return {limits, auth_token, metrics, log_prompts}; }
 };
 
 class InferenceService final : public v1::Inference::CallbackService {
@@ -67,7 +71,7 @@ class InferenceService final : public v1::Inference::CallbackService {
                      std::shared_ptr<RequestChannel> channel, std::string* request_id,
                      std::unique_ptr<RequestMetricsTracker>* tracker);
 
-  Scheduler& scheduler_;
+  RequestGateway gateway_;
   const Tokenizer* tokenizer_;
   ServiceOptions options_;
   std::shared_ptr<std::atomic<int64_t>> num_active_calls_;

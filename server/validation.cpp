@@ -1,7 +1,9 @@
 #include "server/validation.h"
 
+#include <algorithm>
 #include <array>
 #include <cmath>
+#include <optional>
 #include <random>
 #include <utility>
 
@@ -9,7 +11,9 @@
 #include "absl/strings/string_view.h"
 #include "dropkv/v1/inference.pb.h"
 #include "engine/compression/compression.h"
+#include "engine/tokenizer/chat_template.h"
 #include "engine/tokenizer/tokenizer.h"
+#include "engine/tokenizer/unicode.h"
 
 namespace dropkv {
 namespace {
@@ -92,7 +96,112 @@ absl::StatusOr<SamplingParams> MapSampling(const v1::SamplingParams& s,
   return p;
 }
 
+// Roles the chat templates of the families we serve know; anything else is a typo or an
+// injection attempt (a role is pasted into the prompt verbatim).
+constexpr absl::string_view kChatRoles[] = {"system", "user",      "assistant",
+                                            "tool",   "developer", "ipython"};
+
+// A JSON text field: empty -> nullopt; otherwise it must parse to `want_array` / an object.
+absl::StatusOr<std::optional<nlohmann::ordered_json>> ParseJsonField(const std::string& text,
+                                                                     absl::string_view field,
+                                                                     bool want_array) {
+  if (text.empty()) return std::nullopt;
+  auto json = nlohmann::ordered_json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (json.is_discarded()) return Invalid(field, "is not valid JSON");
+  if (JsonNestedDeeperThan(json, kMaxChatJsonDepth))
+    return Invalid(field, absl::StrCat("nests deeper than ", kMaxChatJsonDepth, " levels"));
+  if (want_array) {
+    if (!json.is_array()) return Invalid(field, "must be a JSON array of objects");
+    for (size_t i = 0; i < json.size(); ++i) {
+      if (!json[i].is_object()) {
+        return Invalid(field, absl::StrCat("element ", i, " is not a JSON object"));
+      }
+    }
+  } else if (!json.is_object()) {
+    return Invalid(field, "must be a JSON object");
+  }
+  return std::optional<nlohmann::ordered_json>(std::move(json));
+}
+
 }  // namespace
+
+absl::StatusOr<ChatRequest> MapChatMessages(const v1::ChatMessages& chat, absl::string_view field) {
+  ChatRequest out;
+  if (chat.messages().empty()) return Invalid(absl::StrCat(field, ".messages"), "is empty");
+  for (int i = 0; i < chat.messages_size(); ++i) {
+    const v1::ChatMessage& m = chat.messages(i);
+    const std::string at = absl::StrCat(field, ".messages[", i, "]");
+    if (std::find(std::begin(kChatRoles), std::end(kChatRoles), m.role()) == std::end(kChatRoles))
+      return Invalid(absl::StrCat(at, ".role"),
+                     absl::StrCat("must be system|user|assistant|tool|developer|ipython, got '",
+                                  m.role(), "'"));
+    if (!unicode::IsValidUtf8(m.content()))
+      return Invalid(absl::StrCat(at, ".content"), "is not valid UTF-8");
+    nlohmann::ordered_json message = {{"role", m.role()}, {"content", m.content()}};
+    if (!m.tool_calls().empty()) {
+      auto& calls = message["tool_calls"] = nlohmann::ordered_json::array();
+      for (int j = 0; j < m.tool_calls_size(); ++j) {
+        const v1::ToolCall& call = m.tool_calls(j);
+        const std::string call_at = absl::StrCat(at, ".tool_calls[", j, "]");
+        if (call.function().name().empty())
+          return Invalid(absl::StrCat(call_at, ".function.name"), "is empty");
+        nlohmann::ordered_json json_call = nlohmann::ordered_json::object();
+        if (!call.id().empty()) json_call["id"] = call.id();
+        json_call["type"] = call.type().empty() ? "function" : call.type();
+        json_call["function"] = {
+            {"name", call.function().name()},
+            {"arguments", call.function().arguments().empty() ? std::string("{}")
+                                                              : call.function().arguments()}};
+        calls.push_back(std::move(json_call));
+      }
+    }
+    if (!m.tool_call_id().empty()) message["tool_call_id"] = m.tool_call_id();
+    if (!m.name().empty()) message["name"] = m.name();
+    out.messages.push_back(std::move(message));
+  }
+  // Arguments arrive as JSON text; templates expect objects.
+  if (absl::Status st = ParseToolCallArguments(&out.messages, absl::StrCat(field, ".messages"));
+      !st.ok())
+    return st;
+  auto tools = ParseJsonField(chat.tools_json(), absl::StrCat(field, ".tools_json"), true);
+  if (!tools.ok()) return tools.status();
+  out.tools = std::move(*tools);
+  auto documents =
+      ParseJsonField(chat.documents_json(), absl::StrCat(field, ".documents_json"), true);
+  if (!documents.ok()) return documents.status();
+  out.documents = std::move(*documents);
+  const std::string kwargs_field = absl::StrCat(field, ".chat_template_kwargs_json");
+  auto kwargs = ParseJsonField(chat.chat_template_kwargs_json(), kwargs_field, false);
+  if (!kwargs.ok()) return kwargs.status();
+  if (kwargs->has_value()) {
+    for (std::string_view reserved : kChatReservedVariables) {
+      if ((*kwargs)->contains(std::string(reserved)))
+        return Invalid(kwargs_field, absl::StrCat("may not set '", std::string(reserved), "'"));
+    }
+    out.template_kwargs = std::move(**kwargs);
+  }
+  out.continue_final_message = chat.continue_final_message();
+  out.add_generation_prompt =
+      chat.has_add_generation_prompt() ? chat.add_generation_prompt() : !out.continue_final_message;
+  if (out.continue_final_message && out.add_generation_prompt)
+    return Invalid(absl::StrCat(field, ".continue_final_message"),
+                   "cannot be combined with add_generation_prompt");
+  return out;
+}
+
+absl::StatusOr<std::vector<int32_t>> ChatToTokenIds(const v1::ChatMessages& chat,
+                                                    absl::string_view field,
+                                                    const Tokenizer& tokenizer) {
+  auto request = MapChatMessages(chat, field);
+  if (!request.ok()) return request.status();
+  auto text = tokenizer.ApplyChatTemplate(*request);
+  if (!text.ok())
+    return absl::Status(text.status().code(), absl::StrCat(field, ": ", text.status().message()));
+  // The template already holds the special tokens (HF apply_chat_template does the same).
+  auto ids = tokenizer.Encode(*text, /*add_special_tokens=*/false);
+  if (!ids.ok()) return Invalid(field, ids.status().message());
+  return ids;
+}
 
 absl::StatusOr<CompressionParams> MapCompression(const v1::CompressionSettings& c,
                                                  const CompressionParams& defaults,
@@ -223,19 +332,8 @@ absl::StatusOr<GenerationRequest> ValidateGenerateRequest(const v1::GenerateRequ
     if (request.chat().messages().empty()) return Invalid("chat.messages", "is empty");
     if (tokenizer == nullptr)
       return Invalid("chat", "this server has no tokenizer; send token_ids");
-    std::vector<ChatMessage> messages;
-    for (int i = 0; i < request.chat().messages_size(); ++i) {
-      const auto& m = request.chat().messages(i);
-      if (m.role() != "system" && m.role() != "user" && m.role() != "assistant")
-        return Invalid(absl::StrCat("chat.messages[", i, "].role"),
-                       absl::StrCat("must be system|user|assistant, got '", m.role(), "'"));
-      messages.push_back({m.role(), m.content()});
-    }
-    auto text = tokenizer->ApplyChatTemplate(messages, /*add_generation_prompt=*/true);
-    if (!text.ok()) return Invalid("chat", text.status().message());
-    // The template already holds the special tokens (HF apply_chat_template does the same).
-    auto ids = tokenizer->Encode(*text, /*add_special_tokens=*/false);
-    if (!ids.ok()) return Invalid("chat", ids.status().message());
+    auto ids = ChatToTokenIds(request.chat(), "chat", *tokenizer);
+    if (!ids.ok()) return ids.status();
     out.prompt_ids = std::move(*ids);
   }
   if (out.prompt_ids.empty()) return Invalid("input", "the prompt has no tokens");

@@ -1,11 +1,14 @@
 // Request validation at the gRPC edge (issue 7): every field of a GenerateRequest is checked before
 // anything is queued, and the proto is mapped to the engine's plain structs (engine/request.h).
-// Errors are INVALID_ARGUMENT and start with the proto field path ("sampling.top_p: ...").
+// Errors are INVALID_ARGUMENT and start with the proto field path ("sampling.top_p: ..."), except
+// that rendering chat keeps the chat template's code after "chat: " (FAILED_PRECONDITION: the
+// model's template is missing or unusable; RESOURCE_EXHAUSTED: its render budget ran out).
 // ToGrpcStatus is the one place absl codes become gRPC codes.
 #pragma once
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include <grpcpp/support/status.h>
 
@@ -17,9 +20,11 @@
 namespace dropkv {
 
 class Tokenizer;
+struct ChatRequest;
 namespace v1 {
 class GenerateRequest;
 class CompressionSettings;
+class ChatMessages;
 }  // namespace v1
 
 struct ValidationLimits {
@@ -42,6 +47,17 @@ struct ValidationLimits {
 absl::StatusOr<GenerationRequest> ValidateGenerateRequest(const v1::GenerateRequest& request,
                                                           const ValidationLimits& limits,
                                                           const Tokenizer* tokenizer);
+
+// Checks chat input and maps it to the template's input (OpenAI-shaped JSON messages, tools,
+// kwargs); errors name the field under `field` ("chat.messages[3].role").
+absl::StatusOr<ChatRequest> MapChatMessages(const v1::ChatMessages& chat, absl::string_view field);
+
+// Renders `chat` with the tokenizer's template and encodes it (the template holds the special
+// tokens, so none are added, as HF apply_chat_template(tokenize=True)). Errors start with
+// "<field>: " and keep the template's code.
+absl::StatusOr<std::vector<int32_t>> ChatToTokenIds(const v1::ChatMessages& chat,
+                                                    absl::string_view field,
+                                                    const Tokenizer& tokenizer);
 
 // Maps one CompressionSettings over `defaults` (also used for the server's own defaults).
 absl::StatusOr<CompressionParams> MapCompression(const v1::CompressionSettings& settings,

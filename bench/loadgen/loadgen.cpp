@@ -13,14 +13,16 @@
 #include <cstdio>
 #include <deque>
 #include <fstream>
+#include <functional>
+#include <list>
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <set>
 #include <sstream>
 #include <thread>
 
 #include <grpcpp/grpcpp.h>
+#include <nlohmann/json.hpp>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -28,6 +30,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "dropkv/v1/inference.grpc.pb.h"
+#include "server/http/http_client.h"
 
 namespace dropkv::loadgen {
 namespace {
@@ -114,9 +117,14 @@ absl::StatusOr<CompressionChoice> ParseCompressionChoice(const std::string& spec
   return c;
 }
 
+bool IsHttpAddress(const std::string& address) {
+  return address.rfind("http://", 0) == 0;
+}
+
 bool IsLoopbackAddress(const std::string& address) {
   if (address.rfind("unix:", 0) == 0) return true;
-  std::string host = address;
+  std::string host = IsHttpAddress(address) ? address.substr(7) : address;
+  host = host.substr(0, host.find('/'));
   if (!host.empty() && host[0] == '[') {  // [::1]:port
     const size_t close = host.find(']');
     if (close == std::string::npos) return false;
@@ -156,7 +164,8 @@ namespace {
 // One finished request as the client saw it.
 struct Sample {
   bool measured = false;
-  grpc::StatusCode code = grpc::StatusCode::OK;
+  std::string error;  // "" = OK; else the gRPC status name or "HTTP <status>"
+  bool cancelled = false;
   double ttft_ms = -1, e2e_ms = 0;
   std::vector<double> itl_ms;
   int64_t prompt_tokens = 0, output_tokens = 0;
@@ -165,10 +174,28 @@ struct Sample {
 
 class Runner {
  public:
-  Runner(const LoadOptions& o, int32_t vocab_size, int64_t max_context_len)
-      : o_(o), vocab_size_(vocab_size), max_context_len_(max_context_len) {}
+  Runner(const LoadOptions& o, int32_t vocab_size, int64_t max_context_len,
+         std::string http_model = "")
+      : o_(o),
+        vocab_size_(vocab_size),
+        max_context_len_(max_context_len),
+        http_(IsHttpAddress(o.address)),
+        http_model_(std::move(http_model)) {
+    if (http_) {  // "http://HOST:PORT"
+      const std::string host_port = o.address.substr(7, o.address.find('/', 7) - 7);
+      const size_t colon = host_port.rfind(':');
+      http_host_ = host_port.substr(0, colon);
+      if (!http_host_.empty() && http_host_.front() == '[')
+        http_host_ = http_host_.substr(1, http_host_.size() - 2);
+      http_port_ = colon == std::string::npos ? 80 : std::stoi(host_port.substr(colon + 1));
+    }
+  }
 
   absl::Status Connect() {
+    if (http_) {  // one keep-alive connection per worker, opened by the worker
+      auto probe = http::Client::Connect(http_host_, http_port_, std::chrono::seconds(10));
+      return probe.ok() ? absl::OkStatus() : probe.status();
+    }
     // Several connections: one HTTP/2 connection caps concurrent streams (100 by default).
     const int num_channels = std::max(1, (o_.concurrency + 31) / 32);
     for (int i = 0; i < num_channels; ++i) {
@@ -218,26 +245,26 @@ class Runner {
     std::this_thread::sleep_until(end_);
     std::lock_guard<std::mutex> lock(mu_);
     window_closed_ = true;
-    for (grpc::ClientContext* ctx : live_) ctx->TryCancel();
+    for (const auto& cancel : live_) cancel();
   }
 
-  // Tracks a request's context so that CloseWindow can cancel it; one that starts after the
-  // window closed is cancelled at once.
+  // Tracks a request's cancel action so that CloseWindow can cancel it; one that starts after
+  // the window closed is cancelled at once.
   class LiveRequest {
    public:
-    LiveRequest(Runner& r, grpc::ClientContext* ctx) : r_(r), ctx_(ctx) {
+    LiveRequest(Runner& r, std::function<void()> cancel) : r_(r) {
       std::lock_guard<std::mutex> lock(r_.mu_);
-      r_.live_.insert(ctx_);
-      if (r_.window_closed_) ctx_->TryCancel();
+      it_ = r_.live_.insert(r_.live_.end(), std::move(cancel));
+      if (r_.window_closed_) (*it_)();
     }
     ~LiveRequest() {
       std::lock_guard<std::mutex> lock(r_.mu_);
-      r_.live_.erase(ctx_);
+      r_.live_.erase(it_);
     }
 
    private:
     Runner& r_;
-    grpc::ClientContext* ctx_;
+    std::list<std::function<void()>>::iterator it_;
   };
 
   // Open loop: Poisson arrival times; a worker picks each up. Latency counts from the scheduled
@@ -266,7 +293,8 @@ class Runner {
 
   void Worker(int worker_idx) {
     std::mt19937_64 rng(o_.seed * 1000003ULL + static_cast<uint64_t>(worker_idx));
-    v1::Inference::Stub* stub = stubs_[worker_idx % stubs_.size()].get();
+    v1::Inference::Stub* stub = http_ ? nullptr : stubs_[worker_idx % stubs_.size()].get();
+    std::unique_ptr<http::Client> client;  // HTTP: this worker's keep-alive connection
     while (true) {
       Clock::time_point scheduled;
       if (o_.rate > 0) {
@@ -282,7 +310,7 @@ class Runner {
       }
       const bool measured = scheduled >= window_start_;
       if (measured) ++num_measured_started_;
-      Sample s = OneRequest(stub, rng, scheduled);
+      Sample s = http_ ? OneHttpRequest(&client, rng, scheduled) : OneRequest(stub, rng, scheduled);
       s.measured = measured;
       {
         std::lock_guard<std::mutex> lock(mu_);
@@ -293,55 +321,150 @@ class Runner {
     }
   }
 
-  Sample OneRequest(v1::Inference::Stub* stub, std::mt19937_64& rng, Clock::time_point t0) {
-    Sample s;
+  // One request's random prompt, output length and compression choice (the same draws for gRPC
+  // and HTTP, so a seed gives both protocols the same load).
+  struct Draw {
+    std::vector<int32_t> prompt;
+    int64_t out_len = 0;
+    const CompressionChoice* compression = nullptr;
+  };
+  Draw DrawRequest(std::mt19937_64& rng) {
+    Draw d;
     int64_t out_len = o_.output_len.Sample(rng);
     int64_t prompt_len = o_.prompt_len.Sample(rng);
     if (max_context_len_ > 0) {  // keep prompt + output inside the context
       prompt_len = std::min<int64_t>(prompt_len, std::max<int64_t>(1, max_context_len_ - 2));
       out_len = std::min<int64_t>(out_len, std::max<int64_t>(1, max_context_len_ - prompt_len - 1));
     }
-    v1::GenerateRequest req;
     std::uniform_int_distribution<int32_t> token(3, std::max(3, vocab_size_ - 1));
-    for (int64_t i = 0; i < prompt_len; ++i) req.mutable_token_ids()->add_ids(token(rng));
-    req.set_max_new_tokens(static_cast<int32_t>(out_len));
-    req.mutable_sampling()->set_ignore_eos(true);  // exact output lengths
-    if (!o_.compression.empty()) {
-      const auto& c =
-          o_.compression[std::uniform_int_distribution<size_t>(0, o_.compression.size() - 1)(rng)];
-      if (!c.method.empty()) req.mutable_compression()->set_method(c.method);
-      if (c.keep_ratio > 0) req.mutable_compression()->set_keep_ratio(c.keep_ratio);
+    for (int64_t i = 0; i < prompt_len; ++i) d.prompt.push_back(token(rng));
+    d.out_len = out_len;
+    if (!o_.compression.empty())
+      d.compression =
+          &o_.compression[std::uniform_int_distribution<size_t>(0, o_.compression.size() - 1)(rng)];
+    return d;
+  }
+
+  // Counts `n` tokens that arrived now (TTFT or inter-token gaps).
+  void OnTokens(Sample& s, int64_t n, Clock::time_point t0, Clock::time_point* last) {
+    if (n == 0) return;
+    const Clock::time_point now = Clock::now();
+    if (now >= window_start_ && now < end_) tokens_in_window_ += n;
+    if (s.ttft_ms < 0) {
+      s.ttft_ms = Seconds(now - t0) * 1e3;
+    } else {
+      // A message carrying n tokens: n gaps of equal share (the server may coalesce deltas).
+      const double gap_ms = Seconds(now - *last) * 1e3 / static_cast<double>(n);
+      for (int64_t i = 0; i < n; ++i) s.itl_ms.push_back(gap_ms);
     }
-    s.prompt_tokens = prompt_len;
+    *last = now;
+    s.output_tokens += n;
+    tokens_streamed_ += n;
+  }
+
+  // The same request over the OpenAI-compatible HTTP API: a streamed completion of token ids.
+  Sample OneHttpRequest(std::unique_ptr<http::Client>* client, std::mt19937_64& rng,
+                        Clock::time_point t0) {
+    Sample s;
+    const Draw d = DrawRequest(rng);
+    s.prompt_tokens = static_cast<int64_t>(d.prompt.size());
+    nlohmann::json body = {
+        {"model", http_model_}, {"prompt", d.prompt}, {"max_tokens", d.out_len}, {"temperature", 0},
+        {"ignore_eos", true},   {"stream", true},     {"return_token_ids", true}};
+    if (d.compression != nullptr) {
+      nlohmann::json c = nlohmann::json::object();
+      if (!d.compression->method.empty()) c["method"] = d.compression->method;
+      if (d.compression->keep_ratio > 0) c["keep_ratio"] = d.compression->keep_ratio;
+      body["kv_compression"] = c;
+    }
+    const auto timeout =
+        std::chrono::milliseconds(static_cast<int64_t>(o_.request_timeout_s * 1e3));
+    if (*client == nullptr || !(*client)->connected()) {
+      auto connected = http::Client::Connect(http_host_, http_port_, timeout);
+      if (!connected.ok()) {
+        s.error = "HTTP connect";
+        s.done = Clock::now();
+        s.e2e_ms = Seconds(s.done - t0) * 1e3;
+        return s;
+      }
+      *client = std::move(*connected);
+    }
+    http::Client* c = client->get();
+    std::optional<LiveRequest> live;
+    std::atomic<bool> aborted{false};
+    if (o_.steady)
+      live.emplace(*this, [c, &aborted] {
+        aborted = true;
+        c->Abort();
+      });
+    Clock::time_point last = t0;
+    http::SseParser sse;
+    bool done_event = false;
+    std::string stream_error;
+    auto response =
+        c->Stream("POST", "/v1/completions", body.dump(), {}, [&](std::string_view bytes) {
+          sse.Feed(bytes, [&](const std::string& data) {
+            if (data == "[DONE]") {
+              done_event = true;
+              return;
+            }
+            auto event = nlohmann::json::parse(data, nullptr, false);
+            if (event.is_discarded()) return;
+            if (event.contains("error")) {
+              stream_error = "HTTP stream error";
+              return;
+            }
+            for (const auto& choice : event.value("choices", nlohmann::json::array()))
+              if (choice.contains("token_ids"))
+                OnTokens(s, static_cast<int64_t>(choice["token_ids"].size()), t0, &last);
+          });
+          return true;
+        });
+    live.reset();
+    s.done = Clock::now();
+    s.e2e_ms = Seconds(s.done - t0) * 1e3;
+    if (aborted) {
+      s.cancelled = true;
+      s.error = "CANCELLED";
+    } else if (!response.ok()) {
+      s.error = "HTTP connection";
+    } else if (response->status != 200) {
+      s.error = absl::StrCat("HTTP ", response->status);
+    } else if (!stream_error.empty() || !done_event) {
+      s.error = stream_error.empty() ? "HTTP truncated" : stream_error;
+    }
+    return s;
+  }
+
+  Sample OneRequest(v1::Inference::Stub* stub, std::mt19937_64& rng, Clock::time_point t0) {
+    Sample s;
+    const Draw d = DrawRequest(rng);
+    v1::GenerateRequest req;
+    for (int32_t id : d.prompt) req.mutable_token_ids()->add_ids(id);
+    req.set_max_new_tokens(static_cast<int32_t>(d.out_len));
+    req.mutable_sampling()->set_ignore_eos(true);  // exact output lengths
+    if (d.compression != nullptr) {
+      if (!d.compression->method.empty())
+        req.mutable_compression()->set_method(d.compression->method);
+      if (d.compression->keep_ratio > 0)
+        req.mutable_compression()->set_keep_ratio(d.compression->keep_ratio);
+    }
+    s.prompt_tokens = static_cast<int64_t>(d.prompt.size());
     grpc::ClientContext ctx;
     // gRPC deadlines take the system clock; latencies use the steady one.
     ctx.set_deadline(std::chrono::system_clock::now() +
                      std::chrono::duration_cast<std::chrono::system_clock::duration>(
                          std::chrono::duration<double>(o_.request_timeout_s)));
     std::optional<LiveRequest> live;
-    if (o_.steady) live.emplace(*this, &ctx);
+    if (o_.steady) live.emplace(*this, [&ctx] { ctx.TryCancel(); });
     auto reader = stub->Generate(&ctx, req);
     v1::GenerateResponse msg;
     Clock::time_point last = t0;
-    while (reader->Read(&msg)) {
-      const int n = msg.token_ids_size();
-      if (n == 0) continue;
-      const Clock::time_point now = Clock::now();
-      if (now >= window_start_ && now < end_) tokens_in_window_ += n;
-      if (s.ttft_ms < 0) {
-        s.ttft_ms = Seconds(now - t0) * 1e3;
-      } else {
-        // A message carrying n tokens: n gaps of equal share (the server may coalesce deltas).
-        const double gap_ms = Seconds(now - last) * 1e3 / n;
-        for (int i = 0; i < n; ++i) s.itl_ms.push_back(gap_ms);
-      }
-      last = now;
-      s.output_tokens += n;
-      tokens_streamed_ += n;
-    }
+    while (reader->Read(&msg)) OnTokens(s, msg.token_ids_size(), t0, &last);
     const grpc::Status st = reader->Finish();
     s.done = Clock::now();
-    s.code = st.error_code();
+    if (!st.ok()) s.error = StatusName(st.error_code());
+    s.cancelled = st.error_code() == grpc::StatusCode::CANCELLED;
     s.e2e_ms = Seconds(s.done - t0) * 1e3;
     return s;
   }
@@ -376,15 +499,15 @@ class Runner {
       if (o_.steady) {
         // Requests that complete inside the window; in steady state they are a fair sample.
         if (s.done >= end_) {
-          if (s.code == grpc::StatusCode::CANCELLED) ++r.cancelled_at_end;
+          if (s.cancelled) ++r.cancelled_at_end;
           continue;
         }
         if (s.done < window_start_) continue;
       } else if (!s.measured) {
         continue;
       }
-      if (s.code != grpc::StatusCode::OK) {
-        ++r.errors[StatusName(s.code)];
+      if (!s.error.empty()) {
+        ++r.errors[s.error];
         continue;
       }
       ++r.num_ok;
@@ -431,6 +554,10 @@ class Runner {
   const LoadOptions& o_;
   const int32_t vocab_size_;
   const int64_t max_context_len_;
+  const bool http_;
+  const std::string http_model_;
+  std::string http_host_;
+  int http_port_ = 0;
   std::vector<std::unique_ptr<v1::Inference::Stub>> stubs_;
   Clock::time_point start_, window_start_, end_;
   std::mutex mu_;
@@ -440,12 +567,40 @@ class Runner {
   bool arrivals_done_ = false;
   int64_t num_dropped_ = 0;
   std::vector<Sample> samples_;
-  std::set<grpc::ClientContext*> live_;  // steady mode: requests in flight
+  std::list<std::function<void()>> live_;  // steady mode: how to cancel each request in flight
   bool window_closed_ = false;
   std::atomic<int64_t> num_measured_started_{0}, num_done_{0}, tokens_streamed_{0};
   std::atomic<int64_t> tokens_in_window_{0};
   std::atomic<bool> finished_{false};
 };
+
+}  // namespace
+
+namespace {
+
+// HTTP: /v1/models names the model and gives its vocabulary and context (dropkv's extension).
+absl::StatusOr<RunResult> RunHttpLoad(const LoadOptions& o) {
+  const std::string host_port = o.address.substr(7, o.address.find('/', 7) - 7);
+  const size_t colon = host_port.rfind(':');
+  std::string host = host_port.substr(0, colon);
+  if (!host.empty() && host.front() == '[') host = host.substr(1, host.size() - 2);
+  int port = 80;
+  if (colon != std::string::npos && !absl::SimpleAtoi(host_port.substr(colon + 1), &port))
+    return absl::InvalidArgumentError(absl::StrCat("--address: bad port in '", o.address, "'"));
+  auto client = http::Client::Connect(host, port, std::chrono::seconds(10));
+  if (!client.ok()) return client.status();
+  auto models = (*client)->Send("GET", "/v1/models");
+  if (!models.ok() || models->status != 200)
+    return absl::UnavailableError(absl::StrCat("GET /v1/models on ", o.address, " failed"));
+  auto j = nlohmann::json::parse(models->body, nullptr, false);
+  if (j.is_discarded() || !j.contains("data") || j["data"].empty())
+    return absl::UnavailableError(absl::StrCat("/v1/models on ", o.address, ": no model"));
+  const auto& model = j["data"][0];
+  Runner runner(o, model.value("vocab_size", 0), model.value("max_model_len", int64_t{0}),
+                model.value("id", ""));
+  if (absl::Status c = runner.Connect(); !c.ok()) return c;
+  return runner.Run();
+}
 
 }  // namespace
 
@@ -471,6 +626,7 @@ absl::StatusOr<RunResult> RunLoad(const LoadOptions& o) {
   if (o.prompt_len.Max() < 1 || o.output_len.Max() < 1)
     return absl::InvalidArgumentError("prompt and output lengths must be set");
 
+  if (IsHttpAddress(o.address)) return RunHttpLoad(o);
   // The model's vocabulary and context bound the random prompts.
   grpc::ChannelArguments args;
   auto channel = grpc::CreateCustomChannel(o.address, grpc::InsecureChannelCredentials(), args);

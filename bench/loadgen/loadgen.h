@@ -1,6 +1,8 @@
-// dropkv-loadgen's engine (issue 10): drives a loopback dropkv-server over gRPC in a closed loop
-// (N streams back to back) or an open loop (Poisson arrivals at R requests/s), and measures time to
-// first token, inter-token latency and end-to-end latency per request. No torch: it is a client.
+// dropkv-loadgen's engine (issue 10): drives a loopback dropkv-server over gRPC or over its
+// OpenAI-compatible HTTP API (an address "http://HOST:PORT": streamed /v1/completions of the same
+// token-id prompts) in a closed loop (N streams back to back) or an open loop (Poisson arrivals at
+// R requests/s), and measures time to first token, inter-token latency and end-to-end latency per
+// request, the same way for both. No torch: it is a client.
 #pragma once
 
 #include <cstdint>
@@ -35,8 +37,11 @@ struct CompressionChoice {
 };
 absl::StatusOr<CompressionChoice> ParseCompressionChoice(const std::string& spec);
 
-// True for 127.0.0.0/8, localhost, [::1] and unix: addresses. Load goes nowhere else.
+// True for 127.0.0.0/8, localhost, [::1] and unix: addresses (also after "http://"). Load goes
+// nowhere else.
 bool IsLoopbackAddress(const std::string& address);
+// "http://HOST:PORT": the HTTP API instead of gRPC.
+bool IsHttpAddress(const std::string& address);
 
 struct LoadOptions {
   std::string address;
@@ -70,7 +75,8 @@ struct RunResult {
   double measured_s = 0;         // window start -> last measured completion (steady: the window)
   int64_t cancelled_at_end = 0;  // steady: requests in flight when the window closed
   int64_t num_ok = 0;
-  std::map<std::string, int64_t> errors;  // gRPC status name -> count (measured requests)
+  // gRPC status name or "HTTP <status>" -> count (measured requests)
+  std::map<std::string, int64_t> errors;
   int64_t num_dropped = 0;  // open loop: arrivals with `concurrency` already in flight
   int64_t prompt_tokens = 0, output_tokens = 0;
   Percentiles ttft_ms, itl_ms, e2e_ms;

@@ -3,6 +3,7 @@
 //   dropkv-loadgen --address 127.0.0.1:50051 --concurrency 8 --duration 30
 //   dropkv-loadgen --address 127.0.0.1:50051 --rate 4 --concurrency 64 --duration 60 --json
 //   dropkv-loadgen --address ... --sweep 1,2,4,8,16 --plot sweep.png --out-json sweep.json
+//   dropkv-loadgen --address http://127.0.0.1:8000 --concurrency 8 --duration 30   (HTTP API)
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -61,7 +62,10 @@ int main(int argc, char** argv) {
   std::vector<std::string> compression_specs;
   std::string metrics_url, out_json, out_md, plot_png, sweep;
   bool json = false, no_progress = false;
-  app.add_option("--address", o.address, "server HOST:PORT (loopback only)")->required();
+  app.add_option("--address", o.address,
+                 "server HOST:PORT for gRPC, http://HOST:PORT for the OpenAI-compatible HTTP API "
+                 "(loopback only)")
+      ->required();
   app.add_option("--concurrency", o.concurrency,
                  "closed loop: concurrent streams; open loop: most requests in flight")
       ->capture_default_str();

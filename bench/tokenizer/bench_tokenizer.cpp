@@ -2,6 +2,8 @@
 // tokenizer folder, side by side with HF `tokenizers` (Python, RAYON_NUM_THREADS=1) on the same
 // text in the same run, plus tokenizer.json load times (the 33 MB Gemma one must be < 1 s).
 // The text is encoded line by line (as a server sees requests); ids counts must agree.
+// Then the chat template: render time of a --chat-turns conversation (with tools) next to the
+// time to encode the rendered text, and HF apply_chat_template's time and text for the same chat.
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -17,6 +19,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include "engine/tokenizer/chat_template.h"
 #include "engine/tokenizer/tokenizer.h"
 
 namespace {
@@ -76,6 +79,58 @@ std::string MixedText(size_t target_bytes) {
   return out;
 }
 
+// A `turns`-message chat (a system message, then user / assistant alternating; some answers
+// carry <think> blocks) with two tool schemas: what a long agentic session sends.
+dropkv::ChatRequest LongChat(int turns) {
+  using ojson = nlohmann::ordered_json;
+  const std::vector<std::string> questions = {
+      "Can you explain how the KV cache grows with the sequence length, and what that means for "
+      "memory on a 24 GB card?",
+      "Rewrite this function so it avoids the quadratic loop:\n```python\nfor i in xs:\n    for j "
+      "in xs:\n        total += i * j\n```",
+      "Résume en français : la compression du cache garde les jetons les plus utiles. 日本語でも。",
+      "What was the weather in Zürich last week? Use the tools if you need them.",
+  };
+  const std::vector<std::string> answers = {
+      "The cache stores keys and values for every layer and head, so it grows linearly: at 8K "
+      "tokens a 7B model needs about 4 GB in fp16.",
+      "<think>\nThe inner loop computes a product with the sum.\n</think>\n\nUse "
+      "`total = sum(xs) ** 2`; it is linear.",
+      "La compression garde les jetons importants et jette les autres — "
+      "重要なトークンだけを残します。",
+      "<think>\nNo tool call needed for a summary.\n</think>\n\nIt was mostly sunny, 18 to 24 "
+      "°C.",
+  };
+  dropkv::ChatRequest request;
+  request.messages.push_back({{"role", "system"}, {"content", "You are a helpful assistant."}});
+  for (int i = 1; i < turns; ++i) {
+    const bool user = i % 2 == 1;
+    const auto& pool = user ? questions : answers;
+    request.messages.push_back(
+        {{"role", user ? "user" : "assistant"}, {"content", pool[(i / 2) % pool.size()]}});
+  }
+  request.tools = ojson::parse(R"([
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city.",
+      "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+        "date": {"type": "string", "description": "ISO date"}}, "required": ["city"]}}},
+    {"type": "function", "function": {"name": "search", "description": "Search the web.",
+      "parameters": {"type": "object", "properties": {"query": {"type": "string"},
+        "limit": {"type": "integer", "default": 5}}, "required": ["query"]}}}])");
+  request.add_generation_prompt = true;
+  return request;
+}
+
+// Mean seconds per call over `reps` calls, best of 3.
+template <typename Fn>
+Timing PerCall(int reps, Fn fn) {
+  Timing t = BestOf3([&] {
+    for (int i = 0; i < reps; ++i) fn();
+  });
+  t.wall_s /= reps;
+  t.cpu_s /= reps;
+  return t;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -90,7 +145,14 @@ int main(int argc, char** argv) {
   app.add_option("--python", python, "Python with `tokenizers` (empty: skip HF)");
   app.add_option("--hf-script", hf_script, "path of bench/tokenizer/bench_hf.py");
   app.add_option("--mb", mbytes, "text size in MB");
+  int chat_turns = 50;
+  app.add_option("--chat-turns", chat_turns, "messages in the chat-template benchmark (0: skip)");
   CLI11_PARSE(app, argc, argv);
+  const dropkv::ChatRequest chat = LongChat(chat_turns);
+  const auto chat_path = std::filesystem::temp_directory_path() / "dropkv_bench_chat.json";
+  std::ofstream(chat_path) << nlohmann::ordered_json{
+      {"messages", chat.messages},
+      {"tools", *chat.tools}}.dump();
 
   const std::string text = MixedText(mbytes << 20);
   const auto text_path = std::filesystem::temp_directory_path() / "dropkv_bench_tokenizer.txt";
@@ -107,6 +169,7 @@ int main(int argc, char** argv) {
   nlohmann::json hf = nlohmann::json::object();
   if (!python.empty() && !hf_script.empty()) {
     std::string cmd = "RAYON_NUM_THREADS=1 " + python + " " + hf_script + " " + text_path.string();
+    if (chat_turns > 0) cmd += " --chat " + chat_path.string();
     for (const auto& d : dirs) cmd += " " + d;
     FILE* p = popen(cmd.c_str(), "r");
     std::string out;
@@ -146,6 +209,35 @@ int main(int argc, char** argv) {
                 mb / whole.wall_s, mb / whole.cpu_s, hf_rate("whole_wall_s"),
                 hf_rate("whole_cpu_s"), whole_ids, hf_ids("whole_ids"));
   }
+  if (chat_turns > 0) {
+    std::printf(
+        "\nchat template: %d messages + 2 tools, add_generation_prompt; microseconds per "
+        "call (wall | CPU), best of 3\n",
+        chat_turns);
+    std::printf("%-10s %9s %19s %19s %9s %19s %8s\n", "tokenizer", "bytes", "render us",
+                "encode us", "render/", "HF render us", "HF text");
+    std::printf("%-10s %9s %19s %19s %9s %19s %8s\n", "", "", "", "", "encode", "", "equal");
+    for (const auto& d : dirs) {
+      auto tok = dropkv::Tokenizer::FromDirectory(d);
+      if (!tok.ok()) continue;
+      const std::string name = std::filesystem::path(d).filename().string();
+      auto text = (*tok)->ApplyChatTemplate(chat);
+      if (!text.ok()) {
+        std::printf("%-10s %s\n", name.c_str(), std::string(text.status().message()).c_str());
+        continue;
+      }
+      const Timing render = PerCall(200, [&] { (void)(*tok)->ApplyChatTemplate(chat); });
+      const Timing encode = PerCall(200, [&] { (void)(*tok)->Encode(*text, false); });
+      const nlohmann::json h = hf.contains(d) ? hf[d] : nlohmann::json::object();
+      const bool hf_equal = h.contains("chat_text") && h["chat_text"].get<std::string>() == *text;
+      std::printf("%-10s %9zu %9.1f|%-9.1f %9.1f|%-9.1f %9.3f %9.1f|%-9.1f %8s\n", name.c_str(),
+                  text->size(), render.wall_s * 1e6, render.cpu_s * 1e6, encode.wall_s * 1e6,
+                  encode.cpu_s * 1e6, render.cpu_s / encode.cpu_s,
+                  h.value("chat_wall_s", 0.0) * 1e6, h.value("chat_cpu_s", 0.0) * 1e6,
+                  h.contains("chat_text") ? (hf_equal ? "yes" : "NO") : "-");
+    }
+  }
+  std::filesystem::remove(chat_path);
   if (!load_dir.empty()) {
     bool failed = false;
     const Timing load =

@@ -352,16 +352,6 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
   return c;
 }
 
-int32_t ModelConfig::num_sliding_layers() const {
-  return static_cast<int32_t>(std::count(sliding_layers.begin(), sliding_layers.end(), true));
-}
-
-double ModelConfig::attention_scale(int32_t layer_idx) const {
-  const double f = rope_of(layer_idx).attention_factor;
-  const double base = query_pre_attn_scalar > 0 ? query_pre_attn_scalar : head_dim;
-  return f * f / std::sqrt(base);
-}
-
 absl::StatusOr<ModelConfig> LoadModelConfig(const std::string& model_dir) {
   const std::string path = (std::filesystem::path(model_dir) / "config.json").string();
   if (!std::filesystem::exists(path)) {

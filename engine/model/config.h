@@ -7,6 +7,8 @@
 // `rope_parameters` (per layer type for Gemma 3) and the older `rope_theta` + `rope_scaling`.
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -76,14 +78,20 @@ struct ModelConfig {
   bool is_sliding(int32_t layer_idx) const {
     return !sliding_layers.empty() && sliding_layers[layer_idx];
   }
-  int32_t num_sliding_layers() const;
+  int32_t num_sliding_layers() const {
+    return static_cast<int32_t>(std::count(sliding_layers.begin(), sliding_layers.end(), true));
+  }
   // Layers whose cache grows with the context: the ones KV compression and DepthKV budgets act on.
   int32_t num_global_layers() const { return num_layers - num_sliding_layers(); }
   const RopeParams& rope_of(int32_t layer_idx) const {
     return is_sliding(layer_idx) ? rope_local : rope;
   }
   // Softmax scale of a layer's attention logits (query_pre_attn_scalar, YaRN's attention factor).
-  double attention_scale(int32_t layer_idx) const;
+  double attention_scale(int32_t layer_idx) const {
+    const double f = rope_of(layer_idx).attention_factor;
+    const double base = query_pre_attn_scalar > 0 ? query_pre_attn_scalar : head_dim;
+    return f * f / std::sqrt(base);
+  }
 };
 
 // The supported `architectures` / `model_type` values, for error messages.

@@ -1,209 +1,301 @@
 #include "engine/tokenizer/chat_template.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "engine/tokenizer/unicode.h"
 
 namespace dropkv {
 namespace {
 
-// Fingerprints of the exact template texts in ../shared/tokenizers/*/tokenizer_config.json.
-constexpr uint64_t kLlama3Fingerprint = 0x0e60067a5537498eULL;
-constexpr uint64_t kQwen3Fingerprint = 0x2bfdb7aa9754484eULL;
-constexpr uint64_t kGemma3Fingerprint = 0xc90dea00b85c935dULL;
+using ojson = nlohmann::ordered_json;
 
-// Python str.strip() / lstrip() / rstrip() with no argument (Jinja's `trim` filter).
-std::string PyStrip(std::string_view s, bool left, bool right) {
-  size_t b = 0, e = s.size();
-  if (left) {
-    while (b < e) {
-      char32_t cp = 0;
-      const size_t n = unicode::DecodeCodePoint(s, b, &cp);
-      if (!unicode::IsPythonSpace(cp)) break;
-      b += n;
-    }
+// transformers appends this to the final message's text, renders, and cuts the output where it
+// lands (render_jinja_template's continue_final_message).
+constexpr std::string_view kContinueTag = "CONTINUE_FINAL_MESSAGE_TAG ";
+
+// HF's SPECIAL_TOKENS_ATTRIBUTES: what apply_chat_template passes to every template.
+constexpr const char* kSpecialTokenNames[] = {"bos_token", "eos_token", "unk_token", "sep_token",
+                                              "pad_token", "cls_token", "mask_token"};
+
+// A token given as a string or as an AddedToken object {"content": ...}; nullopt when unset.
+std::optional<std::string> TokenText(const nlohmann::json& value) {
+  if (value.is_string()) return value.get<std::string>();
+  if (value.is_object() && value.contains("content") && value["content"].is_string()) {
+    return value["content"].get<std::string>();
   }
-  if (right) {
-    while (e > b) {
-      size_t k = e - 1;
-      while (k > b && (static_cast<unsigned char>(s[k]) & 0xC0) == 0x80) --k;
-      char32_t cp = 0;
-      unicode::DecodeCodePoint(s, k, &cp);
-      if (!unicode::IsPythonSpace(cp)) break;
-      e = k;
-    }
-  }
-  return std::string(s.substr(b, e - b));
+  return std::nullopt;
 }
 
-// Python str.strip(chars) for a set of ASCII chars.
-std::string StripChars(std::string_view s, std::string_view chars, bool left, bool right) {
-  size_t b = 0, e = s.size();
-  if (left) {
-    while (b < e && chars.find(s[b]) != std::string_view::npos) ++b;
+// Python's str.strip() / rstrip().
+std::string PyStrip(std::string_view s, bool left) {
+  size_t begin = 0, end = s.size();
+  while (left && begin < end) {
+    char32_t cp = 0;
+    const size_t n = unicode::DecodeCodePoint(s, begin, &cp);
+    if (!unicode::IsPythonSpace(cp)) break;
+    begin += n;
   }
-  if (right) {
-    while (e > b && chars.find(s[e - 1]) != std::string_view::npos) --e;
+  while (end > begin) {
+    size_t k = end - 1;
+    while (k > begin && (static_cast<unsigned char>(s[k]) & 0xC0) == 0x80) --k;
+    char32_t cp = 0;
+    unicode::DecodeCodePoint(s, k, &cp);
+    if (!unicode::IsPythonSpace(cp)) break;
+    end = k;
   }
-  return std::string(s.substr(b, e - b));
+  return std::string(s.substr(begin, end - begin));
 }
 
-std::string RenderLlama3(const std::vector<ChatMessage>& messages, bool add_generation_prompt,
-                         std::string_view bos_token) {
-  std::string out;
-  for (size_t i = 0; i < messages.size(); ++i) {
-    if (i == 0) out += bos_token;
-    absl::StrAppend(&out, "<|start_header_id|>", messages[i].role, "<|end_header_id|>\n\n",
-                    PyStrip(messages[i].content, true, true), "<|eot_id|>");
+absl::Status ParseTemplate(const std::string& source, std::string_view what,
+                           std::unique_ptr<jinja::Template>* out) {
+  auto parsed = jinja::Template::Parse(source);
+  if (!parsed.ok()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the model's ", std::string(what), " could not be parsed: ", parsed.status().message()));
   }
-  if (add_generation_prompt) out += "<|start_header_id|>assistant<|end_header_id|>\n\n";
-  return out;
-}
-
-bool StartsWith(std::string_view s, std::string_view p) {
-  return s.substr(0, p.size()) == p;
-}
-bool EndsWith(std::string_view s, std::string_view p) {
-  return s.size() >= p.size() && s.substr(s.size() - p.size()) == p;
-}
-
-std::string RenderQwen3(const std::vector<ChatMessage>& messages, bool add_generation_prompt) {
-  std::string out;
-  const size_t n = messages.size();
-  if (n > 0 && messages[0].role == "system") {
-    absl::StrAppend(&out, "<|im_start|>system\n", messages[0].content, "<|im_end|>\n");
-  }
-  // Index of the last user message that is not a tool response (default: the last message).
-  bool multi_step_tool = true;
-  size_t last_query_index = n - 1;  // wraps for n == 0; then no loop runs
-  for (size_t r = 0; r < n; ++r) {
-    const size_t index = n - 1 - r;
-    const ChatMessage& m = messages[index];
-    if (multi_step_tool && m.role == "user" &&
-        !(StartsWith(m.content, "<tool_response>") && EndsWith(m.content, "</tool_response>"))) {
-      multi_step_tool = false;
-      last_query_index = index;
-    }
-  }
-  for (size_t i = 0; i < n; ++i) {
-    const ChatMessage& m = messages[i];
-    if (m.role == "user" || (m.role == "system" && i != 0)) {
-      absl::StrAppend(&out, "<|im_start|>", m.role, "\n", m.content, "<|im_end|>\n");
-    } else if (m.role == "assistant") {
-      std::string content = m.content;
-      std::string reasoning;
-      const size_t close = m.content.find("</think>");
-      if (close != std::string::npos) {
-        // content.split('</think>')[-1].lstrip('\n')
-        const size_t last_close = m.content.rfind("</think>");
-        content = StripChars(std::string_view(m.content).substr(last_close + 8), "\n", true, false);
-        // content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n')
-        std::string before =
-            StripChars(std::string_view(m.content).substr(0, close), "\n", false, true);
-        const size_t open = before.rfind("<think>");
-        if (open != std::string::npos) before = before.substr(open + 7);
-        reasoning = StripChars(before, "\n", true, false);
-      }
-      const bool last = i + 1 == n;
-      if (i > last_query_index && (last || !reasoning.empty())) {
-        absl::StrAppend(&out, "<|im_start|>", m.role, "\n<think>\n",
-                        StripChars(reasoning, "\n", true, true), "\n</think>\n\n",
-                        StripChars(content, "\n", true, false));
-      } else {
-        absl::StrAppend(&out, "<|im_start|>", m.role, "\n", content);
-      }
-      out += "<|im_end|>\n";
-    } else if (m.role == "tool") {
-      if (i == 0 || messages[i - 1].role != "tool") out += "<|im_start|>user";
-      absl::StrAppend(&out, "\n<tool_response>\n", m.content, "\n</tool_response>");
-      if (i + 1 == n || messages[i + 1].role != "tool") out += "<|im_end|>\n";
-    }
-  }
-  if (add_generation_prompt) out += "<|im_start|>assistant\n";
-  return out;
-}
-
-absl::StatusOr<std::string> RenderGemma3(const std::vector<ChatMessage>& messages,
-                                         bool add_generation_prompt, std::string_view bos_token) {
-  std::string out(bos_token);
-  std::string first_user_prefix;
-  size_t begin = 0;
-  if (messages[0].role == "system") {
-    first_user_prefix = messages[0].content + "\n\n";
-    begin = 1;
-  }
-  for (size_t i = begin; i < messages.size(); ++i) {
-    const size_t index0 = i - begin;
-    const ChatMessage& m = messages[i];
-    if ((m.role == "user") != (index0 % 2 == 0)) {
-      return absl::InvalidArgumentError(
-          "Conversation roles must alternate user/assistant/user/assistant/...");
-    }
-    const std::string role = m.role == "assistant" ? "model" : m.role;
-    absl::StrAppend(&out, "<start_of_turn>", role, "\n", index0 == 0 ? first_user_prefix : "",
-                    PyStrip(m.content, true, true), "<end_of_turn>\n");
-  }
-  if (add_generation_prompt) out += "<start_of_turn>model\n";
-  return out;
+  *out = std::move(*parsed);
+  return absl::OkStatus();
 }
 
 }  // namespace
 
-uint64_t ChatTemplateFingerprint(std::string_view t) {
-  uint64_t h = 0xcbf29ce484222325ULL;  // FNV-1a 64
-  for (char c : t) {
-    h ^= static_cast<unsigned char>(c);
-    h *= 0x100000001b3ULL;
-  }
-  return h;
-}
+ChatTemplate::ChatTemplate(ChatTemplate&&) noexcept = default;
+ChatTemplate& ChatTemplate::operator=(ChatTemplate&&) noexcept = default;
+ChatTemplate::~ChatTemplate() = default;
 
-ChatTemplateKind IdentifyChatTemplate(std::string_view t) {
-  if (t.empty()) return ChatTemplateKind::kNone;
-  const uint64_t h = ChatTemplateFingerprint(t);
-  if (h == kLlama3Fingerprint) return ChatTemplateKind::kLlama3;
-  if (h == kQwen3Fingerprint) return ChatTemplateKind::kQwen3;
-  if (h == kGemma3Fingerprint) return ChatTemplateKind::kGemma3;
-  return ChatTemplateKind::kNone;
-}
-
-const char* ChatTemplateKindName(ChatTemplateKind kind) {
-  switch (kind) {
-    case ChatTemplateKind::kLlama3:
-      return "llama3";
-    case ChatTemplateKind::kQwen3:
-      return "qwen3";
-    case ChatTemplateKind::kGemma3:
-      return "gemma3";
-    case ChatTemplateKind::kNone:
-      break;
-  }
-  return "none";
-}
-
-absl::StatusOr<std::string> RenderChatTemplate(ChatTemplateKind kind,
-                                               const std::vector<ChatMessage>& messages,
-                                               bool add_generation_prompt,
-                                               std::string_view bos_token) {
-  if (kind != ChatTemplateKind::kNone && messages.empty()) {
-    return absl::InvalidArgumentError("chat request has no messages");
-  }
-  for (const auto& m : messages) {
-    if (!unicode::IsValidUtf8(m.content) || !unicode::IsValidUtf8(m.role)) {
-      return absl::InvalidArgumentError("chat message is not valid UTF-8");
+ChatTemplate ChatTemplate::FromConfig(const nlohmann::json& config, std::string_view jinja_file,
+                                      std::string_view tool_use_jinja_file) {
+  ChatTemplate chat;
+  const bool has_config = config.is_object();
+  if (has_config) {
+    for (const char* name : kSpecialTokenNames) {
+      if (!config.contains(name)) continue;
+      if (auto text = TokenText(config[name])) chat.special_tokens_[name] = *text;
+    }
+    // Named extra tokens (Gemma 3's boi_token, ...) join the map in transformers 5.
+    if (config.contains("extra_special_tokens") && config["extra_special_tokens"].is_object()) {
+      for (const auto& [name, value] : config["extra_special_tokens"].items()) {
+        if (auto text = TokenText(value)) chat.special_tokens_[name] = *text;
+      }
     }
   }
-  switch (kind) {
-    case ChatTemplateKind::kLlama3:
-      return RenderLlama3(messages, add_generation_prompt, bos_token);
-    case ChatTemplateKind::kQwen3:
-      return RenderQwen3(messages, add_generation_prompt);
-    case ChatTemplateKind::kGemma3:
-      return RenderGemma3(messages, add_generation_prompt, bos_token);
-    case ChatTemplateKind::kNone:
-      break;
+  if (!jinja_file.empty() || !tool_use_jinja_file.empty()) {
+    chat.default_source_ = std::string(jinja_file);
+    chat.tool_use_source_ = std::string(tool_use_jinja_file);
+  } else if (has_config && config.contains("chat_template")) {
+    const nlohmann::json& t = config["chat_template"];
+    if (t.is_string()) {
+      chat.default_source_ = t.get<std::string>();
+    } else if (t.is_array()) {
+      for (const auto& named : t) {
+        if (!named.is_object() || !named.contains("template") || !named["template"].is_string()) {
+          continue;
+        }
+        const std::string name = named.value("name", "");
+        if (name == "default") chat.default_source_ = named["template"].get<std::string>();
+        if (name == "tool_use") chat.tool_use_source_ = named["template"].get<std::string>();
+      }
+      if (chat.default_source_.empty() && chat.tool_use_source_.empty()) {
+        chat.load_status_ = absl::FailedPreconditionError(
+            "the model's chat templates have neither a 'default' nor a 'tool_use' one");
+        return chat;
+      }
+    }
   }
-  return absl::FailedPreconditionError(
-      "the model's chat template is missing or not supported (supported: llama3, qwen3, gemma3)");
+  if (chat.default_source_.empty() && chat.tool_use_source_.empty()) return chat;
+  absl::Status status = absl::OkStatus();
+  if (!chat.default_source_.empty()) {
+    status.Update(ParseTemplate(chat.default_source_, "chat template", &chat.default_template_));
+  }
+  if (!chat.tool_use_source_.empty()) {
+    status.Update(
+        ParseTemplate(chat.tool_use_source_, "tool_use chat template", &chat.tool_use_template_));
+  }
+  chat.load_status_ = status;
+  return chat;
+}
+
+std::vector<std::string> ChatTemplate::unsupported() const {
+  std::vector<std::string> names;
+  for (const auto* t : {default_template_.get(), tool_use_template_.get()}) {
+    if (t != nullptr) names.insert(names.end(), t->unsupported().begin(), t->unsupported().end());
+  }
+  return names;
+}
+
+absl::StatusOr<std::string> ChatTemplate::Render(const ChatRequest& request,
+                                                 const jinja::RenderOptions& options) const {
+  if (!load_status_.ok()) return load_status_;
+  // HF's get_chat_template: "tool_use" when tools are passed and it exists, else "default".
+  const bool use_tool_template = tool_use_template_ != nullptr && request.tools.has_value();
+  const jinja::Template* tmpl =
+      use_tool_template ? tool_use_template_.get() : default_template_.get();
+  const std::string& source = use_tool_template ? tool_use_source_ : default_source_;
+  if (tmpl == nullptr) {
+    return absl::FailedPreconditionError(
+        "the model's chat templates have no 'default' one (only 'tool_use', for requests with "
+        "tools)");
+  }
+  for (const ojson* part : {&request.messages, &request.template_kwargs}) {
+    if (JsonNestedDeeperThan(*part, kMaxChatJsonDepth)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("the chat nests deeper than ", kMaxChatJsonDepth, " levels"));
+    }
+  }
+  for (const auto* part : {&request.tools, &request.documents}) {
+    if (part->has_value() && JsonNestedDeeperThan(**part, kMaxChatJsonDepth)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("the chat nests deeper than ", kMaxChatJsonDepth, " levels"));
+    }
+  }
+  if (!request.messages.is_array() || request.messages.empty()) {
+    return absl::InvalidArgumentError(
+        "Cannot apply chat template to an empty conversation. Provide at least one message.");
+  }
+  if (request.tools && !request.tools->is_array()) {
+    return absl::InvalidArgumentError("tools must be a list of JSON schemas");
+  }
+  if (request.tools) {
+    for (const auto& tool : *request.tools) {
+      if (!tool.is_object()) return absl::InvalidArgumentError("each tool must be a JSON object");
+    }
+  }
+  if (request.documents) {
+    if (!request.documents->is_array()) {
+      return absl::InvalidArgumentError("documents must be a list of objects");
+    }
+    for (const auto& doc : *request.documents) {
+      if (!doc.is_object()) {
+        return absl::InvalidArgumentError(
+            "Documents should be a list of dicts with 'title' and 'text' keys!");
+      }
+    }
+  }
+  if (request.continue_final_message && request.add_generation_prompt) {
+    return absl::InvalidArgumentError(
+        "continue_final_message and add_generation_prompt are not compatible");
+  }
+  if (!request.template_kwargs.is_object()) {
+    return absl::InvalidArgumentError("chat_template_kwargs must be a JSON object");
+  }
+
+  // The variables point into the request (no copy) except the final message's text, which
+  // continue_final_message changes in a copy.
+  jinja::TemplateVariables variables;
+  for (auto it = special_tokens_.begin(); it != special_tokens_.end(); ++it) {
+    variables.emplace_back(it.key(), &it.value());
+  }
+  for (auto it = request.template_kwargs.begin(); it != request.template_kwargs.end(); ++it) {
+    if (std::find(std::begin(kChatReservedVariables), std::end(kChatReservedVariables), it.key()) !=
+        std::end(kChatReservedVariables)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("chat_template_kwargs may not set '", it.key(), "'"));
+    }
+    variables.emplace_back(it.key(), &it.value());
+  }
+  static const ojson kNone = nullptr;
+  const ojson add_generation_prompt = request.add_generation_prompt;
+  ojson continued_messages;
+  const size_t messages_index = variables.size();
+  variables.emplace_back("messages", &request.messages);
+  variables.emplace_back("tools", request.tools ? &*request.tools : &kNone);
+  variables.emplace_back("documents", request.documents ? &*request.documents : &kNone);
+  variables.emplace_back("add_generation_prompt", &add_generation_prompt);
+
+  std::string final_text;
+  if (request.continue_final_message) {
+    continued_messages = request.messages;
+    variables[messages_index].second = &continued_messages;
+    ojson& last = continued_messages.back();
+    if (!last.is_object() || !last.contains("content") || last["content"].is_null()) {
+      return absl::InvalidArgumentError(
+          "continue_final_message is set but the final message has no \"content\" to continue!");
+    }
+    if (source.find("content") == std::string::npos) {
+      return absl::InvalidArgumentError(
+          "continue_final_message is set to \"content\" but this is not an accepted field in the "
+          "chat_template");
+    }
+    ojson& content = last["content"];
+    ojson* text = nullptr;
+    if (content.is_string()) {
+      text = &content;
+    } else if (content.is_array()) {
+      // The last part that has text (HF walks the parts backwards).
+      for (auto it = content.rbegin(); it != content.rend() && text == nullptr; ++it) {
+        if (it->is_object() && it->contains("text") && (*it)["text"].is_string()) {
+          text = &(*it)["text"];
+        }
+      }
+    }
+    if (text == nullptr) {
+      return absl::InvalidArgumentError(
+          "continue_final_message is set but we could not find any text to continue in the "
+          "final message!");
+    }
+    final_text = text->get<std::string>();
+    *text = final_text + std::string(kContinueTag);
+  }
+
+  auto rendered = tmpl->Render(variables, options);
+  if (!rendered.ok()) return rendered.status();
+  if (!request.continue_final_message) return rendered;
+
+  const std::string stripped_tag = PyStrip(kContinueTag, true);
+  if (rendered->find(PyStrip(final_text, true)) == std::string::npos ||
+      rendered->find(stripped_tag) == std::string::npos) {
+    return absl::InvalidArgumentError(
+        "continue_final_message is set but the final message does not appear in the chat after "
+        "applying the chat template");
+  }
+  const size_t tag_pos = rendered->rfind(stripped_tag);
+  if (rendered->compare(tag_pos, kContinueTag.size(), kContinueTag) == 0) {
+    return rendered->substr(0, tag_pos);  // the template kept the message's spacing
+  }
+  return PyStrip(std::string_view(*rendered).substr(0, tag_pos), /*left=*/false);
+}
+
+bool JsonNestedDeeperThan(const nlohmann::ordered_json& json, int max_depth) {
+  std::vector<std::pair<const ojson*, int>> stack = {{&json, 0}};
+  while (!stack.empty()) {
+    const auto [node, depth] = stack.back();
+    stack.pop_back();
+    if (!node->is_structured()) continue;
+    if (depth + 1 > max_depth) return true;
+    for (const auto& child : *node) stack.emplace_back(&child, depth + 1);
+  }
+  return false;
+}
+
+absl::Status ParseToolCallArguments(nlohmann::ordered_json* messages,
+                                    std::string_view field_prefix) {
+  if (!messages->is_array()) return absl::OkStatus();
+  for (size_t i = 0; i < messages->size(); ++i) {
+    ojson& message = (*messages)[i];
+    if (!message.is_object() || !message.contains("tool_calls") ||
+        !message["tool_calls"].is_array()) {
+      continue;
+    }
+    ojson& calls = message["tool_calls"];
+    for (size_t j = 0; j < calls.size(); ++j) {
+      if (!calls[j].is_object() || !calls[j].contains("function") ||
+          !calls[j]["function"].is_object()) {
+        continue;
+      }
+      ojson& function = calls[j]["function"];
+      if (!function.contains("arguments") || !function["arguments"].is_string()) continue;
+      ojson parsed = ojson::parse(function["arguments"].get<std::string>(), nullptr, false);
+      if (parsed.is_discarded() || JsonNestedDeeperThan(parsed, kMaxChatJsonDepth)) {
+        return absl::InvalidArgumentError(absl::StrCat(std::string(field_prefix), "[", i,
+                                                       "].tool_calls[", j,
+                                                       "].function.arguments: not valid JSON"));
+      }
+      function["arguments"] = std::move(parsed);
+    }
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace dropkv

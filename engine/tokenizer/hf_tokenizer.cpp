@@ -320,10 +320,12 @@ HfTokenizer::~HfTokenizer() = default;
 
 absl::StatusOr<std::unique_ptr<HfTokenizer>> HfTokenizer::Create(
     const std::string& dir, std::string_view tokenizer_json, std::string_view config_json,
-    std::string_view generation_config_json, std::string_view chat_template_file) {
+    std::string_view generation_config_json, std::string_view chat_template_file,
+    std::string_view tool_use_template_file) {
   std::unique_ptr<HfTokenizer> tok(new HfTokenizer());
   RETURN_IF_ERROR(tok->LoadJson(dir, tokenizer_json));
-  RETURN_IF_ERROR(tok->LoadConfig(dir, config_json, generation_config_json, chat_template_file));
+  RETURN_IF_ERROR(tok->LoadConfig(dir, config_json, generation_config_json, chat_template_file,
+                                  tool_use_template_file));
   return tok;
 }
 
@@ -728,10 +730,12 @@ absl::Status HfTokenizer::LoadJson(const std::string& dir, std::string_view text
 
 absl::Status HfTokenizer::LoadConfig(const std::string& dir, std::string_view config_json,
                                      std::string_view generation_config_json,
-                                     std::string_view chat_template_file) {
+                                     std::string_view chat_template_file,
+                                     std::string_view tool_use_template_file) {
   // nlohmann's value()/get() throw on type mismatches: a bad config is an error, not a crash.
   try {
-    return LoadConfigUnchecked(dir, config_json, generation_config_json, chat_template_file);
+    return LoadConfigUnchecked(dir, config_json, generation_config_json, chat_template_file,
+                               tool_use_template_file);
   } catch (const json::exception& e) {
     return absl::InvalidArgumentError(
         absl::StrCat(dir, "/tokenizer_config.json: unexpected structure: ", e.what()));
@@ -740,7 +744,8 @@ absl::Status HfTokenizer::LoadConfig(const std::string& dir, std::string_view co
 
 absl::Status HfTokenizer::LoadConfigUnchecked(const std::string& dir, std::string_view config_json,
                                               std::string_view generation_config_json,
-                                              std::string_view chat_template_file) {
+                                              std::string_view chat_template_file,
+                                              std::string_view tool_use_template_file) {
   json cfg = json::object();
   if (!config_json.empty()) {
     cfg = json::parse(config_json, nullptr, false);
@@ -778,29 +783,20 @@ absl::Status HfTokenizer::LoadConfigUnchecked(const std::string& dir, std::strin
       }
     }
   }
-  // Chat template: chat_template.jinja (transformers v5) wins over the config string / list.
-  std::string tmpl(chat_template_file);
-  if (tmpl.empty() && cfg.contains("chat_template")) {
-    const json& t = cfg["chat_template"];
-    if (t.is_string()) {
-      tmpl = t.get<std::string>();
-    } else if (t.is_array()) {
-      for (const auto& named : t) {
-        if (named.is_object() && named.value("name", "") == "default" &&
-            named.contains("template") && named["template"].is_string()) {
-          tmpl = named["template"].get<std::string>();
-        }
-      }
-    }
-  }
-  chat_kind_ = IdentifyChatTemplate(tmpl);
-  if (tmpl.empty()) {
+  chat_template_ = ChatTemplate::FromConfig(cfg, chat_template_file, tool_use_template_file);
+  const absl::Status& chat_status = chat_template_.load_status();
+  if (absl::IsFailedPrecondition(chat_status) && chat_template_file.empty() &&
+      tool_use_template_file.empty() && !cfg.contains("chat_template")) {
     spdlog::info("tokenizer {}: no chat template; chat requests will fail", dir);
-  } else if (chat_kind_ == ChatTemplateKind::kNone) {
+  } else if (!chat_status.ok()) {
+    spdlog::warn("tokenizer {}: {}; chat requests will fail with FAILED_PRECONDITION", dir,
+                 std::string(chat_status.message()));
+  }
+  for (const std::string& name : chat_template_.unsupported()) {
     spdlog::warn(
-        "tokenizer {}: chat template (fingerprint {:016x}) is not supported; chat requests "
-        "will fail with FAILED_PRECONDITION",
-        dir, ChatTemplateFingerprint(tmpl));
+        "tokenizer {}: the chat template uses {}, which the interpreter lacks; chat "
+        "requests that reach it fail with FAILED_PRECONDITION",
+        dir, name);
   }
   return absl::OkStatus();
 }
@@ -1145,9 +1141,8 @@ absl::StatusOr<std::string> HfTokenizer::Decode(const std::vector<int32_t>& ids,
   return out;
 }
 
-absl::StatusOr<std::string> HfTokenizer::ApplyChatTemplate(const std::vector<ChatMessage>& messages,
-                                                           bool add_generation_prompt) const {
-  return RenderChatTemplate(chat_kind_, messages, add_generation_prompt, bos_token_);
+absl::StatusOr<std::string> HfTokenizer::ApplyChatTemplate(const ChatRequest& request) const {
+  return chat_template_.Render(request);
 }
 
 }  // namespace dropkv

@@ -52,24 +52,26 @@ class TokenTrie {
 
 class HfTokenizer final : public Tokenizer {
  public:
-  // `tokenizer_json` and `config_json` are file contents; `dir` names files in errors.
+  // `tokenizer_json` and `config_json` are file contents; `dir` names files in errors. The chat
+  // template files are chat_template.jinja and additional_chat_templates/tool_use.jinja ("" when
+  // absent).
   static absl::StatusOr<std::unique_ptr<HfTokenizer>> Create(
       const std::string& dir, std::string_view tokenizer_json, std::string_view config_json,
-      std::string_view generation_config_json, std::string_view chat_template_file);
+      std::string_view generation_config_json, std::string_view chat_template_file,
+      std::string_view tool_use_template_file = {});
   ~HfTokenizer() override;
 
   absl::StatusOr<std::vector<int32_t>> Encode(std::string_view text,
                                               bool add_special_tokens = true) const override;
   absl::StatusOr<std::string> Decode(const std::vector<int32_t>& ids,
                                      bool skip_special_tokens = true) const override;
-  absl::StatusOr<std::string> ApplyChatTemplate(const std::vector<ChatMessage>& messages,
-                                                bool add_generation_prompt = true) const override;
+  using Tokenizer::ApplyChatTemplate;
+  absl::StatusOr<std::string> ApplyChatTemplate(const ChatRequest& request) const override;
   int32_t vocab_size() const override { return vocab_size_; }
   std::optional<int32_t> bos_token_id() const override { return bos_id_; }
   std::vector<int32_t> eos_token_ids() const override { return eos_ids_; }
 
-  // The chat template family that was recognised (kNone when missing or unsupported).
-  ChatTemplateKind chat_template_kind() const { return chat_kind_; }
+  const ChatTemplate& chat_template() const { return chat_template_; }
 
   struct NormStep;
   struct PreStep;
@@ -80,10 +82,12 @@ class HfTokenizer final : public Tokenizer {
   absl::Status LoadJson(const std::string& dir, std::string_view tokenizer_json);
   absl::Status LoadConfig(const std::string& dir, std::string_view config_json,
                           std::string_view generation_config_json,
-                          std::string_view chat_template_file);
+                          std::string_view chat_template_file,
+                          std::string_view tool_use_template_file);
   absl::Status LoadConfigUnchecked(const std::string& dir, std::string_view config_json,
                                    std::string_view generation_config_json,
-                                   std::string_view chat_template_file);
+                                   std::string_view chat_template_file,
+                                   std::string_view tool_use_template_file);
   std::string Normalize(std::string_view text) const;
   // `at_text_start`: the segment begins at offset 0 of the input (Metaspace prepend "first").
   absl::Status EncodeSegment(std::string_view text, bool at_text_start,
@@ -113,7 +117,7 @@ class HfTokenizer final : public Tokenizer {
   std::vector<int32_t> eos_ids_;
   std::string bos_token_;
   std::string eos_token_;
-  ChatTemplateKind chat_kind_ = ChatTemplateKind::kNone;
+  ChatTemplate chat_template_;
 };
 
 }  // namespace dropkv

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "engine/common/file_util.h"
+#include "engine/tokenizer/chat_template.h"
 #include "engine/tokenizer/hf_tokenizer.h"
 #include "engine/tokenizer/unicode.h"
 
@@ -27,11 +28,25 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromDirectory(const std::s
   if (!config.ok()) return config.status();
   auto generation = read_optional("generation_config.json");
   if (!generation.ok()) return generation.status();
+  // transformers 5 saves templates as files: the default one and named ones beside it.
   auto chat_template = read_optional("chat_template.jinja");
   if (!chat_template.ok()) return chat_template.status();
-  auto tok = HfTokenizer::Create(dir, json_text, *config, *generation, *chat_template);
+  auto tool_use_template = read_optional("additional_chat_templates/tool_use.jinja");
+  if (!tool_use_template.ok()) return tool_use_template.status();
+  auto tok =
+      HfTokenizer::Create(dir, json_text, *config, *generation, *chat_template, *tool_use_template);
   if (!tok.ok()) return tok.status();
   return std::unique_ptr<Tokenizer>(std::move(*tok));
+}
+
+absl::StatusOr<std::string> Tokenizer::ApplyChatTemplate(const std::vector<ChatMessage>& messages,
+                                                         bool add_generation_prompt) const {
+  ChatRequest request;
+  for (const ChatMessage& m : messages) {
+    request.messages.push_back({{"role", m.role}, {"content", m.content}});
+  }
+  request.add_generation_prompt = add_generation_prompt;
+  return ApplyChatTemplate(request);
 }
 
 // vLLM-style detokenization: decode a short window of already-emitted ids plus the new ones, and

@@ -13,10 +13,14 @@
 
 namespace dropkv {
 
+// A plain-text chat message; ChatRequest (chat_template.h) carries everything else (tool calls,
+// content parts, tools, template arguments).
 struct ChatMessage {
-  std::string role;  // "system", "user", "assistant"
+  std::string role;  // "system", "user", "assistant", "tool", ...
   std::string content;
 };
+
+struct ChatRequest;
 
 class Tokenizer {
  public:
@@ -31,10 +35,12 @@ class Tokenizer {
   // Text as HF decode(ids, skip_special_tokens=skip_special_tokens). Unknown ids: INVALID_ARGUMENT.
   virtual absl::StatusOr<std::string> Decode(const std::vector<int32_t>& ids,
                                              bool skip_special_tokens = true) const = 0;
-  // The chat template applied with add_generation_prompt; FAILED_PRECONDITION when the model's
-  // template is missing or unsupported.
-  virtual absl::StatusOr<std::string> ApplyChatTemplate(
-      const std::vector<ChatMessage>& messages, bool add_generation_prompt = true) const = 0;
+  // The model's chat template rendered as HF apply_chat_template renders it (chat_template.h
+  // documents the errors: FAILED_PRECONDITION when the model's template is missing or unusable).
+  virtual absl::StatusOr<std::string> ApplyChatTemplate(const ChatRequest& request) const = 0;
+  // Plain-text messages (each {"role", "content"}).
+  absl::StatusOr<std::string> ApplyChatTemplate(const std::vector<ChatMessage>& messages,
+                                                bool add_generation_prompt = true) const;
   virtual int32_t vocab_size() const = 0;
   virtual std::optional<int32_t> bos_token_id() const = 0;
   virtual std::vector<int32_t> eos_token_ids() const = 0;

@@ -1,6 +1,10 @@
 #include "engine/tokenizer/unicode.h"
 
+#include <cstring>
+
+#include <unicode/locid.h>
 #include <unicode/normalizer2.h>
+#include <unicode/uchar.h>
 #include <unicode/unistr.h>
 
 namespace dropkv::unicode {
@@ -35,6 +39,14 @@ size_t ValidSequenceLength(std::string_view s, size_t pos) {
 size_t FindInvalidUtf8(std::string_view s) {
   size_t i = 0;
   while (i < s.size()) {
+    // ASCII runs eight bytes at a time (chat messages are mostly ASCII).
+    while (i + 8 <= s.size()) {
+      uint64_t word;
+      std::memcpy(&word, s.data() + i, 8);
+      if ((word & 0x8080808080808080ULL) != 0) break;
+      i += 8;
+    }
+    if (i >= s.size()) break;
     if (static_cast<unsigned char>(s[i]) < 0x80) {
       ++i;
       continue;
@@ -205,6 +217,155 @@ bool IsPythonSpace(char32_t cp) {
     default:
       return cp >= 0x2000 && cp <= 0x200A;
   }
+}
+
+namespace {
+
+icu::UnicodeString ToIcu(std::string_view s) {
+  return icu::UnicodeString::fromUTF8(icu::StringPiece(s.data(), static_cast<int32_t>(s.size())));
+}
+
+std::string FromIcu(const icu::UnicodeString& s) {
+  std::string out;
+  s.toUTF8String(out);
+  return out;
+}
+
+// Applies `ascii` to each byte of ASCII text and `icu` to anything else.
+template <typename AsciiMap, typename IcuMap>
+std::string MapCase(std::string_view s, AsciiMap ascii, IcuMap icu) {
+  if (IsAscii(s)) {
+    std::string out(s);
+    for (char& c : out) c = ascii(c);
+    return out;
+  }
+  icu::UnicodeString u = ToIcu(s);
+  icu(u);
+  return FromIcu(u);
+}
+
+bool IsCased(char32_t cp) {
+  return u_hasBinaryProperty(static_cast<UChar32>(cp), UCHAR_CASED);
+}
+
+// Python's title() / capitalize() map one code point at a time; `title_next` says whether this
+// one starts a word.
+void AppendTitleOrLower(char32_t cp, bool title, std::string* out) {
+  const UChar32 mapped =
+      title ? u_totitle(static_cast<UChar32>(cp)) : u_tolower(static_cast<UChar32>(cp));
+  AppendCodePoint(static_cast<char32_t>(mapped), out);
+}
+
+// True when every code point satisfies `pred` and there is at least one.
+template <typename Pred>
+bool AllCodePoints(std::string_view s, Pred pred) {
+  if (s.empty()) return false;
+  for (size_t i = 0; i < s.size();) {
+    char32_t cp = 0;
+    i += DecodeCodePoint(s, i, &cp);
+    if (!pred(cp)) return false;
+  }
+  return true;
+}
+
+// Python's isupper()/islower(): at least one cased character, and no cased character of the
+// other kind.
+bool CaseTest(std::string_view s, bool upper) {
+  bool any_cased = false;
+  for (size_t i = 0; i < s.size();) {
+    char32_t cp = 0;
+    i += DecodeCodePoint(s, i, &cp);
+    const UChar32 c = static_cast<UChar32>(cp);
+    const bool is_upper = u_hasBinaryProperty(c, UCHAR_UPPERCASE);
+    const bool is_lower = u_hasBinaryProperty(c, UCHAR_LOWERCASE);
+    if (u_istitle(c) || (upper ? is_lower : is_upper)) return false;
+    if (upper ? is_upper : is_lower) any_cased = true;
+  }
+  return any_cased;
+}
+
+}  // namespace
+
+std::string PythonUpper(std::string_view s) {
+  return MapCase(
+      s, [](char c) { return (c >= 'a' && c <= 'z') ? static_cast<char>(c - 32) : c; },
+      [](icu::UnicodeString& u) { u.toUpper(icu::Locale::getRoot()); });
+}
+
+std::string PythonLower(std::string_view s) {
+  return MapCase(
+      s, [](char c) { return (c >= 'A' && c <= 'Z') ? static_cast<char>(c + 32) : c; },
+      [](icu::UnicodeString& u) { u.toLower(icu::Locale::getRoot()); });
+}
+
+std::string PythonTitle(std::string_view s) {
+  std::string out;
+  out.reserve(s.size());
+  bool previous_cased = false;
+  for (size_t i = 0; i < s.size();) {
+    char32_t cp = 0;
+    i += DecodeCodePoint(s, i, &cp);
+    AppendTitleOrLower(cp, !previous_cased, &out);
+    previous_cased = IsCased(cp);
+  }
+  return out;
+}
+
+std::string PythonCapitalize(std::string_view s) {
+  std::string out;
+  out.reserve(s.size());
+  bool first = true;
+  for (size_t i = 0; i < s.size();) {
+    char32_t cp = 0;
+    i += DecodeCodePoint(s, i, &cp);
+    AppendTitleOrLower(cp, first, &out);
+    first = false;
+  }
+  return out;
+}
+
+bool IsPythonPrintable(char32_t cp) {
+  if (cp == ' ') return true;
+  switch (u_charType(static_cast<UChar32>(cp))) {
+    case U_CONTROL_CHAR:         // Cc
+    case U_FORMAT_CHAR:          // Cf
+    case U_SURROGATE:            // Cs
+    case U_PRIVATE_USE_CHAR:     // Co
+    case U_UNASSIGNED:           // Cn
+    case U_LINE_SEPARATOR:       // Zl
+    case U_PARAGRAPH_SEPARATOR:  // Zp
+    case U_SPACE_SEPARATOR:      // Zs
+      return false;
+    default:
+      return true;
+  }
+}
+
+bool PythonIsAlpha(std::string_view s) {
+  return AllCodePoints(s, [](char32_t cp) { return u_isalpha(static_cast<UChar32>(cp)) != 0; });
+}
+
+bool PythonIsDigit(std::string_view s) {
+  return AllCodePoints(s, [](char32_t cp) {
+    return u_getIntPropertyValue(static_cast<UChar32>(cp), UCHAR_NUMERIC_TYPE) == U_NT_DECIMAL ||
+           u_getIntPropertyValue(static_cast<UChar32>(cp), UCHAR_NUMERIC_TYPE) == U_NT_DIGIT;
+  });
+}
+
+bool PythonIsAlnum(std::string_view s) {
+  return AllCodePoints(s, [](char32_t cp) {
+    const UChar32 c = static_cast<UChar32>(cp);
+    const int32_t numeric = u_getIntPropertyValue(c, UCHAR_NUMERIC_TYPE);
+    return u_isalpha(c) || numeric != U_NT_NONE;
+  });
+}
+
+bool PythonIsUpper(std::string_view s) {
+  return CaseTest(s, /*upper=*/true);
+}
+
+bool PythonIsLower(std::string_view s) {
+  return CaseTest(s, /*upper=*/false);
 }
 
 const std::array<char32_t, 256>& ByteToCodePoint() {

@@ -34,6 +34,22 @@ std::string Nfkd(std::string_view s);
 // Python str.isspace() for one code point (what Jinja's `trim` and str.strip() remove).
 bool IsPythonSpace(char32_t cp);
 
+// Python's str.upper() / str.lower(): full case mapping (ß -> SS), through ICU's root locale.
+// ASCII-only input is mapped without calling ICU. `s` must be valid UTF-8.
+std::string PythonUpper(std::string_view s);
+std::string PythonLower(std::string_view s);
+// Python's str.title() / str.capitalize() (simple title-case mapping per code point).
+std::string PythonTitle(std::string_view s);
+std::string PythonCapitalize(std::string_view s);
+// Python str.isprintable() for one code point (what repr() leaves unescaped).
+bool IsPythonPrintable(char32_t cp);
+// Python str.isalpha() / isdigit() / isalnum() / isupper() / islower() for a whole string.
+bool PythonIsAlpha(std::string_view s);
+bool PythonIsDigit(std::string_view s);
+bool PythonIsAlnum(std::string_view s);
+bool PythonIsUpper(std::string_view s);
+bool PythonIsLower(std::string_view s);
+
 // GPT-2 byte-level alphabet: byte b <-> code point kByteToCodePoint[b].
 const std::array<char32_t, 256>& ByteToCodePoint();
 // Inverse: code point -> byte, or -1 when the code point is not in the alphabet.

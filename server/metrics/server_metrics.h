@@ -1,11 +1,11 @@
 // Prometheus metrics of one server process (issue 9; names and meaning in docs/metrics.md).
-// The scheduler and the gRPC layer call the On*/Set* methods; MetricsHttpServer serves
-// RenderText() at GET /metrics. Every method is thread-safe and cheap (atomics; no allocation
-// after the first call with a given status code). No LibTorch, no gRPC here.
+// The scheduler and the front ends call the On*/Set* methods; server/http serves RenderText() at
+// GET /metrics (MetricsHttpServer on metrics_port, and the HTTP API port). Every method is
+// thread-safe and cheap (atomics; no allocation after the first call with a given status code). No
+// LibTorch, no gRPC here.
 #pragma once
 
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -64,26 +64,6 @@ class ServerMetrics {
 
  private:
   struct Impl;
-  std::unique_ptr<Impl> impl_;
-};
-
-// A minimal HTTP/1.1 server for GET /metrics (and GET / -> a link), one background thread with a
-// normal-size stack (prometheus-cpp's civetweb threads are too small for LibTorch's TLS).
-class MetricsHttpServer {
- public:
-  // Binds host:port (port 0 = any free port, see port()) and starts serving `render()`'s text.
-  static absl::StatusOr<std::unique_ptr<MetricsHttpServer>> Start(
-      const std::string& host, int port, std::function<std::string()> render);
-  ~MetricsHttpServer();  // Stop()s
-  MetricsHttpServer(const MetricsHttpServer&) = delete;
-  MetricsHttpServer& operator=(const MetricsHttpServer&) = delete;
-
-  int port() const;
-  void Stop();  // idempotent; returns after the thread has exited
-
- private:
-  struct Impl;
-  explicit MetricsHttpServer(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
 

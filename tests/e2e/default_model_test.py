@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """README's serve command as a new user meets it: dropkv-server started with no --model serves the
 default model (SmolLM2-135M-Instruct, converted by scripts/setup.sh into $DROPKV_MODELS) and
-completes "The capital of France is" with Paris over gRPC (grpcio client). Exits non-zero on the
+completes "The capital of France is" with Paris over gRPC (grpcio client), and answers the chat
+question through the model's own template, stopping at the end of its turn. Exits non-zero on the
 first failure."""
 import argparse
 import os
@@ -57,6 +58,12 @@ def main():
         reply = stub.GenerateUnary(pb.GenerateRequest(prompt="The capital of France is",
                                                       max_new_tokens=8), timeout=120)
         check("Paris" in reply.text, f"raw completion: {reply.text!r}")
+        chat = stub.GenerateUnary(pb.GenerateRequest(
+            chat=pb.ChatMessages(messages=[pb.ChatMessage(
+                role="user", content="What is the capital of France?")]),
+            max_new_tokens=16), timeout=120)
+        check("Paris" in chat.text and chat.finish_reason == pb.FINISH_REASON_STOP,
+              f"chat through the model's ChatML template: {chat.text!r}, stops at <|im_end|>")
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

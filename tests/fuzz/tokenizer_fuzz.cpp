@@ -165,10 +165,25 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       Check(dropkv::unicode::IsValidUtf8(dec.Flush()));
       break;
     }
-    case 2: {  // chat rendering: NUL-separated role/content pairs through all renderers
-      std::vector<dropkv::ChatMessage> messages;
-      size_t pos = 0;
+    case 2: {  // chat rendering: NUL-separated role/content pairs through small templates
+      // (chat_template_fuzz covers the interpreter itself)
+      static const std::vector<dropkv::ChatTemplate>* templates = [] {
+        auto* out = new std::vector<dropkv::ChatTemplate>();
+        for (const char* source :
+             {"{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+              "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+              "{{ bos_token }}{% for m in messages %}{% if (m.role == 'user') != "
+              "(loop.index0 % 2 == 0) %}{{ raise_exception('alternate') }}{% endif %}"
+              "<start_of_turn>{{ m.role }}\n{{ m.content | trim }}<end_of_turn>\n{% endfor %}",
+              "{% for m in messages %}{% set c = m.content.split('</think>')[-1].lstrip('\n') %}"
+              "{{ m.role | upper }}: {{ c[:64] }}{{ c[64:] | length }}\n{% endfor %}"}) {
+          out->push_back(dropkv::ChatTemplate::FromConfig(
+              nlohmann::json{{"chat_template", source}, {"bos_token", "<bos>"}}, ""));
+        }
+        return out;
+      }();
       std::vector<std::string> parts;
+      size_t pos = 0;
       while (pos <= input.size()) {
         size_t nul = input.find('\0', pos);
         if (nul == std::string::npos) nul = input.size();
@@ -176,17 +191,24 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         pos = nul + 1;
       }
       static const char* roles[] = {"system", "user", "assistant", "tool"};
-      for (size_t k = 0; k < parts.size(); ++k) {
-        const std::string role =
-            parts[k].empty() ? "user" : roles[static_cast<uint8_t>(parts[k][0]) % 4];
-        messages.push_back({role, parts[k]});
+      dropkv::ChatRequest request;
+      bool all_valid = true;
+      for (const std::string& part : parts) {
+        const std::string role = part.empty() ? "user" : roles[static_cast<uint8_t>(part[0]) % 4];
+        request.messages.push_back({{"role", role}, {"content", part}});
+        all_valid = all_valid && dropkv::unicode::IsValidUtf8(part);
       }
-      for (auto kind : {dropkv::ChatTemplateKind::kLlama3, dropkv::ChatTemplateKind::kQwen3,
-                        dropkv::ChatTemplateKind::kGemma3, dropkv::ChatTemplateKind::kNone}) {
-        auto text = dropkv::RenderChatTemplate(kind, messages, (mode & 16) != 0, "<bos>");
-        if (text.ok()) {
+      request.add_generation_prompt = (mode & 16) != 0;
+      for (const dropkv::ChatTemplate& chat : *templates) {
+        Check(chat.load_status().ok());
+        auto text = chat.Render(request);
+        if (!all_valid) {
+          Check(!text.ok() && text.status().code() == absl::StatusCode::kInvalidArgument);
+        } else if (text.ok()) {
           Check(dropkv::unicode::IsValidUtf8(*text));
           Check(tok.Encode(*text, false).ok());
+        } else {
+          Check(text.status().code() == absl::StatusCode::kInvalidArgument);  // alternation
         }
       }
       break;

@@ -59,9 +59,24 @@ void Drive(FuzzedDataProvider& p, dropkv::v1::GenerateRequest* r) {
       const int n = p.ConsumeIntegralInRange<int>(0, 4);
       for (int i = 0; i < n; ++i) {
         auto* m = r->mutable_chat()->add_messages();
-        m->set_role(p.PickValueInArray({"system", "user", "assistant", "tool", ""}));
+        m->set_role(p.PickValueInArray({"system", "user", "assistant", "tool", "developer", ""}));
         m->set_content(Str(p));
+        if (p.ConsumeBool()) {  // a tool call; arguments are JSON text, often broken
+          auto* call = m->add_tool_calls();
+          call->mutable_function()->set_name(Str(p));
+          call->mutable_function()->set_arguments(
+              p.ConsumeBool() ? std::string(R"({"city": "Paris", "days": [1, 2.5]})") : Str(p));
+        }
+        if (p.ConsumeBool()) m->set_tool_call_id(Str(p));
       }
+      auto* chat = r->mutable_chat();
+      if (p.ConsumeBool()) {
+        chat->set_tools_json(p.ConsumeBool() ? std::string(R"([{"type": "function"}])") : Str(p));
+      }
+      if (p.ConsumeBool()) chat->set_chat_template_kwargs_json(Str(p));
+      if (p.ConsumeBool()) chat->set_documents_json(Str(p));
+      if (p.ConsumeBool()) chat->set_continue_final_message(true);
+      if (p.ConsumeBool()) chat->set_add_generation_prompt(p.ConsumeBool());
       break;
     }
     default:

@@ -2,7 +2,7 @@
 
 Usage: gpu_parity_reference.py MODELS_DIR OUT_JSON NUM_STEPS NAME...
 For each NAME: the model MODELS_DIR/NAME (written by make_parity_models.py) loaded on cuda as
-bfloat16 (sdpa attention), the prompt of its reference.json, prefill + NUM_STEPS greedy decode
+bfloat16 (sdpa attention; eager for Gemma 2), the prompt of its reference.json, prefill + NUM_STEPS greedy decode
 steps. OUT_JSON: {NAME: {tokens: [NUM_STEPS + 1], logits: [NUM_STEPS + 1][vocab]}}.
 """
 import json
@@ -35,8 +35,10 @@ def main():
         d = os.path.join(models_dir, name)
         with open(os.path.join(d, "reference.json")) as f:
             prompt = json.load(f)["prompt"]
+        # SDPA ignores Gemma 2's soft-capping: eager attention is the trained behaviour.
+        attn = "eager" if name == "gemma2" else "sdpa"
         model = tf.AutoModelForCausalLM.from_pretrained(
-            d, dtype=torch.bfloat16, attn_implementation="sdpa").to("cuda").eval()
+            d, dtype=torch.bfloat16, attn_implementation=attn).to("cuda").eval()
         result[name] = greedy(model, prompt, num_steps)
         print(name, "tokens", result[name]["tokens"])
     with open(out_path, "w") as f:

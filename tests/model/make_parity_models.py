@@ -6,6 +6,7 @@ For each family: OUT_DIR/<name>/ (save_pretrained; qwen2 sharded) and OUT_DIR/<n
   prompt's last position and step i the logits after feeding greedy token i-1 (16 decode steps).
 """
 import json
+import math
 import os
 import sys
 
@@ -53,6 +54,16 @@ def families():
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}), None
+    # Qwen3-0.6B's published config.json, but 2 layers and a small vocabulary: head_dim 128 with
+    # 16 heads over hidden 1024 (q is twice the hidden size), q/k norms, tied embeddings, the
+    # sliding-window fields present but off.
+    yield "qwen3_shape", tf.Qwen3ForCausalLM, tf.Qwen3Config(
+        vocab_size=2048, hidden_size=1024, intermediate_size=3072, num_hidden_layers=2,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+        rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        tie_word_embeddings=True, use_sliding_window=False, sliding_window=None,
+        max_window_layers=28, attention_bias=False, hidden_act="silu", bos_token_id=1,
+        eos_token_id=2, initializer_range=0.02), None
     yield "llama_yarn", tf.LlamaForCausalLM, tf.LlamaConfig(
         **common, num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=False,
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
@@ -81,7 +92,7 @@ def main():
     out_dir = sys.argv[1]
     os.makedirs(out_dir, exist_ok=True)
     torch.manual_seed(0)
-    prompt = [1] + [int(x) for x in torch.randint(3, VOCAB, (12,))]
+    prompt = [1] + [int(x) for x in torch.randint(3, VOCAB, (12,))]  # within every vocabulary
     for name, cls, config, shard in families():
         torch.manual_seed(1234)
         if name == "gemma2":
@@ -94,7 +105,8 @@ def main():
         # mistral) this makes the embedding dominate, so their greedy runs repeat one token; the
         # test still compares the full logit vectors at every step.
         with torch.no_grad():
-            model.lm_head.weight.normal_(0.0, 1.0)
+            # (std 1 at hidden 64; scaled so wider models get the same ~8 logit spread)
+            model.lm_head.weight.normal_(0.0, 8.0 / math.sqrt(config.hidden_size))
             # Norm weights start at 0 in Gemma (the model uses 1 + w) and 1 elsewhere: draw them
             # so that a norm applied to the wrong tensor, or not at all, changes the logits.
             for pname, param in model.named_parameters():

@@ -114,7 +114,8 @@ TEST_P(ParityTest, Bf16GreedyTokensAndRelativeError) {
 
 INSTANTIATE_TEST_SUITE_P(Families, ParityTest,
                          ::testing::Values("llama", "qwen2", "gemma", "mistral", "mistral_sliding",
-                                           "qwen3", "gemma2", "gemma3", "llama_yarn"));
+                                           "qwen3", "gemma2", "gemma3", "llama_yarn",
+                                           "qwen3_shape"));
 
 TEST(ParityConfigTest, ParsesFamilies) {
   auto llama = LoadModelConfig((ModelsDir() / "llama").string());

@@ -27,7 +27,8 @@ struct Case {
 // fp64 math over the same (rounded) inputs: scaled logits [Hq, T, n] with row i seeing entries
 // j <= stored + i; returns out [T, Hq, D] and lse [Hq, T].
 std::pair<at::Tensor, at::Tensor> MathReference(const at::Tensor& q, const at::Tensor& k,
-                                                const at::Tensor& v, double scale) {
+                                                const at::Tensor& v, double scale,
+                                                int64_t window = 0) {
   const int64_t t_len = q.size(0), hq = q.size(1), n = k.size(1);
   const int64_t g = hq / k.size(0);
   auto qd = q.to(at::kCPU, at::kDouble).transpose(0, 1);          // [Hq, T, D]
@@ -37,6 +38,7 @@ std::pair<at::Tensor, at::Tensor> MathReference(const at::Tensor& q, const at::T
   auto row = at::arange(t_len, at::kLong).unsqueeze(1);
   auto col = at::arange(n, at::kLong).unsqueeze(0);
   logits.masked_fill_((col > row + (n - t_len)).unsqueeze(0), -INFINITY);
+  if (window > 0) logits.masked_fill_((col <= row + (n - t_len) - window).unsqueeze(0), -INFINITY);
   auto lse = at::logsumexp(logits, -1);                             // [Hq, T]
   auto out = at::bmm(at::softmax(logits, -1), vd).transpose(0, 1);  // [T, Hq, D]
   return {out, lse};
@@ -99,6 +101,39 @@ TEST(PrefillAttentionGpu, FlashMatchesSdpaAndMathWithLse) {
     std::printf("Hq %ld Hkv %ld D %ld stored %ld T %ld %s: out-sdpa %.3g out-math %.3g lse %.3g\n",
                 c.hq, c.hkv, c.d, c.stored, c.t_len, c10::toString(c.dtype), vs_sdpa, vs_math,
                 lse_err);
+  }
+}
+
+// Sliding-window layers: ATen's flash kernel with its window (kAuto) against fp64 math with the
+// window mask, on first chunks longer than the window and on later chunks over a cache.
+TEST(PrefillAttentionGpu, SlidingWindowMatchesMath) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const std::vector<Case> cases = {
+      {4, 1, 256, 0, 1500, at::kBFloat16},  // Gemma 3 270M's geometry, window 512
+      {4, 1, 256, 511, 700, at::kBFloat16},
+      {32, 8, 128, 300, 64, at::kBFloat16},
+  };
+  for (const Case& c : cases) {
+    for (const int64_t window : {int64_t{512}, int64_t{37}}) {
+      SCOPED_TRACE(absl::StrCat("Hq ", c.hq, " D ", c.d, " stored ", c.stored, " T ", c.t_len,
+                                " window ", window));
+      at::manual_seed(c.d + c.stored + c.t_len + window);
+      const int64_t n = c.stored + c.t_len;
+      auto opt = at::TensorOptions().dtype(c.dtype).device(at::kCUDA);
+      auto q = (at::randn({c.t_len, c.hq, c.d}, opt) * 1.5).contiguous();
+      auto k = at::randn({c.hkv, n, c.d}, opt);
+      auto v = at::randn({c.hkv, n, c.d}, opt);
+      const double scale = 1.0 / std::sqrt(static_cast<double>(c.d));
+      auto got = PrefillAttentionWithLse(q, k, v, scale, PrefillAttentionImpl::kAuto,
+                                         AttentionLimits{window, 0});
+      auto sdpa = PrefillAttentionWithLse(q, k, v, scale, PrefillAttentionImpl::kSdpa,
+                                          AttentionLimits{window, 0});
+      auto [ref_out, ref_lse] = MathReference(q, k, v, scale, window);
+      ASSERT_TRUE(got.lse.defined());
+      EXPECT_LT((got.out.to(at::kCPU, at::kDouble) - ref_out).abs().max().item<double>(), 3e-2);
+      EXPECT_LT((sdpa.out.to(at::kCPU, at::kDouble) - ref_out).abs().max().item<double>(), 3e-2);
+      EXPECT_LT((got.lse.to(at::kCPU, at::kDouble) - ref_lse).abs().max().item<double>(), 1e-3);
+    }
   }
 }
 

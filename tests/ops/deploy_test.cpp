@@ -12,6 +12,7 @@
 #include <set>
 
 #include "config/server_config.h"
+#include "server/http/metrics_http_server.h"
 #include "server/metrics/server_metrics.h"
 #include "tests/common/test_env.h"
 #include "tests/ops/ops_test_util.h"

@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include "server/http/metrics_http_server.h"
 #include "server/metrics/server_metrics.h"
 #include "tests/ops/ops_test_util.h"
 

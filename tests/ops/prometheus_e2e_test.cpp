@@ -9,6 +9,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "server/http/metrics_http_server.h"
 #include "server/metrics/server_metrics.h"
 #include "tests/common/test_env.h"
 #include "tests/ops/ops_test_util.h"

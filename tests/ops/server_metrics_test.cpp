@@ -2,6 +2,8 @@
 // check every series against the traffic the test sent (counts computed here, not by the code).
 #include "server/metrics/server_metrics.h"
 
+#include "server/http/metrics_http_server.h"
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 

@@ -8,6 +8,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "engine/tokenizer/chat_template.h"
 #include "engine/tokenizer/tokenizer.h"
 
 namespace dropkv::testing {
@@ -38,10 +39,13 @@ class FakeTokenizer : public Tokenizer {
     }
     return text;
   }
-  absl::StatusOr<std::string> ApplyChatTemplate(const std::vector<ChatMessage>& messages,
-                                                bool add_generation_prompt) const override {
+  using Tokenizer::ApplyChatTemplate;
+  // Each message's content followed by '<'.
+  absl::StatusOr<std::string> ApplyChatTemplate(const ChatRequest& request) const override {
     std::string text;
-    for (const auto& m : messages) absl::StrAppend(&text, m.content, "<");
+    for (const auto& m : request.messages) {
+      absl::StrAppend(&text, m.value("content", std::string()), "<");
+    }
     return text;
   }
   int32_t vocab_size() const override { return vocab_; }

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include "dropkv/v1/inference.pb.h"
+#include "engine/tokenizer/chat_template.h"
 #include "tests/scheduler/fake_tokenizer.h"
 
 namespace dropkv {
@@ -108,6 +109,108 @@ TEST_F(ValidationTest, ChatUsesTemplate) {
   EXPECT_EQ(g->prompt_ids, *tokenizer_.Encode("hi<", false));
   m->set_role("robot");
   ExpectInvalid(r, "chat.messages[0].role");
+}
+
+TEST_F(ValidationTest, ChatMapsToTemplateInput) {
+  v1::ChatMessages chat;
+  auto* user = chat.add_messages();
+  user->set_role("user");
+  user->set_content("weather?");
+  auto* assistant = chat.add_messages();
+  assistant->set_role("assistant");
+  auto* call = assistant->add_tool_calls();
+  call->set_id("c1");
+  call->mutable_function()->set_name("get_weather");
+  call->mutable_function()->set_arguments(R"({"city": "Paris"})");
+  auto* tool = chat.add_messages();
+  tool->set_role("tool");
+  tool->set_content("sunny");
+  tool->set_tool_call_id("c1");
+  tool->set_name("get_weather");
+  chat.set_tools_json(R"([{"type": "function", "function": {"name": "get_weather"}}])");
+  chat.set_chat_template_kwargs_json(R"({"enable_thinking": false})");
+  auto request = MapChatMessages(chat, "chat");
+  ASSERT_TRUE(request.ok()) << request.status();
+  // OpenAI's shape, arguments parsed, empty optional fields left out, key order kept.
+  EXPECT_EQ(request->messages.dump(),
+            R"([{"role":"user","content":"weather?"},)"
+            R"({"role":"assistant","content":"","tool_calls":[{"id":"c1","type":"function",)"
+            R"("function":{"name":"get_weather","arguments":{"city":"Paris"}}}]},)"
+            R"({"role":"tool","content":"sunny","tool_call_id":"c1","name":"get_weather"}])");
+  ASSERT_TRUE(request->tools.has_value());
+  EXPECT_EQ(request->tools->dump(), R"([{"type":"function","function":{"name":"get_weather"}}])");
+  EXPECT_FALSE(request->documents.has_value());
+  EXPECT_EQ(request->template_kwargs.dump(), R"({"enable_thinking":false})");
+  EXPECT_TRUE(request->add_generation_prompt);
+  EXPECT_FALSE(request->continue_final_message);
+  // continue_final_message turns the generation prompt off unless it is set.
+  chat.set_continue_final_message(true);
+  request = MapChatMessages(chat, "chat");
+  ASSERT_TRUE(request.ok()) << request.status();
+  EXPECT_FALSE(request->add_generation_prompt);
+  EXPECT_TRUE(request->continue_final_message);
+}
+
+TEST_F(ValidationTest, ChatErrorsNameTheField) {
+  v1::GenerateRequest r;
+  r.set_max_new_tokens(2);
+  auto* chat = r.mutable_chat();
+  auto* m = chat->add_messages();
+  m->set_role("user");
+  m->set_content("hi");
+  ASSERT_TRUE(Check(r).ok());
+  m->set_content("bad \xff");
+  ExpectInvalid(r, "chat.messages[0].content");
+  m->set_content("hi");
+  auto* assistant = chat->add_messages();
+  assistant->set_role("assistant");
+  auto* call = assistant->add_tool_calls();
+  ExpectInvalid(r, "chat.messages[1].tool_calls[0].function.name");
+  call->mutable_function()->set_name("f");
+  call->mutable_function()->set_arguments("{not json");
+  ExpectInvalid(r, "chat.messages[1].tool_calls[0].function.arguments");
+  call->mutable_function()->set_arguments("{}");
+  ASSERT_TRUE(Check(r).ok());
+  const std::string deep = std::string(100, '[') + std::string(100, ']');  // > kMaxChatJsonDepth
+  for (const std::string& bad : {std::string("{}"), std::string("[1]"), std::string("not"), deep}) {
+    chat->set_tools_json(bad);
+    ExpectInvalid(r, "chat.tools_json");
+  }
+  chat->clear_tools_json();
+  chat->set_documents_json("{}");
+  ExpectInvalid(r, "chat.documents_json");
+  chat->clear_documents_json();
+  for (const char* bad : {"[]", R"({"messages": []})", R"({"add_generation_prompt": true})"}) {
+    chat->set_chat_template_kwargs_json(bad);
+    ExpectInvalid(r, "chat.chat_template_kwargs_json");
+  }
+  chat->clear_chat_template_kwargs_json();
+  chat->set_continue_final_message(true);
+  ASSERT_TRUE(Check(r).ok());
+  chat->set_add_generation_prompt(true);
+  ExpectInvalid(r, "chat.continue_final_message");
+}
+
+// A tokenizer whose chat template is unusable, as a model without one.
+class NoTemplateTokenizer : public testing::FakeTokenizer {
+ public:
+  using Tokenizer::ApplyChatTemplate;
+  absl::StatusOr<std::string> ApplyChatTemplate(const ChatRequest&) const override {
+    return absl::FailedPreconditionError("the model has no chat template");
+  }
+};
+
+TEST_F(ValidationTest, ChatTemplateErrorsKeepTheirCode) {
+  NoTemplateTokenizer tokenizer;
+  v1::GenerateRequest r;
+  r.set_max_new_tokens(2);
+  auto* m = r.mutable_chat()->add_messages();
+  m->set_role("user");
+  m->set_content("hi");
+  auto result = ValidateGenerateRequest(r, limits_, &tokenizer);
+  ASSERT_FALSE(result.ok());
+  EXPECT_EQ(result.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(result.status().message(), "chat: the model has no chat template");
 }
 
 TEST_F(ValidationTest, EmptyInput) {

@@ -79,6 +79,25 @@ TEST(TokenizeTool, EncodeDecodeChatMatchReferences) {
   }
 }
 
+TEST(TokenizeTool, ChatObjectsCarryTheRenderArguments) {
+  const std::string dir = (RefDir() / "tokenizers" / "qwen3").string();
+  int status = -1;
+  const std::string messages = R"([{"role": "user", "content": "hi"}])";
+  const auto lines =
+      RunTool("--tokenizer " + dir + " --chat --render",
+              messages + "\n" + R"({"messages": )" + messages +
+                  R"(, "add_generation_prompt": false})" + "\n" + R"({"messages": )" + messages +
+                  R"(, "chat_template_kwargs": {"enable_thinking": false}})" + "\n",
+              &status);
+  EXPECT_EQ(status, 0);
+  ASSERT_EQ(lines.size(), 3u);
+  EXPECT_EQ(nlohmann::json::parse(lines[0]),
+            "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
+  EXPECT_EQ(nlohmann::json::parse(lines[1]), "<|im_start|>user\nhi<|im_end|>\n");
+  EXPECT_EQ(nlohmann::json::parse(lines[2]),
+            "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n");
+}
+
 TEST(TokenizeTool, BadLinesAreErrorsNotCrashes) {
   const std::string dir = (RefDir() / "tokenizers" / "llama3").string();
   int status = -1;
@@ -94,8 +113,11 @@ TEST(TokenizeTool, BadLinesAreErrorsNotCrashes) {
   for (size_t k = 1; k < 4; ++k) {
     EXPECT_TRUE(nlohmann::json::parse(lines[k]).contains("error")) << lines[k];
   }
-  lines = RunTool("--tokenizer " + dir + " --chat", "[{\"role\": \"user\"}]\n", &status);
+  lines = RunTool("--tokenizer " + dir + " --chat",
+                  "[{\"content\": \"no role\"}]\n{\"no messages\": 1}\n[]\n", &status);
   EXPECT_EQ(status, 1);
+  ASSERT_EQ(lines.size(), 3u);
+  for (const auto& line : lines) EXPECT_TRUE(nlohmann::json::parse(line).contains("error")) << line;
   RunTool("--help", "", &status);
   EXPECT_EQ(status, 0);
   RunTool("--tokenizer /nonexistent", "", &status);

@@ -1,17 +1,22 @@
 // dropkv-tokenize: the server's tokenizer on the command line, for users and outside checks.
 //   encode (default): each stdin line is UTF-8 text -> one JSON array of ids per line
 //   --decode:         each stdin line is a JSON array of ids -> one JSON string per line
-//   --chat:           each stdin line is a JSON array of {"role","content"} messages -> the ids of
-//                     the rendered chat template (with the generation prompt), as HF
-//                     apply_chat_template(tokenize=True); --render prints the text instead
+//   --chat:           each stdin line is a chat -> the ids of the model's rendered chat template,
+//                     as HF apply_chat_template(tokenize=True); --render prints the text instead.
+//                     A chat is a JSON array of messages (rendered with the generation prompt) or
+//                     an object {"messages", "tools", "documents", "add_generation_prompt",
+//                     "continue_final_message", "chat_template_kwargs"} with HF's meanings;
+//                     messages are passed as they are (OpenAI's shape: tool_calls, content parts)
 // --no-special: encode without the post-processor's special tokens (BOS); decode skips special
 // tokens. A bad line prints {"error": "..."} on that line and the exit status becomes 1.
 #include <iostream>
+#include <optional>
 #include <string>
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include "engine/tokenizer/chat_template.h"
 #include "engine/tokenizer/tokenizer.h"
 
 namespace {
@@ -20,6 +25,39 @@ using nlohmann::json;
 
 std::string ErrorLine(const std::string& msg) {
   return json{{"error", msg}}.dump();
+}
+
+// One --chat line -> the render's arguments; an error message when the line is malformed.
+std::optional<std::string> ParseChatLine(const std::string& line, dropkv::ChatRequest* request) {
+  using ojson = nlohmann::ordered_json;  // keeps key order, which tojson in templates shows
+  const ojson j = ojson::parse(line, nullptr, false);
+  if (j.is_array()) {
+    request->messages = j;
+    request->add_generation_prompt = true;
+  } else if (j.is_object() && j.contains("messages") && j["messages"].is_array()) {
+    request->messages = j["messages"];
+    if (j.contains("tools") && !j["tools"].is_null()) request->tools = j["tools"];
+    if (j.contains("documents") && !j["documents"].is_null()) request->documents = j["documents"];
+    if (j.contains("chat_template_kwargs")) request->template_kwargs = j["chat_template_kwargs"];
+    const auto flag = [&](const char* key, bool fallback) -> std::optional<bool> {
+      if (!j.contains(key)) return fallback;
+      if (!j[key].is_boolean()) return std::nullopt;
+      return j[key].get<bool>();
+    };
+    const auto cont = flag("continue_final_message", false);
+    const auto gen = flag("add_generation_prompt", !cont.value_or(false));
+    if (!cont || !gen) return "add_generation_prompt / continue_final_message must be booleans";
+    request->continue_final_message = *cont;
+    request->add_generation_prompt = *gen;
+  } else {
+    return "expected a JSON array of messages or an object with \"messages\"";
+  }
+  for (const auto& m : request->messages) {
+    if (!m.is_object() || !m.contains("role") || !m["role"].is_string()) {
+      return "each message must be an object with a string \"role\"";
+    }
+  }
+  return std::nullopt;
 }
 
 }  // namespace
@@ -31,7 +69,9 @@ int main(int argc, char** argv) {
   app.add_option("--tokenizer", dir, "model folder with tokenizer.json (+ tokenizer_config.json)")
       ->required();
   app.add_flag("--decode", decode, "stdin lines are JSON id arrays; print JSON strings");
-  app.add_flag("--chat", chat, "stdin lines are JSON message arrays; print template ids");
+  app.add_flag("--chat", chat,
+               "stdin lines are chats (message arrays or {messages, tools, ...}); print template "
+               "ids");
   app.add_flag("--render", render, "with --chat: print the rendered template text (JSON string)");
   app.add_flag("--no-special", no_special,
                "encode without special tokens (BOS); decode skipping special tokens");
@@ -71,22 +111,10 @@ int main(int argc, char** argv) {
         out = ErrorLine(std::string(text.status().message()));
       }
     } else if (chat) {
-      json j = json::parse(line, nullptr, false);
-      std::vector<dropkv::ChatMessage> messages;
-      bool ok = j.is_array();
-      if (ok) {
-        for (const auto& m : j) {
-          if (!m.is_object() || !m.contains("role") || !m["role"].is_string() ||
-              !m.contains("content") || !m["content"].is_string()) {
-            ok = false;
-            break;
-          }
-          messages.push_back({m["role"].get<std::string>(), m["content"].get<std::string>()});
-        }
-      }
-      if (!ok) {
-        out = ErrorLine("expected a JSON array of {\"role\": string, \"content\": string}");
-      } else if (auto text = tok.ApplyChatTemplate(messages, true); !text.ok()) {
+      dropkv::ChatRequest request;
+      if (auto error = ParseChatLine(line, &request)) {
+        out = ErrorLine(*error);
+      } else if (auto text = tok.ApplyChatTemplate(request); !text.ok()) {
         out = ErrorLine(std::string(text.status().message()));
       } else if (render) {
         out = json(*text).dump();

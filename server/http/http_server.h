@@ -1,0 +1,97 @@
+// An HTTP/1.1 server on Boost.Beast / Asio (the only TU that includes them: http_server.cpp).
+// Asynchronous: a few I/O threads hold any number of connections, so a thousand clients streaming
+// tokens cost a thousand sockets and buffers, not a thousand threads (docs/api.md, "HTTP").
+//
+// The handler runs on an I/O thread and answers through an Exchange, at once or later from any
+// thread (the engine thread streams tokens). While an answer is pending the connection keeps
+// reading, so a client that hangs up is noticed at once and the Exchange's gone-callback runs:
+// that is how a disconnect cancels a generation. Keep-alive, HEAD, chunked server-sent events,
+// request size limits (413) and TLS (same PEM files as gRPC) are handled here.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace dropkv::http {
+
+using Headers = std::vector<std::pair<std::string, std::string>>;
+
+struct Request {
+  std::string method;  // "GET", "POST", ...
+  std::string path;    // the target without the query
+  std::string query;   // after '?', "" when none
+  Headers headers;     // names lower-cased
+  std::string body;
+  // The first header named `lower_case_name`, "" when absent.
+  std::string_view Header(std::string_view lower_case_name) const;
+};
+
+// One request's answer. Every method is thread-safe and returns at once (the work is queued on the
+// connection's strand); once the answer is complete or the client is gone, calls do nothing.
+class Exchange {
+ public:
+  virtual ~Exchange() = default;
+  // A complete response (Content-Length).
+  virtual void Respond(int status, std::string content_type, std::string body,
+                       Headers extra_headers = {}) = 0;
+  // A streamed response: the headers now (chunked transfer encoding), then Write() pieces, End().
+  virtual void StartStream(int status, std::string content_type, Headers extra_headers = {}) = 0;
+  virtual void Write(std::string data) = 0;
+  virtual void End() = 0;
+  // Runs once, on an I/O thread, if the client disconnects (or a write fails) before the answer
+  // is complete. Set it in the handler, before answering.
+  virtual void OnClientGone(std::function<void()> on_gone) = 0;
+  // Keeps `state` alive until the answer is complete or the client is gone (then released).
+  virtual void Hold(std::shared_ptr<void> state) = 0;
+};
+
+using Handler = std::function<void(const Request&, std::shared_ptr<Exchange>)>;
+// The body of an error the server answers by itself (413, 400 on an unparsable request):
+// {content_type, body} for a status and a message.
+using ErrorFormatter = std::function<std::pair<std::string, std::string>(int, std::string_view)>;
+
+struct ServerOptions {
+  std::string host = "127.0.0.1";
+  int32_t port = 0;                   // 0 = any free port (see Server::port())
+  int32_t num_threads = 2;            // I/O threads
+  int64_t max_body_bytes = 16 << 20;  // larger bodies get 413
+  std::string tls_cert_file;          // PEM; both set = HTTPS, both empty = plain HTTP
+  std::string tls_key_file;
+  std::chrono::seconds idle_timeout{75};  // an idle keep-alive connection is closed after this
+  ErrorFormatter error_formatter;         // null: text/plain
+};
+
+class Server {
+ public:
+  // Binds and starts the I/O threads. Errors name what failed (resolve, bind, TLS files).
+  static absl::StatusOr<std::unique_ptr<Server>> Start(ServerOptions options, Handler handler);
+  ~Server();  // Stop()s
+  Server(const Server&) = delete;
+  Server& operator=(const Server&) = delete;
+
+  int32_t port() const;
+  int64_t num_open_connections() const;
+  // Stops accepting, closes every connection (pending answers see their client gone), joins the
+  // I/O threads. Idempotent.
+  void Stop();
+
+  struct Impl;
+
+ private:
+  explicit Server(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// The reason phrase of a status code ("Not Found").
+std::string_view StatusReason(int status);
+
+}  // namespace dropkv::http
