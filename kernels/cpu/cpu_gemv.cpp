@@ -14,14 +14,7 @@
 #include <cstdint>
 
 #include "kernels/check.h"
-
-#if defined(__x86_64__)
-#include <immintrin.h>
-#define DROPKV_GEMV_X86 1
-// Compiled for AVX2 + FMA whatever the build's -march, picked at run time (as
-// cpu/paged_attention_cpu.cpp).
-#define DROPKV_AVX2 __attribute__((target("avx2,fma")))
-#endif
+#include "kernels/cpu/avx2_math.h"
 
 namespace dropkv::kernels {
 namespace {
@@ -61,13 +54,9 @@ void GemvColumnsPortable(const GemvArgs& a, int64_t n0, int64_t n1) {
   }
 }
 
-#ifdef DROPKV_GEMV_X86
-DROPKV_AVX2 inline float Sum8(__m256 v) {
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  x = _mm_add_ss(x, _mm_movehdup_ps(x));
-  return _mm_cvtss_f32(x);
-}
+#ifdef DROPKV_CPU_X86
+using cpu::CpuHasAvx2;
+using cpu::Sum8;
 
 // kRows x rows (from `x`) against kCols W rows starting at column `col`: y[row, col + c].
 template <int kRows, int kCols>
@@ -130,11 +119,7 @@ DROPKV_AVX2 void GemvColumnsAvx2(const GemvArgs& a, int64_t n0, int64_t n1) {
   if (col < n1) AllRows<1>(a, col);
 }
 
-bool CpuHasAvx2() {
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return has;
-}
-#endif  // DROPKV_GEMV_X86
+#endif  // DROPKV_CPU_X86
 
 }  // namespace
 
@@ -178,7 +163,7 @@ absl::StatusOr<at::Tensor> CpuGemv(const at::Tensor& x, const at::Tensor& weight
                         n,
                         k};
     auto columns = &GemvColumnsPortable;
-#ifdef DROPKV_GEMV_X86
+#ifdef DROPKV_CPU_X86
     if (simd && CpuHasAvx2()) columns = &GemvColumnsAvx2;
 #endif
     at::parallel_for(0, n, kColumnsPerTask,

@@ -22,13 +22,7 @@
 #include <limits>
 #include <vector>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#define DROPKV_PAGED_CPU_X86 1
-// The AVX2 functions are compiled for AVX2 + FMA (+ F16C, which every AVX2 CPU has) whatever the
-// build's -march, and picked at run time: the binary still runs on older x86 CPUs.
-#define DROPKV_AVX2 __attribute__((target("avx2,fma,f16c")))
-#endif
+#include "kernels/cpu/avx2_math.h"
 
 namespace dropkv::kernels::cpu {
 namespace {
@@ -147,48 +141,7 @@ void AccumulateValuesPortable(const float* p, const T* v_cache, const SequenceSl
   }
 }
 
-#ifdef DROPKV_PAGED_CPU_X86
-DROPKV_AVX2 inline __m256 Load8(const float* p) {
-  return _mm256_loadu_ps(p);
-}
-DROPKV_AVX2 inline __m256 Load8(const c10::BFloat16* p) {  // bf16 = the high half of an fp32
-  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
-}
-DROPKV_AVX2 inline __m256 Load8(const c10::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-
-DROPKV_AVX2 inline float Sum8(__m256 v) {
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  x = _mm_add_ss(x, _mm_movehdup_ps(x));
-  return _mm_cvtss_f32(x);
-}
-
-// exp(x) for x <= 0 (Cephes' expf: x = k ln2 + r, a degree-6 polynomial for exp(r), times 2^k):
-// within 2 ulp of std::exp; below -88.38 it gives 0 (std::exp: a denormal or 0).
-DROPKV_AVX2 inline __m256 Exp8(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f));
-  x = _mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f));
-  const __m256 k = _mm256_floor_ps(
-      _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-  // r = x - k ln2, with ln2 in two parts so that k * ln2_hi is exact.
-  x = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-  // 2^k from the exponent bits (k = -127 gives 0).
-  const __m256i e =
-      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(k), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
-
+#ifdef DROPKV_CPU_X86
 template <typename T>
 DROPKV_AVX2 void ScoreKeysAvx2(const float* q, const T* k_cache, const SequenceSlots& slots,
                                int64_t t0, int64_t n, const HeadGeometry& geo, float scale,
@@ -219,20 +172,6 @@ DROPKV_AVX2 void ScoreKeysAvx2(const float* q, const T* k_cache, const SequenceS
   }
 }
 
-DROPKV_AVX2 float ExpShiftSumAvx2(float* x, int64_t n, float shift) {
-  const __m256 s = _mm256_set1_ps(shift);
-  __m256 acc = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 e = Exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), s));
-    _mm256_storeu_ps(x + i, e);
-    acc = _mm256_add_ps(acc, e);
-  }
-  float sum = Sum8(acc);
-  for (; i < n; ++i) sum += (x[i] = std::exp(x[i] - shift));
-  return sum;
-}
-
 template <typename T>
 DROPKV_AVX2 void AccumulateValuesAvx2(const float* p, const T* v_cache, const SequenceSlots& slots,
                                       int64_t t0, int64_t n, const HeadGeometry& geo, float* acc) {
@@ -255,17 +194,13 @@ DROPKV_AVX2 void AccumulateValuesAvx2(const float* p, const T* v_cache, const Se
   }
 }
 
-bool CpuHasAvx2() {
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return has;
-}
-#endif  // DROPKV_PAGED_CPU_X86
+#endif  // DROPKV_CPU_X86
 
 template <typename T>
 ChunkOps<T> SelectOps(bool simd) {
-#ifdef DROPKV_PAGED_CPU_X86
+#ifdef DROPKV_CPU_X86
   if (simd && CpuHasAvx2()) {
-    return {&ScoreKeysAvx2<T>, &ExpShiftSumAvx2, &AccumulateValuesAvx2<T>};
+    return {&ScoreKeysAvx2<T>, &ExpShiftSum, &AccumulateValuesAvx2<T>};
   }
 #endif
   return {&ScoreKeysPortable<T>, &ExpShiftSumPortable, &AccumulateValuesPortable<T>};
