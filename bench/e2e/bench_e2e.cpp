@@ -6,18 +6,26 @@
 // same geometry (--hf-python): every number gets its peer beside it.
 //
 // Timings are wall clock around a call whose result is read back to the host (which waits for the
-// device), median of --repeats after one warm-up.
+// device), median of --repeats after one warm-up. --interleave keeps the HF peer running beside us
+// and alternates the two per case and round (shared CPU machines: load changes by the minute), the
+// ratio then being the median of the rounds' ratios. --synthetic-context fills decode contexts
+// with random K/V on both sides instead of prefilling them (an 8 x 8K prefill takes many minutes on
+// a CPU; decode's cost does not depend on the values).
 #include <ATen/ATen.h>
 #include <c10/core/InferenceMode.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <memory>
 #include <numeric>
 #include <optional>
 #include <string>
@@ -28,6 +36,7 @@
 #include "absl/strings/str_split.h"
 
 #include "allocator/block_pool.h"
+#include "engine/common/status_macros.h"
 #include "engine/compression/press.h"
 #include "engine/model/config.h"
 #include "engine/model/log.h"
@@ -277,6 +286,79 @@ int RunGemvTable(const Json& geo) {
 }
 #endif
 
+// The HF peer kept running beside us (hf_peer.py --serve): one JSON request per line in, one
+// JSON answer per line out.
+class ServedPeer {
+ public:
+  static std::unique_ptr<ServedPeer> Start(const std::string& command) {
+    int to_child[2], from_child[2];
+    if (pipe(to_child) != 0) return nullptr;
+    if (pipe(from_child) != 0) {
+      close(to_child[0]);
+      close(to_child[1]);
+      return nullptr;
+    }
+    const pid_t pid = fork();
+    if (pid < 0) return nullptr;
+    if (pid == 0) {
+      dup2(to_child[0], STDIN_FILENO);
+      dup2(from_child[1], STDOUT_FILENO);
+      for (int fd : {to_child[0], to_child[1], from_child[0], from_child[1]}) close(fd);
+      execl("/bin/sh", "sh", "-c", command.c_str(), static_cast<char*>(nullptr));
+      _exit(127);
+    }
+    close(to_child[0]);
+    close(from_child[1]);
+    std::signal(SIGPIPE, SIG_IGN);  // a peer that died is a failed Ask, not a killed benchmark
+    return std::unique_ptr<ServedPeer>(
+        new ServedPeer(pid, fdopen(to_child[1], "w"), fdopen(from_child[0], "r")));
+  }
+  ~ServedPeer() {
+    std::fclose(to_);  // end of input: the peer exits
+    std::fclose(from_);
+    int status = 0;
+    waitpid(pid_, &status, 0);
+  }
+  // The answer, or nullopt when the peer died or answered with something else than JSON.
+  std::optional<Json> Ask(const Json& request) {
+    std::fprintf(to_, "%s\n", request.dump().c_str());
+    std::fflush(to_);
+    char* line = nullptr;
+    size_t capacity = 0;
+    const ssize_t got = getline(&line, &capacity, from_);
+    const std::string text = got > 0 ? std::string(line, got) : std::string();
+    std::free(line);
+    try {
+      if (!text.empty()) return Json::parse(text);
+    } catch (const std::exception& e) {
+      std::cerr << "hf peer: unreadable answer: " << e.what() << "\n";
+    }
+    return std::nullopt;
+  }
+
+ private:
+  ServedPeer(pid_t pid, FILE* to, FILE* from) : pid_(pid), to_(to), from_(from) {}
+  pid_t pid_;
+  FILE* to_;
+  FILE* from_;
+};
+
+// A sequence whose cache holds `context` tokens without a prefill: every global layer
+// `kept_tokens` entries (what a compressed prefill keeps), every sliding layer its window. The
+// values are whatever the pool holds (random with --synthetic-context).
+absl::Status AddSyntheticSequence(ModelRunner& runner, SequenceId seq, int64_t context,
+                                  int64_t kept_tokens) {
+  BlockPool& pool = runner.pool();
+  const ModelConfig& config = runner.config();
+  RETURN_IF_ERROR(pool.AddSequence(seq));
+  for (int32_t l = 0; l < config.num_layers; ++l) {
+    // A sliding layer's ring stops growing at its window (the pool's layer capacity).
+    RETURN_IF_ERROR(pool.AppendLayerSlots(seq, l, config.is_sliding(l) ? context : kept_tokens));
+  }
+  pool.set_logical_len(seq, context);
+  return absl::OkStatus();
+}
+
 CompressionParams Compression(double keep, const std::string& allocator,
                               const std::string& profile) {
   CompressionParams c;
@@ -293,7 +375,7 @@ int Run(int argc, char** argv) {
   std::string model_dir, geometry, write_config, device = "cuda", dtype = "bfloat16";
   std::string prefill_arg = "8192,32768", decode_arg = "1x8192", keep_arg = "1.0,0.1";
   std::string allocator = "uniform", profile, hf_python, hf_script = "bench/e2e/hf_peer.py";
-  bool random_weights = false, json_out = false;
+  bool random_weights = false, json_out = false, interleave = false, synthetic_context = false;
   int repeats = 3, decode_steps = 32;
   std::string graphs_arg = "both", fused_arg = "on", gemv_arg = "plain";
   bool gemv_table = false;
@@ -324,6 +406,12 @@ int Run(int argc, char** argv) {
   app.add_option("--hf-python", hf_python,
                  "python with transformers: time the HF peer in the same run");
   app.add_option("--hf-script", hf_script, "the peer script")->capture_default_str();
+  app.add_flag("--interleave", interleave,
+               "with --hf-python: keep the peer running beside us and alternate the two per case "
+               "and round (--repeats rounds after a warm-up round); both stay in memory (CUDA: "
+               "size the pool with --kv-gib); needs --graphs on or off");
+  app.add_flag("--synthetic-context", synthetic_context,
+               "decode contexts of random K/V on both sides instead of a prefill");
   app.add_flag("--json", json_out, "print one JSON object instead of the table");
   app.add_option("--graphs", graphs_arg,
                  "CUDA-graph decode: on, off or both (each decode case twice)")
@@ -376,6 +464,10 @@ int Run(int argc, char** argv) {
     std::cerr << "give --model DIR or --geometry NAME\n";
     return 2;
   }
+  if (interleave && (hf_python.empty() || graphs_arg == "both")) {
+    std::cerr << "--interleave needs --hf-python and --graphs on or off\n";
+    return 2;
+  }
 
   LogToStderr();  // stdout carries the table or the JSON
   c10::InferenceMode guard;
@@ -414,13 +506,57 @@ int Run(int argc, char** argv) {
                  {"throughput", Json::array()}};
   SequenceId next_seq = 1;
 
+  // The peer command; --interleave starts it now (--serve) and asks it case by case.
+  const std::string hf_cmd =
+      hf_python.empty()
+          ? std::string()
+          : hf_python + " " + hf_script + " --model " + model_dir + " --prefill='" + prefill_arg +
+                "' --decode='" + decode_arg + "' --repeats " + std::to_string(repeats) +
+                " --decode-steps " + std::to_string(decode_steps) + " --device " +
+                (device.rfind("cuda", 0) == 0 ? std::string("cuda") : device) + " --dtype " +
+                dtype + (random_weights ? "" : " --weights") +
+                (synthetic_context ? " --synthetic-context" : "");
+  std::unique_ptr<ServedPeer> peer;
+  if (interleave) {
+    peer = ServedPeer::Start(hf_cmd + " --serve");
+    if (!peer) {
+      std::cerr << "hf peer: could not start " << hf_cmd << "\n";
+      return 1;
+    }
+  }
+  // One round of the peer (interleaved runs); nullopt when it failed (reported once).
+  auto ask_peer = [&](const Json& request, const char* field) -> std::optional<double> {
+    auto answer = peer->Ask(request);
+    if (!answer || !answer->contains(field)) {
+      std::cerr << "hf peer: no answer to " << request.dump() << "\n";
+      return std::nullopt;
+    }
+    return (*answer)[field].get<double>();
+  };
+  // The interleaved figures of a case: the peer's median and the median of the rounds' ratios.
+  auto add_peer_figures = [](Json& row, const std::vector<double>& ours,
+                             const std::vector<double>& hf) {
+    if (hf.empty() || hf.size() != ours.size()) return;
+    std::vector<double> ratios;
+    for (size_t i = 0; i < hf.size(); ++i) ratios.push_back(hf[i] / ours[i]);
+    row["hf_ms"] = Median(hf);
+    row["hf_over_ours"] = Median(ratios);
+    row["hf_over_ours_rounds"] = ratios;
+  };
+  if (synthetic_context) {
+    // Random K/V in every slot, once: decode then reads finite values of the usual magnitude.
+    runner.pool().key_cache().normal_();
+    runner.pool().value_cache().normal_();
+  }
+
   for (const auto& keep_s : split(keep_arg)) {
     const double keep = std::stod(keep_s);
     const CompressionParams comp = Compression(keep, allocator, profile);
+    const bool with_peer = peer && keep >= 1.0;  // HF keeps everything
     for (const auto& n_s : split(prefill_arg)) {
       const int64_t n = std::stoll(n_s);
       const auto ids = RandomIds(n, config.vocab_size, static_cast<uint64_t>(n));
-      std::vector<double> times;
+      std::vector<double> times, hf_times;
       int64_t peak = 0, kept_tokens = 0;
       for (int r = 0; r < repeats + 1; ++r) {
         const SequenceId seq = next_seq++;
@@ -443,14 +579,23 @@ int Run(int argc, char** argv) {
                                       info.stored_len_per_layer.end(), int64_t{0});
         runner.Release(seq);
         if (r > 0) times.push_back(ms);  // the first run is the warm-up
+        if (with_peer) {
+          auto hf = ask_peer({{"op", "prefill"}, {"tokens", n}}, "ms");
+          if (!hf) return 1;
+          if (r > 0) hf_times.push_back(*hf);
+        }
       }
-      result["prefill"].push_back({{"tokens", n},
-                                   {"keep", keep},
-                                   {"ms", Median(times)},
-                                   {"peak_bytes", peak},
-                                   {"weights_bytes", weights_bytes},
-                                   {"kept_tokens_all_layers", kept_tokens}});
-      std::cerr << "prefill n=" << n << " keep=" << keep << ": " << Median(times) << " ms\n";
+      Json row = {{"tokens", n},
+                  {"keep", keep},
+                  {"ms", Median(times)},
+                  {"peak_bytes", peak},
+                  {"weights_bytes", weights_bytes},
+                  {"kept_tokens_all_layers", kept_tokens}};
+      add_peer_figures(row, times, hf_times);
+      result["prefill"].push_back(row);
+      std::cerr << "prefill n=" << n << " keep=" << keep << ": " << Median(times) << " ms"
+                << (hf_times.empty() ? "" : ", HF " + std::to_string(Median(hf_times)) + " ms")
+                << "\n";
     }
 
     for (const auto& spec : split(decode_arg)) {
@@ -459,14 +604,22 @@ int Run(int argc, char** argv) {
       std::vector<SequenceId> seqs;
       std::vector<int32_t> tokens;
       absl::Status status;
+      const int64_t kept = comp.method == ScoreMethod::kNone
+                               ? ctx
+                               : static_cast<int64_t>(std::ceil(keep * static_cast<double>(ctx)));
       for (int64_t b = 0; b < batch && status.ok(); ++b) {
         const SequenceId seq = next_seq++;
+        seqs.push_back(seq);
+        if (synthetic_context) {
+          status = AddSyntheticSequence(runner, seq, ctx, kept);
+          tokens.push_back(static_cast<int32_t>((b * 7919 + 13) % config.vocab_size));
+          continue;
+        }
         auto logits = runner.Prefill(seq, RandomIds(ctx, config.vocab_size, 1000 + b), true, comp);
         if (!logits.ok())
           status = logits.status();
         else
           tokens.push_back(static_cast<int32_t>(logits->argmax().item<int64_t>()));
-        seqs.push_back(seq);
       }
       std::vector<bool> modes;
       if (graphs_arg != "off") modes.push_back(true);
@@ -475,19 +628,27 @@ int Run(int argc, char** argv) {
         runner.SetCudaGraphs(graphs);
         std::vector<double> times, host_times;
         std::vector<double> prepare_us, fill_us, upload_us, launch_us;
-        for (int step = 0; step < decode_steps + 2 && status.ok(); ++step) {
-          const double ms = TimeMs([&] {
-            auto logits = runner.Decode(seqs, tokens);
-            if (!logits.ok()) {
-              status = logits.status();
-              return;
-            }
-            auto next = logits->argmax(-1).to(at::kCPU);  // the host needs the ids: a real sync
-            for (int64_t b = 0; b < batch; ++b)
-              tokens[b] = static_cast<int32_t>(next[b].item<int64_t>());
-          });
-          if (step >= 2) {  // the first steps capture the graphs
+        std::vector<double> round_ms, hf_round_ms;  // interleaved: per round, ours and the peer's
+        // Interleaved: a warm-up round, then --repeats rounds of --decode-steps steps each side.
+        // Alone: --decode-steps steps after two warm-up steps (the first capture the graphs).
+        const int rounds = with_peer ? repeats + 1 : 1;
+        for (int round = 0; round < rounds && status.ok(); ++round) {
+          const int warmup_steps = with_peer ? 0 : 2;
+          std::vector<double> this_round;
+          for (int step = 0; step < decode_steps + warmup_steps && status.ok(); ++step) {
+            const double ms = TimeMs([&] {
+              auto logits = runner.Decode(seqs, tokens);
+              if (!logits.ok()) {
+                status = logits.status();
+                return;
+              }
+              auto next = logits->argmax(-1).to(at::kCPU);  // the host needs the ids: a real sync
+              for (int64_t b = 0; b < batch; ++b)
+                tokens[b] = static_cast<int32_t>(next[b].item<int64_t>());
+            });
+            if (step < warmup_steps || (with_peer && round == 0)) continue;
             times.push_back(ms);
+            this_round.push_back(ms);
             // The host's part (runner.Decode): the device idles while it runs, the previous
             // step's ids just read back, until the step's first kernel is queued.
             const auto parts = runner.last_decode_host_times();
@@ -497,24 +658,38 @@ int Run(int argc, char** argv) {
             upload_us.push_back(parts.upload_us);
             launch_us.push_back(parts.launch_us);
           }
+          if (!with_peer || !status.ok()) continue;
+          auto hf = ask_peer(
+              {{"op", "decode"}, {"batch", batch}, {"context", ctx}, {"steps", decode_steps}},
+              "ms_per_step");
+          if (!hf) return 1;
+          if (round > 0) {
+            round_ms.push_back(Median(this_round));
+            hf_round_ms.push_back(*hf);
+          }
         }
         if (!status.ok()) break;
-        result["decode"].push_back({{"batch", batch},
-                                    {"context", ctx},
-                                    {"keep", keep},
-                                    {"graphs", graphs},
-                                    {"ms_per_step", Median(times)},
-                                    {"host_ms_per_step", Median(host_times)},
-                                    {"host_us_parts",
-                                     {{"prepare", Median(prepare_us)},
-                                      {"fill", Median(fill_us)},
-                                      {"upload", Median(upload_us)},
-                                      {"launch", Median(launch_us)}}},
-                                    {"tokens_per_s", batch * 1000.0 / Median(times)}});
+        Json row = {{"batch", batch},
+                    {"context", ctx},
+                    {"keep", keep},
+                    {"graphs", graphs},
+                    {"ms_per_step", Median(times)},
+                    {"host_ms_per_step", Median(host_times)},
+                    {"host_us_parts",
+                     {{"prepare", Median(prepare_us)},
+                      {"fill", Median(fill_us)},
+                      {"upload", Median(upload_us)},
+                      {"launch", Median(launch_us)}}},
+                    {"tokens_per_s", batch * 1000.0 / Median(times)}};
+        add_peer_figures(row, round_ms, hf_round_ms);
+        result["decode"].push_back(row);
         std::cerr << "decode " << spec << " keep=" << keep << " graphs=" << graphs << ": "
                   << Median(times) << " ms/step (runner.Decode on the host: " << Median(host_times)
                   << " ms: prepare " << Median(prepare_us) << " us, fill " << Median(fill_us)
-                  << ", upload " << Median(upload_us) << ", launch " << Median(launch_us) << ")\n";
+                  << ", upload " << Median(upload_us) << ", launch " << Median(launch_us) << ")"
+                  << (hf_round_ms.empty() ? ""
+                                          : ", HF " + std::to_string(Median(hf_round_ms)) + " ms")
+                  << "\n";
       }
       runner.SetCudaGraphs(graphs_arg != "off");
       for (SequenceId seq : seqs) runner.Release(seq);
@@ -548,11 +723,8 @@ int Run(int argc, char** argv) {
       absl::Status status;
       for (int64_t b = 0; b < num_seqs && status.ok(); ++b) {
         const SequenceId seq = next_seq++;
-        status = pool.AddSequence(seq);
-        for (int32_t l = 0; l < config.num_layers && status.ok(); ++l)
-          status = pool.AppendLayerSlots(seq, l, kept);
+        status = AddSyntheticSequence(runner, seq, throughput_context, kept);
         if (!status.ok()) break;
-        pool.set_logical_len(seq, throughput_context);
         seqs.push_back(seq);
         tokens.push_back(static_cast<int32_t>((b * 7919) % config.vocab_size));
       }
@@ -586,19 +758,15 @@ int Run(int argc, char** argv) {
     }
   }
 
-  if (!hf_python.empty()) {
+  peer.reset();  // the interleaved peer exits
+  if (!hf_python.empty() && !interleave) {
     // The peer needs the device memory our KV pool holds: free the runner first.
     runner_or->reset();
 #ifdef DROPKV_BENCH_CUDA
     if (at::hasCUDA()) c10::cuda::CUDACachingAllocator::emptyCache();
 #endif
-    std::string cmd = hf_python + " " + hf_script + " --model " + model_dir + " --prefill='" +
-                      prefill_arg + "' --decode='" + decode_arg + "' --repeats " +
-                      std::to_string(repeats) + " --decode-steps " + std::to_string(decode_steps) +
-                      " --device " + (device.rfind("cuda", 0) == 0 ? std::string("cuda") : device) +
-                      " --dtype " + dtype + (random_weights ? "" : " --weights");
     std::string text;
-    if (FILE* pipe = popen(cmd.c_str(), "r")) {
+    if (FILE* pipe = popen(hf_cmd.c_str(), "r")) {
       char buf[4096];
       while (size_t got = fread(buf, 1, sizeof(buf), pipe)) text.append(buf, got);
       if (pclose(pipe) == 0) {
@@ -608,7 +776,7 @@ int Run(int argc, char** argv) {
           std::cerr << "hf peer: unreadable output: " << e.what() << "\n";
         }
       } else {
-        std::cerr << "hf peer failed: " << cmd << "\n";
+        std::cerr << "hf peer failed: " << hf_cmd << "\n";
       }
     }
   }
@@ -630,17 +798,27 @@ int Run(int argc, char** argv) {
       if (p["batch"] == b && p["context"] == c) return p["ms_per_step"];
     return 0;
   };
+  // Interleaved rows carry the peer's median and the median of the rounds' ratios.
+  auto ratio = [](const Json& row, double ours, double hf) {
+    if (row.contains("hf_over_ours")) return row["hf_over_ours"].get<double>();
+    return hf > 0 ? hf / ours : 0.0;
+  };
   for (const auto& p : result["prefill"]) {
-    const double ours = p["ms"], hf = p["keep"] == 1.0 ? hf_prefill(p["tokens"]) : 0;
+    const double ours = p["ms"];
+    const double hf = p.contains("hf_ms") ? p["hf_ms"].get<double>()
+                      : p["keep"] == 1.0  ? hf_prefill(p["tokens"])
+                                          : 0;
     std::printf("prefill %6lld keep %.2f ms  %10.1f %10.1f %10.2f\n", (long long)p["tokens"],
-                (double)p["keep"], ours, hf, hf > 0 ? hf / ours : 0.0);
+                (double)p["keep"], ours, hf, ratio(p, ours, hf));
   }
   for (const auto& d : result["decode"]) {
-    const double ours = d["ms_per_step"],
-                 hf = d["keep"] == 1.0 ? hf_decode(d["batch"], d["context"]) : 0;
+    const double ours = d["ms_per_step"];
+    const double hf = d.contains("hf_ms") ? d["hf_ms"].get<double>()
+                      : d["keep"] == 1.0  ? hf_decode(d["batch"], d["context"])
+                                          : 0;
     std::printf("decode bs%-3lld ctx%-6lld keep %.2f%s %8.2f %10.2f %10.2f\n",
                 (long long)d["batch"], (long long)d["context"], (double)d["keep"],
-                d["graphs"] ? "" : " eager", ours, hf, hf > 0 ? hf / ours : 0.0);
+                d["graphs"] ? "" : " eager", ours, hf, ratio(d, ours, hf));
   }
   for (const auto& t : result["throughput"]) {
     std::printf("full-memory batch keep %.2f: %lld x %lld tokens, %.2f ms/step, %.0f tok/s\n",

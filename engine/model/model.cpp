@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <stdexcept>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -18,6 +19,7 @@
 #include "engine/model/attention.h"
 #include "engine/model/log.h"
 #include "engine/model/safetensors.h"
+#include "kernels/cpu_gemv.h"
 #include "kernels/fused_gemv.h"
 #include "kernels/fused_ops.h"
 
@@ -68,11 +70,18 @@ const OneDnnLinearOps* OneDnnOps() {
   return ops ? &*ops : nullptr;
 }
 
-// x [N, in] @ w^T (+ b): w is a plain [out, in] tensor or a oneDNN-packed one.
+// x [N, in] @ w^T (+ b): w is a plain [out, in] tensor or a oneDNN-packed one. A decode step's
+// few rows against a plain fp32 weight on the CPU go to kernels::CpuGemv, which reads w once
+// (ATen's GEMM copies it into its packed layout on every call from 2 rows on).
 at::Tensor Linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
   if (w.is_mkldnn()) {
     return OneDnnOps()->linear.call(x, w, b.defined() ? std::optional<at::Tensor>(b) : std::nullopt,
                                     "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
+  }
+  if (kernels::CpuGemvApplies(x, w)) {
+    auto y = kernels::CpuGemv(x, w, b);
+    if (y.ok()) return *std::move(y);
+    throw std::runtime_error(y.status().ToString());  // Forward turns it into its status
   }
   return at::linear(x, w, b);
 }

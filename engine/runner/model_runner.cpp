@@ -133,7 +133,8 @@ struct DecodeInputs {
 // Attention over the paged cache for one decode step; the per-layer metadata is built once.
 class DecodeBackend : public AttentionBackend {
  public:
-  // use_kernel: the CUDA split-K kernel (else the ATen reference, which syncs with the host).
+  // use_kernel: kernels::PagedDecodeAttention (on CUDA the split-K kernel, on the CPU the CPU
+  // kernel); else the ATen reference on the device (CUDA geometries the kernel lacks).
   DecodeBackend(BlockPool& pool, const ModelConfig& config, DecodeInputs in, int32_t max_seq_len,
                 bool use_kernel)
       : pool_(pool),
@@ -158,10 +159,11 @@ class DecodeBackend : public AttentionBackend {
     }
     const double scale = config_.attention_scale(layer_idx);
     if (use_kernel_) {
-      // The split-K CUDA kernel reads the block tables on the device: no host sync per layer;
-      // the grid comes from max_seq_len, known on the host (fixed per captured graph).
       kernels::PagedAttentionParams params;
       params.scale = scale;
+      params.softcap = config_.attn_logit_softcapping;  // 0 on CUDA (UseDecodeKernel)
+      // CUDA: the kernel reads the block tables on the device: no host sync per layer; the grid
+      // comes from max_seq_len, known on the host (fixed per captured graph).
       params.max_seq_len = max_seq_len_;
       // Both hold for a decode step: its tables and lengths were copied from the host before the
       // step's first kernel, and the op right before this one (RoPE + K/V store, in its own
@@ -612,11 +614,12 @@ class TorchModelRunner : public ModelRunner {
     }
   }
 
-  // The CUDA paged-attention kernel's geometry (kernels/paged_attention.h); tiny test models
-  // outside it run the ATen reference on the device instead (eager only).
+  // kernels::PagedDecodeAttention takes every CPU geometry; on CUDA only its kernel's: tiny
+  // test models outside it run the ATen reference on the device instead (eager only).
   bool UseDecodeKernel() const {
     const auto& c = config();
-    // (No kernel soft-caps logits: Gemma 2 decodes through the reference.)
+    if (model_->device().is_cpu()) return true;
+    // (The CUDA kernel does not soft-cap logits: Gemma 2 decodes through the reference.)
     return model_->device().is_cuda() && c.attn_logit_softcapping == 0 &&
            (c.head_dim == 64 || c.head_dim == 128 || c.head_dim == 256) &&
            c.num_heads % c.num_kv_heads == 0 && c.num_heads / c.num_kv_heads <= 16;
@@ -624,7 +627,7 @@ class TorchModelRunner : public ModelRunner {
 
   bool UseGraphs(int64_t batch, int64_t max_blocks) const {
     if (!options_.cuda_graphs || graphs_disabled_ || scratch_block_ < 0) return false;
-    if (!UseDecodeKernel()) return false;
+    if (!model_->device().is_cuda() || !UseDecodeKernel()) return false;
     // Dynamic RoPE recomputes its frequencies from the host-side length: not capturable.
     if (config().rope.type == RopeType::kDynamic) return false;
     if (batch > kMaxGraphBatch) return false;

@@ -1,11 +1,12 @@
 // CPU reference of the paged KV cache ops (cache_ops.h) and paged decode attention
-// (paged_attention.h), plus device dispatch to the CUDA kernels.
+// (paged_attention.h), plus device dispatch to the CUDA kernels and the CPU decode kernel.
 #include <ATen/ATen.h>
 
 #include <cmath>
 
 #include "kernels/cache_ops.h"
 #include "kernels/check.h"
+#include "kernels/cpu/paged_attention_cpu.h"
 #include "kernels/cuda/launchers.h"
 #include "kernels/paged_attention.h"
 
@@ -119,11 +120,13 @@ absl::Status WriteKeptKv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Ten
   });
 }
 
-absl::StatusOr<at::Tensor> PagedDecodeAttention(const at::Tensor& q, const at::Tensor& k_cache,
-                                                const at::Tensor& v_cache,
-                                                const at::Tensor& block_tables,
-                                                const at::Tensor& seq_lens,
-                                                const PagedAttentionParams& params) {
+namespace {
+
+// The checks both entry points share (shapes, dtypes, devices, params), and on the CPU every
+// length and block id (the CUDA launcher trusts the allocator's tables: no device sync).
+absl::Status CheckPagedDecode(const at::Tensor& q, const at::Tensor& k_cache,
+                              const at::Tensor& v_cache, const at::Tensor& block_tables,
+                              const at::Tensor& seq_lens, const PagedAttentionParams& params) {
   if (auto s = CheckDim(q, "q", 3, "[B, Hq, D]"); !s.ok()) return s;
   if (auto s = CheckCache(k_cache, v_cache); !s.ok()) return s;
   if (auto s = CheckDim(block_tables, "block_tables", 2, "[B, max_blocks]"); !s.ok()) return s;
@@ -147,14 +150,14 @@ absl::StatusOr<at::Tensor> PagedDecodeAttention(const at::Tensor& q, const at::T
   if (!(params.scale >= 0)) {
     return absl::InvalidArgumentError(absl::StrCat("scale must be >= 0, got ", params.scale));
   }
+  if (!(params.softcap >= 0)) {
+    return absl::InvalidArgumentError(absl::StrCat("softcap must be >= 0, got ", params.softcap));
+  }
   if (params.max_seq_len < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("max_seq_len must be >= 0, got ", params.max_seq_len));
   }
-  if (q.is_cuda()) {
-    return cuda::PagedDecodeAttention(q, k_cache, v_cache, block_tables, seq_lens, params);
-  }
-  // CPU: validate lengths and block ids (the CUDA launcher trusts the allocator's tables).
+  if (q.is_cuda()) return absl::OkStatus();
   auto lens = seq_lens.contiguous();
   auto tables = block_tables.contiguous();
   const int64_t max_blocks = tables.size(1), num_blocks = k_cache.size(0);
@@ -172,8 +175,57 @@ absl::StatusOr<at::Tensor> PagedDecodeAttention(const at::Tensor& q, const at::T
       }
     }
   }
+  return absl::OkStatus();
+}
+
+double ScaleOf(const at::Tensor& q, const PagedAttentionParams& params) {
+  return params.scale > 0 ? params.scale : 1.0 / std::sqrt(static_cast<double>(q.size(2)));
+}
+
+}  // namespace
+
+absl::StatusOr<at::Tensor> PagedDecodeAttention(const at::Tensor& q, const at::Tensor& k_cache,
+                                                const at::Tensor& v_cache,
+                                                const at::Tensor& block_tables,
+                                                const at::Tensor& seq_lens,
+                                                const PagedAttentionParams& params) {
+  if (auto s = CheckPagedDecode(q, k_cache, v_cache, block_tables, seq_lens, params); !s.ok()) {
+    return s;
+  }
+  if (q.is_cuda()) {
+    if (params.softcap > 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("softcap ", params.softcap, ": the CUDA kernel does not cap logits"));
+    }
+    return cuda::PagedDecodeAttention(q, k_cache, v_cache, block_tables, seq_lens, params);
+  }
+  if (!cpu::PagedDecodeKernelApplies(k_cache, v_cache)) {
+    return PagedDecodeAttentionReference(q, k_cache, v_cache, block_tables, seq_lens, params);
+  }
   return CatchTorch("PagedDecodeAttention", [&]() -> absl::StatusOr<at::Tensor> {
-    const double scale = params.scale > 0 ? params.scale : 1.0 / std::sqrt(static_cast<double>(d));
+    return cpu::PagedDecodeAttention(q, k_cache, v_cache, block_tables, seq_lens,
+                                     ScaleOf(q, params), params.softcap);
+  });
+}
+
+absl::StatusOr<at::Tensor> PagedDecodeAttentionReference(const at::Tensor& q,
+                                                         const at::Tensor& k_cache,
+                                                         const at::Tensor& v_cache,
+                                                         const at::Tensor& block_tables,
+                                                         const at::Tensor& seq_lens,
+                                                         const PagedAttentionParams& params) {
+  if (auto s = CheckPagedDecode(q, k_cache, v_cache, block_tables, seq_lens, params); !s.ok()) {
+    return s;
+  }
+  if (!q.is_cpu()) {
+    return absl::InvalidArgumentError("PagedDecodeAttentionReference: CPU tensors only");
+  }
+  return CatchTorch("PagedDecodeAttentionReference", [&]() -> absl::StatusOr<at::Tensor> {
+    const int64_t b = q.size(0), hq = q.size(1), d = q.size(2);
+    const int64_t block_size = k_cache.size(1), hkv = k_cache.size(2);
+    auto lens = seq_lens.contiguous();
+    auto tables = block_tables.contiguous();
+    const double scale = ScaleOf(q, params);
     const auto acc = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
     const int64_t g = hq / hkv;
     auto out = at::zeros({b, hq, d}, q.options());
@@ -185,12 +237,13 @@ absl::StatusOr<at::Tensor> PagedDecodeAttention(const at::Tensor& q, const at::T
       auto t = at::arange(len, tables.options().dtype(at::kLong));
       auto slots =
           tables[i].to(at::kLong).index_select(0, t.div(block_size, "floor")) * block_size +
-          t.remainder(block_size);                                               // [len]
-      auto ks = kf.index_select(0, slots).to(acc).transpose(0, 1);               // [Hkv, len, D]
-      auto vs = vf.index_select(0, slots).to(acc).transpose(0, 1);               // [Hkv, len, D]
-      auto qi = q[i].to(acc).view({hkv, g, d});                                  // [Hkv, g, D]
-      auto p = at::softmax(at::matmul(qi, ks.transpose(1, 2)).mul_(scale), -1);  // [Hkv, g, len]
-      out[i].copy_(at::matmul(p, vs).reshape({hq, d}));
+          t.remainder(block_size);                                   // [len]
+      auto ks = kf.index_select(0, slots).to(acc).transpose(0, 1);   // [Hkv, len, D]
+      auto vs = vf.index_select(0, slots).to(acc).transpose(0, 1);   // [Hkv, len, D]
+      auto qi = q[i].to(acc).view({hkv, g, d});                      // [Hkv, g, D]
+      auto logits = at::matmul(qi, ks.transpose(1, 2)).mul_(scale);  // [Hkv, g, len]
+      if (params.softcap > 0) logits = at::tanh(logits / params.softcap) * params.softcap;
+      out[i].copy_(at::matmul(at::softmax(logits, -1), vs).reshape({hq, d}));
     }
     return out;
   });

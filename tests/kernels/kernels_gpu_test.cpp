@@ -360,8 +360,8 @@ TEST_F(KernelsGpuTest, PagedDecodeMatchesCpuReference) {
                           .view({b, max_blocks})
                           .contiguous();
         auto lens = at::tensor({6001, 1, 0, 333}, at::kInt);
-        auto want = PagedDecodeAttention(q.to(at::kFloat), kc.to(at::kFloat), vc.to(at::kFloat),
-                                         tables, lens);
+        auto want = PagedDecodeAttentionReference(q.to(at::kFloat), kc.to(at::kFloat),
+                                                  vc.to(at::kFloat), tables, lens);
         ASSERT_TRUE(want.ok()) << want.status();
         Poison();
         PagedAttentionParams hint;  // every other case: the tables' capacity bounds the grid
@@ -390,8 +390,8 @@ TEST_F(KernelsGpuTest, PagedDecodeBlockSizeOneAndSplitCounts) {
     auto q = at::randn({b, hkv * g, d}).to(at::kBFloat16);
     auto tables = at::randperm(nb, at::kInt).view({b, max_blocks}).contiguous();
     auto lens = at::tensor({5000, 17, 0}, at::kInt);
-    auto want =
-        PagedDecodeAttention(q.to(at::kFloat), kc.to(at::kFloat), vc.to(at::kFloat), tables, lens);
+    auto want = PagedDecodeAttentionReference(q.to(at::kFloat), kc.to(at::kFloat),
+                                              vc.to(at::kFloat), tables, lens);
     ASSERT_TRUE(want.ok()) << want.status();
     Poison();
     PagedAttentionParams params;
@@ -420,8 +420,8 @@ PagedCase MakePagedCase(int64_t b, int64_t hkv, int64_t g, int64_t d, int64_t bs
   return c;
 }
 at::Tensor PagedCpu(const PagedCase& c) {
-  auto want = PagedDecodeAttention(c.q.to(at::kFloat), c.kc.to(at::kFloat), c.vc.to(at::kFloat),
-                                   c.tables, c.lens);
+  auto want = PagedDecodeAttentionReference(c.q.to(at::kFloat), c.kc.to(at::kFloat),
+                                            c.vc.to(at::kFloat), c.tables, c.lens);
   EXPECT_TRUE(want.ok()) << want.status();
   return want.ok() ? *want : at::Tensor();
 }

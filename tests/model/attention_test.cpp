@@ -77,6 +77,38 @@ TEST(AttentionTest, PrefillWithEarlierEntriesMatchesBruteForce) {
   }
 }
 
+// Sliding-window prefill on the SDPA path (query rows in blocks of 256 against the keys they can
+// see) vs an fp64 brute force: a first chunk of 700 tokens (three blocks, the last partial) and a
+// later chunk of 300 after 400 stored entries, windows shorter and longer than a block, GQA.
+TEST(AttentionTest, WindowedPrefillMatchesBruteForce) {
+  struct Case {
+    int64_t stored, t_len, window;
+  };
+  for (const Case& c : {Case{0, 700, 100}, Case{0, 700, 300}, Case{400, 300, 129}}) {
+    at::manual_seed(11 + c.window);
+    const int64_t hq = 4, hkv = 2, d = 16, n = c.stored + c.t_len;
+    const double scale = 0.3;
+    auto q = at::randn({c.t_len, hq, d});
+    auto k = at::randn({hkv, n, d});
+    auto v = at::randn({hkv, n, d});
+    AttentionLimits limits;
+    limits.window = c.window;
+    auto out = PrefillAttentionWithLse(q, k, v, scale, PrefillAttentionImpl::kSdpa, limits).out;
+    ASSERT_EQ(out.sizes(), q.sizes());
+    // Brute force: row i (position stored + i) sees keys (stored + i - window, stored + i].
+    auto s = at::einsum("thd,hnd->htn",
+                        {q.to(at::kDouble), k.to(at::kDouble).repeat_interleave(hq / hkv, 0)}) *
+             scale;  // [Hq, T, n]
+    auto pos = at::arange(c.stored, n, at::kLong).unsqueeze(1);
+    auto key = at::arange(n, at::kLong).unsqueeze(0);
+    auto visible = (key <= pos).logical_and(key > pos - c.window);
+    auto p = s.masked_fill(visible.logical_not(), -INFINITY).softmax(-1);
+    auto want = at::einsum("htn,hnd->thd", {p, v.to(at::kDouble).repeat_interleave(hq / hkv, 0)});
+    EXPECT_LT((out.to(at::kDouble) - want).abs().max().item<double>(), 1e-5)
+        << "stored " << c.stored << " T " << c.t_len << " window " << c.window;
+  }
+}
+
 // The cuDNN prefill's padded lengths: never shorter, at most 1/16 longer, monotone, fixed points
 // are fixed (a padded length pads to itself, powers of two too), and a bounded set per octave.
 TEST(AttentionTest, CudnnPaddedLengthIsBoundedAndIdempotent) {
