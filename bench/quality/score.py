@@ -35,9 +35,17 @@ def mean_se(xs):
     return m, math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1) / n)
 
 
-def label(r):
-    name = r["method"] if r["engine"] == "dropkv" else f"kvpress {r['method']}"
-    return name
+def variant(r):
+    """Our ablation settings that differ from the defaults, as a suffix of the method's name."""
+    v = []
+    if r["engine"] == "dropkv" and r["method"] == "dropkv" and (
+            r.get("pooling", "max") != "max" or r.get("pooling_kernel", 11) != 11):
+        v.append(f"pooling {r['pooling']}" + (f" {r['pooling_kernel']}" if r["pooling"] != "none" else ""))
+    if r.get("window", 8) != 8 and r["method"] not in ("full", "none"):
+        v.append(f"W {r['window']}")
+    if r.get("h2o_per_query") and r["method"].startswith("h2o"):
+        v.append("per-query")
+    return f" ({', '.join(v)})" if v else ""
 
 
 def main():
@@ -52,7 +60,8 @@ def main():
             s = answer_score(r["text"], r["answers"], r["match"])
             if "score" in r and abs(r["score"] - s) > 1e-9:
                 raise SystemExit(f"{path}: score {r['score']} != {s} for {r['method']} idx {r['idx']}")
-            key = (r["engine"], r["method"], float(r["keep"]), r.get("allocator", "uniform"))
+            key = (r["engine"], r["method"] + variant(r), float(r["keep"]),
+                   r.get("allocator", "uniform"))
             cells[(r["task"], r["length"], r["format"])].setdefault(key, {})[r["idx"]] = s
     for (task, length, fmt), runs in sorted(cells.items()):
         print(f"\n{task}, {length} tokens, {fmt} prompts\n")

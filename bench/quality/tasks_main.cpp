@@ -150,13 +150,23 @@ int main(int argc, char** argv) {
         const double score = dropkv::quality::AnswerScore(*text, p.answers, p.match);
         cell[c].push_back(score);
         if (out.is_open()) {
-          nlohmann::json j = {{"engine", "dropkv"},      {"method", configs[c].method},
-                              {"keep", configs[c].keep}, {"allocator", configs[c].allocator},
-                              {"window", window},        {"task", p.task},
-                              {"length", p.length},      {"idx", p.idx},
-                              {"format", p.format},      {"num_tokens", p.input_ids.size()},
-                              {"answers", p.answers},    {"match", p.match},
-                              {"score", score},          {"text", *text}};
+          nlohmann::json j = {{"engine", "dropkv"},
+                              {"method", configs[c].method},
+                              {"keep", configs[c].keep},
+                              {"allocator", configs[c].allocator},
+                              {"window", window},
+                              {"pooling", pooling},
+                              {"pooling_kernel", pooling_kernel},
+                              {"h2o_per_query", h2o_per_query},
+                              {"task", p.task},
+                              {"length", p.length},
+                              {"idx", p.idx},
+                              {"format", p.format},
+                              {"num_tokens", p.input_ids.size()},
+                              {"answers", p.answers},
+                              {"match", p.match},
+                              {"score", score},
+                              {"text", *text}};
           out << j.dump() << "\n" << std::flush;
         }
       }
