@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "CLI/CLI.hpp"
+#include "bench/quality/task_eval.h"
 #include "engine/compression/compression.h"
 #include "engine/compression/press.h"
 #include "engine/model/config.h"
@@ -35,6 +36,8 @@ using dropkv::CompressionParams;
 using dropkv::ModelRunner;
 using dropkv::ScoreMethod;
 using dropkv::SequenceId;
+using dropkv::quality::MeanSe;
+using dropkv::quality::Summarise;
 
 struct RunOutput {
   std::vector<std::vector<int32_t>> tokens;  // [prompt][gen_len]
@@ -68,21 +71,6 @@ absl::StatusOr<RunOutput> Run(ModelRunner& runner, const std::vector<std::vector
   }
   for (SequenceId s : seqs) runner.Release(s);
   return out;
-}
-
-struct MeanSe {
-  double mean = 0, se = 0;
-};
-MeanSe Summarise(const std::vector<double>& x) {
-  MeanSe r;
-  const double n = static_cast<double>(x.size());
-  if (x.empty()) return r;
-  for (double v : x) r.mean += v / n;
-  if (x.size() < 2) return r;
-  double ss = 0;
-  for (double v : x) ss += (v - r.mean) * (v - r.mean);
-  r.se = std::sqrt(ss / (n - 1) / n);
-  return r;
 }
 
 }  // namespace

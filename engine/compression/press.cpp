@@ -297,13 +297,7 @@ absl::StatusOr<std::unique_ptr<KvSelector>> CreateKvSelector(const CompressionPa
   return std::make_unique<Press>(params, model, overrides, std::move(profile));
 }
 
-absl::StatusOr<std::unique_ptr<KvSelector>> CreateKvSelectorForModel(
-    const CompressionParams& params, const ModelConfig& config) {
-  if (params.method != ScoreMethod::kNone && config.num_global_layers() == 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "compression: every layer of this model attends through a sliding window of ",
-        config.sliding_window, " tokens; there is no growing cache to compress"));
-  }
+PressModelInfo PressModelInfoFor(const ModelConfig& config) {
   PressModelInfo info;
   // Sliding-window layers keep their window whatever the request: budgets are the global layers'.
   info.num_layers = config.num_global_layers();
@@ -317,7 +311,17 @@ absl::StatusOr<std::unique_ptr<KvSelector>> CreateKvSelectorForModel(
   info.num_q_heads = config.num_heads;
   info.num_kv_heads = config.num_kv_heads;
   info.head_dim = config.head_dim;
-  return CreateKvSelector(params, info);
+  return info;
+}
+
+absl::StatusOr<std::unique_ptr<KvSelector>> CreateKvSelectorForModel(
+    const CompressionParams& params, const ModelConfig& config) {
+  if (params.method != ScoreMethod::kNone && config.num_global_layers() == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("compression: every layer of this model attends through a sliding window of ",
+                     config.sliding_window, " tokens; there is no growing cache to compress"));
+  }
+  return CreateKvSelector(params, PressModelInfoFor(config));
 }
 
 }  // namespace dropkv::compression

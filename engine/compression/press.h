@@ -48,6 +48,10 @@ absl::StatusOr<std::unique_ptr<KvSelector>> CreateKvSelector(const CompressionPa
                                                              const PressModelInfo& model,
                                                              const PressOverrides& overrides = {});
 
+// The geometry a press needs for `config`: its global layers (sliding-window layers keep their
+// window whatever the request), their softmax scale, the head counts.
+PressModelInfo PressModelInfoFor(const ModelConfig& config);
+
 // The runner's KvSelectorFactory (engine/runner/model_runner.h):
 //   runner->SetKvSelectorFactory(&dropkv::compression::CreateKvSelectorForModel);
 absl::StatusOr<std::unique_ptr<KvSelector>> CreateKvSelectorForModel(

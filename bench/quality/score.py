@@ -1,0 +1,91 @@
+#!/usr/bin/env python3
+"""Tables from the per-prompt results of dropkv-quality-tasks (--out) and kvpress_tasks.py (issue 23).
+
+Each input line is one prompt under one configuration: {engine, method, keep, allocator, window,
+task, length, idx, format, answers, match, text, score}. A prompt's score is RULER's string match
+(answer_score below; dropkv-quality-tasks computes the same in C++, task_eval.cpp, and this script
+checks that the two agree on every line it reads). Prints, per (task, length, format), accuracy
+as mean +- standard error with n for every (engine, method, keep), and the paired difference of
+each configuration against ours DropKV at the same keep (prompts matched by idx), with its
+standard error; |diff| > 2 s.e. is marked.
+
+  python3 bench/quality/score.py ours.jsonl kvpress.jsonl [--reference dropkv]
+"""
+import argparse
+import collections
+import json
+import math
+
+
+def answer_score(text, answers, match="all"):
+    """RULER string_match_all / _part: the fraction (all) or any (any) of the answers found in
+    the text, case-insensitive."""
+    t = text.lower()
+    found = sum(1 for a in answers if a.lower() in t)
+    if match == "any":
+        return 1.0 if found else 0.0
+    return found / len(answers) if answers else 0.0
+
+
+def mean_se(xs):
+    n = len(xs)
+    m = sum(xs) / n
+    if n < 2:
+        return m, 0.0
+    return m, math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1) / n)
+
+
+def variant(r):
+    """Our ablation settings that differ from the defaults, as a suffix of the method's name."""
+    v = []
+    if r["engine"] == "dropkv" and r["method"] == "dropkv" and (
+            r.get("pooling", "max") != "max" or r.get("pooling_kernel", 11) != 11):
+        v.append(f"pooling {r['pooling']}" + (f" {r['pooling_kernel']}" if r["pooling"] != "none" else ""))
+    if r.get("window", 8) != 8 and r["method"] not in ("full", "none"):
+        v.append(f"W {r['window']}")
+    if r.get("h2o_per_query") and r["method"].startswith("h2o"):
+        v.append("per-query")
+    return f" ({', '.join(v)})" if v else ""
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("results", nargs="+")
+    ap.add_argument("--reference", default="dropkv", help="our method the others are paired with")
+    args = ap.parse_args()
+    cells = collections.defaultdict(dict)  # (task, length, format) -> (engine, method, keep) -> {idx: score}
+    for path in args.results:
+        for line in open(path):
+            r = json.loads(line)
+            s = answer_score(r["text"], r["answers"], r["match"])
+            if "score" in r and abs(r["score"] - s) > 1e-9:
+                raise SystemExit(f"{path}: score {r['score']} != {s} for {r['method']} idx {r['idx']}")
+            key = (r["engine"], r["method"] + variant(r), float(r["keep"]),
+                   r.get("allocator", "uniform"))
+            cells[(r["task"], r["length"], r["format"])].setdefault(key, {})[r["idx"]] = s
+    for (task, length, fmt), runs in sorted(cells.items()):
+        print(f"\n{task}, {length} tokens, {fmt} prompts\n")
+        print(f"| method | keep | accuracy | n | paired vs our {args.reference} |")
+        print("|---|---|---|---|---|")
+        order = sorted(runs, key=lambda k: (k[2] if k[1] not in ("full", "none") else 2.0,
+                                             k[0] != "dropkv", k[1]))
+        for key in order:
+            engine, method, keep, alloc = key
+            scores = runs[key]
+            m, se = mean_se(list(scores.values()))
+            ref = runs.get(("dropkv", args.reference, keep, alloc))
+            paired = ""
+            if ref is not None and key[:2] != ("dropkv", args.reference):
+                common = sorted(set(ref) & set(scores))
+                d = [scores[i] - ref[i] for i in common]
+                if d:
+                    dm, dse = mean_se(d)
+                    mark = " *" if abs(dm) > 2 * dse and dse > 0 else ""
+                    paired = f"{dm:+.3f} ({dse:.3f}){mark}"
+            name = method if engine == "dropkv" else f"kvpress {method}"
+            keep_s = "1.00" if method in ("full", "none") else f"{keep:.2f}"
+            print(f"| {name} | {keep_s} | {m:.3f} ± {se:.3f} | {len(scores)} | {paired} |")
+
+
+if __name__ == "__main__":
+    main()
