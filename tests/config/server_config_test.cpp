@@ -346,8 +346,8 @@ TEST(ServerConfigTest, TuningVariablesAreKnownAndPrinted) {
   ASSERT_TRUE(c.ok()) << c.status();
   ASSERT_EQ(c->warnings.size(), 2u) << absl::StrJoin(c->warnings, "; ");
   EXPECT_THAT(c->warnings, ::testing::Contains(HasSubstr("DROPKV_PREFILL_ATTENTION='fastest'")));
-  EXPECT_THAT(c->warnings,
-              ::testing::Contains(HasSubstr("DROPKV_GEMV_KERNEL is not a setting and was ignored")));
+  EXPECT_THAT(c->warnings, ::testing::Contains(
+                               HasSubstr("DROPKV_GEMV_KERNEL is not a setting and was ignored")));
   EXPECT_THAT(out.str(), HasSubstr("#   pdl: false  # DROPKV_PDL"));
   EXPECT_THAT(out.str(), HasSubstr("#   prefill_attention: auto"));
 }
