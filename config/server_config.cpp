@@ -785,7 +785,8 @@ absl::StatusOr<ServerConfig> LoadServerConfigFrom(const std::vector<std::string>
       "DROPKV_CONFIG",     "DROPKV_SHARED",    "DROPKV_PYTHON", "DROPKV_KVPRESS_PYTHON",
       "DROPKV_SOURCE_DIR", "DROPKV_BUILD_DIR", "DROPKV_VENV",   "DROPKV_CACHE",
       "DROPKV_TEST_JOBS",  "DROPKV_MODELS"};
-  for (const auto& [name, value] : env) {
+  for (const auto& entry : env) {
+    const std::string& name = entry.first;  // not a structured binding: clang 14 cannot capture one
     if (!absl::StartsWith(name, "DROPKV_")) continue;
     bool known =
         std::any_of(std::begin(kNotSettings), std::end(kNotSettings),
