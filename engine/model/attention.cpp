@@ -182,21 +182,6 @@ bool FlashApplies(const at::Tensor& q, const at::Tensor& k) {
 // (FA2: 0.5 ms per layer at 4K) does not pay back.
 constexpr int64_t kCudnnMinTokens = 8192;
 
-// KernelTuning::prefill_attention: kAuto's rule unless the tuning forces one.
-std::optional<PrefillAttentionImpl> ImplFromTuning() {
-  switch (kernels::Tuning().prefill_attention) {
-    case kernels::PrefillAttentionChoice::kSdpa:
-      return PrefillAttentionImpl::kSdpa;
-    case kernels::PrefillAttentionChoice::kFlash:
-      return PrefillAttentionImpl::kFlash;
-    case kernels::PrefillAttentionChoice::kCudnn:
-      return PrefillAttentionImpl::kCudnn;
-    case kernels::PrefillAttentionChoice::kAuto:
-      break;
-  }
-  return std::nullopt;
-}
-
 }  // namespace
 
 int64_t CudnnPaddedLength(int64_t t_len) {
@@ -223,8 +208,8 @@ PrefillAttentionOutput PrefillAttentionWithLse(const at::Tensor& q, const at::Te
   if (impl == PrefillAttentionImpl::kAuto) {
     if (!FlashApplies(q, k)) {
       impl = PrefillAttentionImpl::kSdpa;
-    } else if (auto forced = ImplFromTuning()) {
-      impl = *forced;
+    } else if (kernels::Tuning().prefill_attention != PrefillAttentionImpl::kAuto) {
+      impl = kernels::Tuning().prefill_attention;
     } else {
       impl = q.size(0) >= kCudnnMinTokens ? PrefillAttentionImpl::kCudnn
                                           : PrefillAttentionImpl::kFlash;

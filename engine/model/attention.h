@@ -7,6 +7,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "engine/model/config.h"
+#include "kernels/tuning.h"
 
 namespace dropkv {
 
@@ -30,23 +31,18 @@ inline AttentionLimits LimitsOf(const ModelConfig& c, int32_t layer_idx) {
 at::Tensor PrefillAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             double scale);
 
-// Which implementation PrefillAttentionWithLse runs.
-enum class PrefillAttentionImpl {
-  // Where kFlash applies: kCudnn for first chunks of >= 8192 tokens (faster there), else
-  // kFlash; KernelTuning::prefill_attention (DROPKV_PREFILL_ATTENTION, kernels/tuning.h) forces
-  // one instead. Elsewhere (CPU, fp32, other head dims) kSdpa.
-  kAuto,
-  // at::scaled_dot_product_attention: is_causal for a first chunk, else a [T, n] bool mask. Any
-  // device and dtype; gives no LSE.
-  kSdpa,
-  // ATen's flash attention op (FA2) called directly: GQA without expanding K/V, causal aligned
-  // bottom-right when T < n (the chunked-prefill mask without building it), and the LSE.
-  // CUDA, bf16 / fp16, D % 8 == 0, D <= 256 (ATen checks; an unsupported input throws).
-  kFlash,
-  // cuDNN's fused attention for a first chunk (T == n; its causal mask is top-left aligned),
-  // kFlash for later chunks. Same inputs as kFlash.
-  kCudnn,
-};
+// Which implementation PrefillAttentionWithLse runs: the tuning's enum, so that
+// KernelTuning::prefill_attention (DROPKV_PREFILL_ATTENTION) names the same values.
+//   kAuto: where kFlash applies, kCudnn for first chunks of >= 8192 tokens (faster there), else
+//     kFlash, unless the tuning forces one; elsewhere (CPU, fp32, other head dims) kSdpa.
+//   kSdpa: at::scaled_dot_product_attention: is_causal for a first chunk, else a [T, n] bool
+//     mask. Any device and dtype; gives no LSE.
+//   kFlash: ATen's flash attention op (FA2) called directly: GQA without expanding K/V, causal
+//     aligned bottom-right when T < n (the chunked-prefill mask without building it), and the
+//     LSE. CUDA, bf16 / fp16, D % 8 == 0, D <= 256 (ATen checks; an unsupported input throws).
+//   kCudnn: cuDNN's fused attention for a first chunk (T == n; its causal mask is top-left
+//     aligned), kFlash for later chunks. Same inputs as kFlash.
+using PrefillAttentionImpl = kernels::PrefillAttentionChoice;
 
 struct PrefillAttentionOutput {
   at::Tensor out;  // [T, Hq, D] in q's dtype
