@@ -322,8 +322,15 @@ TEST(ServiceTest, ShutdownRefusesNewWorkAndLetsRunningFinish) {
     grpc::ClientContext ctx;
     running = Stream(*h.stub, TextRequest("abc", 300), &ctx);
   });
-  for (int i = 0; i < 200 && h.service->num_active_calls() == 0; ++i)
+  // The call exists before its request reaches the scheduler; drain only once the scheduler holds
+  // it.
+  auto submitted = [&] {
+    const SchedulerStats stats = h.scheduler->Stats();
+    return stats.num_waiting + stats.num_running + stats.num_finished > 0;
+  };
+  for (int i = 0; i < 400 && !submitted(); ++i)
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  EXPECT_TRUE(submitted());
   h.scheduler->BeginDrain();
   grpc::ClientContext ctx;
   v1::GenerateResponse resp;
