@@ -315,6 +315,18 @@ TEST(ServiceTest, TokenizeDetokenizeInfoAndHealth) {
   EXPECT_EQ(check(), std::string("\x08\x02", 2));
 }
 
+// A call exists before its request reaches the scheduler: a test that drains or shuts down while a
+// request runs waits for the scheduler to hold it first.
+bool WaitUntilScheduled(const Scheduler& scheduler) {
+  auto scheduled = [&] {
+    const SchedulerStats stats = scheduler.Stats();
+    return stats.num_waiting + stats.num_running + stats.num_finished > 0;
+  };
+  for (int i = 0; i < 400 && !scheduled(); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  return scheduled();
+}
+
 TEST(ServiceTest, ShutdownRefusesNewWorkAndLetsRunningFinish) {
   Harness h({});
   StreamResult running;
@@ -322,15 +334,7 @@ TEST(ServiceTest, ShutdownRefusesNewWorkAndLetsRunningFinish) {
     grpc::ClientContext ctx;
     running = Stream(*h.stub, TextRequest("abc", 300), &ctx);
   });
-  // The call exists before its request reaches the scheduler; drain only once the scheduler holds
-  // it.
-  auto submitted = [&] {
-    const SchedulerStats stats = h.scheduler->Stats();
-    return stats.num_waiting + stats.num_running + stats.num_finished > 0;
-  };
-  for (int i = 0; i < 400 && !submitted(); ++i)
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  EXPECT_TRUE(submitted());
+  EXPECT_TRUE(WaitUntilScheduled(*h.scheduler));
   h.scheduler->BeginDrain();
   grpc::ClientContext ctx;
   v1::GenerateResponse resp;
@@ -349,8 +353,7 @@ TEST(ServiceTest, ShutdownCancelsWhatOutlivesTheGracePeriod) {
     grpc::ClientContext ctx;
     running = Stream(*h.stub, TextRequest("abc", 90000), &ctx);
   });
-  for (int i = 0; i < 200 && h.service->num_active_calls() == 0; ++i)
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  EXPECT_TRUE(WaitUntilScheduled(*h.scheduler));
   h.server->Shutdown(*h.scheduler, /*grace_seconds=*/0.05);
   t.join();
   EXPECT_TRUE(running.status.ok()) << running.status.error_message();
