@@ -26,7 +26,17 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
   auto runner = ModelRunner::Create(ro);
   if (!runner.ok()) return runner.status();
   engine->runner_ = std::move(*runner);
-  engine->runner_->SetKvSelectorFactory(&compression::CreateKvSelectorForModel);
+  if (!options.compression_profile_path.empty()) {
+    auto profile = compression::LoadProfileForModel(options.compression_profile_path,
+                                                    engine->runner_->config());
+    if (!profile.ok())
+      return absl::InvalidArgumentError(absl::StrCat("compression.", profile.status().message()));
+    engine->profile_ = std::make_shared<const compression::LayerProfile>(std::move(*profile));
+  }
+  engine->runner_->SetKvSelectorFactory(
+      [profile = engine->profile_](const CompressionParams& params, const ModelConfig& config) {
+        return compression::CreateKvSelectorWithProfile(params, config, profile.get());
+      });
 
   auto tokenizer =
       Tokenizer::FromDirectory(ro.model_dir.empty() ? DefaultDemoModelDir() : ro.model_dir);

@@ -17,6 +17,9 @@ namespace dropkv {
 
 class ModelRunner;
 class Tokenizer;
+namespace compression {
+struct LayerProfile;
+}
 
 struct EngineOptions {
   // runner.model_dir empty: the built-in demo model. runner.device "auto": cuda:0 when a GPU is
@@ -25,6 +28,9 @@ struct EngineOptions {
   // Batching and queue limits. The engine fills in the model's part: its EOS ids (config and
   // tokenizer), context length, layer count and K/V bytes per token.
   SchedulerOptions scheduler;
+  // The server's layer profile for the MGA / MLMA allocators (compression.profile_path): read and
+  // checked against the model once here, so a bad file stops the start-up and no request reads it.
+  std::string compression_profile_path;
 };
 
 // The model and the cache, as the front ends report and validate them.
@@ -62,6 +68,7 @@ class Engine {
   std::unique_ptr<ModelRunner> runner_;
   std::unique_ptr<Tokenizer> tokenizer_;
   std::unique_ptr<Scheduler> scheduler_;
+  std::shared_ptr<const compression::LayerProfile> profile_;
   EngineInfo info_;
 };
 

@@ -205,21 +205,6 @@ absl::StatusOr<std::vector<int32_t>> ChatToTokenIds(const v1::ChatMessages& chat
   return ids;
 }
 
-// compression::ValidateCompression's message as the request's field: "window: ..." ->
-// "compression.window: ..."; one that names no field (a depth rule) -> "compression: ...".
-std::string CompressionMessage(absl::string_view message) {
-  static const char* kFields[] = {
-      "keep_ratio", "budget_tokens",     "window",       "pooling_kernel",       "num_sinks",
-      "chunk_size", "budget_cap_tokens", "profile_path", "explicit_layer_prune", "allocator"};
-  for (const char* field : kFields) {
-    if (absl::StartsWith(message, field) &&
-        (message.size() == strlen(field) || message[strlen(field)] == ':' ||
-         message[strlen(field)] == ' '))
-      return absl::StrCat("compression.", message);
-  }
-  return absl::StrCat("compression: ", message);
-}
-
 absl::StatusOr<CompressionParams> MapCompression(const v1::CompressionSettings& c,
                                                  const CompressionParams& defaults,
                                                  int64_t max_context_len, int32_t num_layers) {
@@ -275,7 +260,8 @@ absl::StatusOr<CompressionParams> MapCompression(const v1::CompressionSettings& 
   if (c.has_random_seed()) p.random_seed = c.random_seed();
   // Ranges and consistency: compression's one validator (with the model's depth when known).
   absl::Status valid = compression::ValidateCompression(p, num_layers);
-  if (!valid.ok()) return absl::InvalidArgumentError(CompressionMessage(valid.message()));
+  // The validator's messages start with the field ("window: ...").
+  if (!valid.ok()) return absl::InvalidArgumentError(absl::StrCat("compression.", valid.message()));
   return p;
 }
 

@@ -128,14 +128,14 @@ std::vector<Real> PyramidShares(const BudgetOptions& o, int32_t num_layers, int6
 
 absl::StatusOr<double> KeepRatioFromCompressionRatio(double compression_ratio) {
   if (!(compression_ratio >= 0.0 && compression_ratio < 1.0)) {
-    return Invalid(absl::StrCat("compression_ratio must be in [0, 1), got ", compression_ratio));
+    return Invalid(absl::StrCat("compression_ratio: must be in [0, 1), got ", compression_ratio));
   }
   return 1.0 - compression_ratio;  // the same double kvpress computes as (1 - cr)
 }
 
 absl::StatusOr<double> KeepRatioFromBudgetTokens(int64_t budget_tokens, int64_t num_tokens) {
   if (budget_tokens <= 0) {
-    return Invalid(absl::StrCat("budget_tokens must be > 0, got ", budget_tokens));
+    return Invalid(absl::StrCat("budget_tokens: must be > 0, got ", budget_tokens));
   }
   if (num_tokens <= 0) return 1.0;
   return std::min(1.0, static_cast<double>(budget_tokens) / static_cast<double>(num_tokens));
@@ -168,39 +168,40 @@ std::vector<int32_t> ProtectedLayers(BudgetAllocator allocator, int32_t num_laye
 absl::Status ValidateBudgetOptions(const BudgetOptions& o, int32_t num_layers) {
   if (num_layers <= 0) return Invalid(absl::StrCat("num_layers must be > 0, got ", num_layers));
   if (o.allocator != BudgetAllocator::kExplicit && !(o.keep_ratio > 0.0 && o.keep_ratio <= 1.0)) {
-    return Invalid(absl::StrCat("keep_ratio must be in (0, 1], got ", o.keep_ratio));
+    return Invalid(absl::StrCat("keep_ratio: must be in (0, 1], got ", o.keep_ratio));
   }
-  if (o.window < 1) return Invalid(absl::StrCat("window must be >= 1, got ", o.window));
+  if (o.window < 1) return Invalid(absl::StrCat("window: must be >= 1, got ", o.window));
   if (o.num_protected_sinks < 0) {
-    return Invalid(absl::StrCat("num_sinks must be >= 0, got ", o.num_protected_sinks));
+    return Invalid(absl::StrCat("num_sinks: must be >= 0, got ", o.num_protected_sinks));
   }
   if (AllocatorNeedsProfile(o.allocator)) {
     if (static_cast<int32_t>(o.profile_values.size()) != num_layers) {
-      return Invalid(absl::StrCat("allocator ", std::string(BudgetAllocatorName(o.allocator)),
-                                  ": profile has ", o.profile_values.size(),
-                                  " values but the model has ", num_layers, " layers"));
+      return Invalid(
+          absl::StrCat("profile_path: allocator ", std::string(BudgetAllocatorName(o.allocator)),
+                       " needs one value per layer; the profile has ", o.profile_values.size(),
+                       " values but the model has ", num_layers, " layers"));
     }
     for (size_t l = 0; l < o.profile_values.size(); ++l) {
       if (!(o.profile_values[l] > 0.0) || !std::isfinite(o.profile_values[l])) {
-        return Invalid(absl::StrCat("profile value of layer ", l, " must be finite and > 0, got ",
-                                    o.profile_values[l]));
+        return Invalid(absl::StrCat("profile_path: the value of layer ", l,
+                                    " must be finite and > 0, got ", o.profile_values[l]));
       }
     }
   }
   if (o.allocator == BudgetAllocator::kExplicit) {
     if (static_cast<int32_t>(o.explicit_layer_prune.size()) != num_layers) {
-      return Invalid(absl::StrCat("explicit_layer_prune has ", o.explicit_layer_prune.size(),
+      return Invalid(absl::StrCat("explicit_layer_prune: has ", o.explicit_layer_prune.size(),
                                   " values but the model has ", num_layers, " layers"));
     }
     for (size_t l = 0; l < o.explicit_layer_prune.size(); ++l) {
       double rho = o.explicit_layer_prune[l];
       if (!(rho >= 0.0 && rho < 1.0)) {
-        return Invalid(absl::StrCat("explicit_layer_prune[", l, "] must be in [0, 1), got ", rho));
+        return Invalid(absl::StrCat("explicit_layer_prune[", l, "]: must be in [0, 1), got ", rho));
       }
     }
   }
   if (o.allocator == BudgetAllocator::kPyramid && !(o.pyramid_beta >= 1.0)) {
-    return Invalid(absl::StrCat("pyramid beta must be >= 1, got ", o.pyramid_beta));
+    return Invalid(absl::StrCat("pyramid_beta: must be >= 1, got ", o.pyramid_beta));
   }
   return absl::OkStatus();
 }
@@ -281,7 +282,7 @@ absl::StatusOr<std::vector<int64_t>> AllocateLayerBudgets(const BudgetOptions& o
       const int64_t rest_min = static_cast<int64_t>(rest.size()) * min_keep;
       if (rest_tokens < rest_min) {
         return Invalid(absl::StrCat(
-            "allocator ", std::string(BudgetAllocatorName(o.allocator)), ": keeping layers [",
+            "allocator: ", std::string(BudgetAllocatorName(o.allocator)), " keeping layers [",
             absl::StrJoin(protected_layers, ", "), "] whole needs ", protected_tokens,
             " tokens, leaving ", rest_tokens, " of the budget ", total, " (keep_ratio ",
             o.keep_ratio, ", n ", n, ", ", num_layers, " layers) for ", rest.size(),

@@ -25,23 +25,33 @@ absl::Status ValidateCompression(const CompressionParams& p, int32_t num_layers)
   if (p.budget_tokens.has_value() && *p.budget_tokens <= 0) {
     return Invalid(absl::StrCat("budget_tokens: must be >= 1, got ", *p.budget_tokens));
   }
-  if (p.window < 1) return Invalid(absl::StrCat("window: must be >= 1, got ", p.window));
-  if (p.pooling_kernel < 1 || p.pooling_kernel % 2 == 0) {
-    return Invalid(absl::StrCat("pooling_kernel: must be odd and >= 1, got ", p.pooling_kernel));
+  if (p.budget_tokens.has_value() && *p.budget_tokens > kMaxCompressionTokens) {
+    return Invalid(absl::StrCat("budget_tokens: must be <= ", kMaxCompressionTokens, ", got ",
+                                *p.budget_tokens));
   }
-  if (p.num_sinks < 0) return Invalid(absl::StrCat("num_sinks: must be >= 0, got ", p.num_sinks));
-  if (p.chunk_size < 0 || (p.chunk_size > 0 && p.chunk_size < p.window)) {
-    return Invalid(absl::StrCat("chunk_size: must be 0 or >= window (", p.window, "), got ",
-                                p.chunk_size,
+  if (p.window < 1 || p.window > kMaxWindow) {
+    return Invalid(absl::StrCat("window: must be in [1, ", kMaxWindow, "], got ", p.window));
+  }
+  if (p.pooling_kernel < 1 || p.pooling_kernel > kMaxPoolingKernel || p.pooling_kernel % 2 == 0) {
+    return Invalid(absl::StrCat("pooling_kernel: must be odd and in [1, ", kMaxPoolingKernel,
+                                "], got ", p.pooling_kernel));
+  }
+  if (p.num_sinks < 0 || p.num_sinks > kMaxNumSinks) {
+    return Invalid(
+        absl::StrCat("num_sinks: must be in [0, ", kMaxNumSinks, "], got ", p.num_sinks));
+  }
+  if (p.chunk_size < 0 || p.chunk_size > kMaxCompressionTokens ||
+      (p.chunk_size > 0 && p.chunk_size < p.window)) {
+    return Invalid(absl::StrCat("chunk_size: must be 0 or in [window (", p.window, "), ",
+                                kMaxCompressionTokens, "], got ", p.chunk_size,
                                 " (the last chunk's window queries score the cache)"));
   }
-  if (p.chunk_policy == ChunkPolicy::kBudget) {
-    if (p.budget_cap_tokens <= 0) {
-      return Invalid(absl::StrCat("budget_cap_tokens: chunk_policy budget needs a cap > 0, got ",
-                                  p.budget_cap_tokens));
-    }
-  } else if (p.budget_cap_tokens < 0) {
-    return Invalid(absl::StrCat("budget_cap_tokens: must be >= 0, got ", p.budget_cap_tokens));
+  if (p.budget_cap_tokens < 0 || p.budget_cap_tokens > kMaxCompressionTokens) {
+    return Invalid(absl::StrCat("budget_cap_tokens: must be in [0, ", kMaxCompressionTokens,
+                                "], got ", p.budget_cap_tokens));
+  }
+  if (p.chunk_policy == ChunkPolicy::kBudget && p.budget_cap_tokens == 0) {
+    return Invalid("budget_cap_tokens: chunk_policy budget needs a cap > 0, got 0");
   }
   if (AllocatorNeedsProfile(p.allocator) && p.profile_path.empty()) {
     return Invalid(absl::StrCat("profile_path: required by allocator ",
@@ -51,7 +61,12 @@ absl::Status ValidateCompression(const CompressionParams& p, int32_t num_layers)
     return Invalid("explicit_layer_prune: allocator explicit needs one value per layer");
   }
   if (p.method == ScoreMethod::kNone || num_layers <= 0) return absl::OkStatus();
-  absl::StatusOr<BudgetOptions> opts = ResolveBudgetOptions(p, num_layers, /*num_tokens=*/0);
+  // Profiles are checked where they are loaded (once, at start-up); here their allocators are
+  // held to the rules every allocator shares, without reading a file per request.
+  CompressionParams shared_rules = p;
+  if (AllocatorNeedsProfile(p.allocator)) shared_rules.allocator = BudgetAllocator::kUniform;
+  absl::StatusOr<BudgetOptions> opts =
+      ResolveBudgetOptions(shared_rules, num_layers, /*num_tokens=*/0);
   if (!opts.ok()) return opts.status();
   return ValidateBudgetOptions(*opts, num_layers);
 }

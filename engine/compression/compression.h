@@ -27,13 +27,21 @@ using ::dropkv::ParseScoreMethod;
 using ::dropkv::PoolingTypeName;
 using ::dropkv::ScoreMethodName;
 
+// Upper bounds of the integer settings a client may send. They bound the work one request can
+// put on the engine thread: scoring costs window x context per layer and the pooling kernel's
+// size per score (docs/reliability.md, "Cost of one request").
+inline constexpr int32_t kMaxWindow = 1024;
+inline constexpr int32_t kMaxPoolingKernel = 127;
+inline constexpr int32_t kMaxNumSinks = 4096;
+inline constexpr int64_t kMaxCompressionTokens = int64_t{1} << 24;  // chunk sizes, budgets, caps
+
 // The one validator of compression settings (the server's requests, the config file, the tools'
-// flags): INVALID_ARGUMENT whose message starts with the field ("window: must be >= 1, got 0";
-// callers prefix "compression."). The fields' ranges and their consistency (chunk_size >= window,
-// chunk_policy budget with a cap, a profile for the allocators that read one) are checked
+// flags): INVALID_ARGUMENT whose message starts with the field ("window: must be in [1, 1024],
+// got 0"; callers prefix "compression."). The fields' ranges and their consistency (chunk_size >=
+// window, chunk_policy budget with a cap, a profile for the allocators that read one) are checked
 // whatever the method; with a method and num_layers > 0 also what depends on the model's depth
-// (profile / explicit list length, the allocator's feasibility), reading the profile file for
-// MGA / MLMA.
+// (explicit list length, the allocator's feasibility). It reads no file: a profile's values are
+// checked where it is loaded (LoadLayerProfile + ValidateBudgetOptions, once at start-up).
 absl::Status ValidateCompression(const CompressionParams& params, int32_t num_layers);
 
 // The canonical budget of `params` for a sequence that has seen `num_tokens` tokens: the

@@ -316,12 +316,35 @@ PressModelInfo PressModelInfoFor(const ModelConfig& config) {
 
 absl::StatusOr<std::unique_ptr<KvSelector>> CreateKvSelectorForModel(
     const CompressionParams& params, const ModelConfig& config) {
+  return CreateKvSelectorWithProfile(params, config, nullptr);
+}
+
+absl::StatusOr<std::unique_ptr<KvSelector>> CreateKvSelectorWithProfile(
+    const CompressionParams& params, const ModelConfig& config, const LayerProfile* profile) {
   if (params.method != ScoreMethod::kNone && config.num_global_layers() == 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("compression: every layer of this model attends through a sliding window of ",
                      config.sliding_window, " tokens; there is no growing cache to compress"));
   }
-  return CreateKvSelector(params, PressModelInfoFor(config));
+  PressOverrides overrides;
+  overrides.profile = profile;
+  return CreateKvSelector(params, PressModelInfoFor(config), overrides);
+}
+
+absl::StatusOr<LayerProfile> LoadProfileForModel(const std::string& path,
+                                                 const ModelConfig& config) {
+  absl::StatusOr<LayerProfile> profile = LoadLayerProfile(path);
+  if (!profile.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("profile_path: ", profile.status().message()));
+  }
+  BudgetOptions check;
+  check.allocator = BudgetAllocator::kMGA;
+  check.profile_values = profile->values;
+  const int32_t num_layers = PressModelInfoFor(config).num_layers;
+  if (absl::Status s = ValidateBudgetOptions(check, num_layers); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(s.message(), " (", path, ")"));
+  }
+  return profile;
 }
 
 }  // namespace dropkv::compression

@@ -52,9 +52,19 @@ absl::StatusOr<std::unique_ptr<KvSelector>> CreateKvSelector(const CompressionPa
 // window whatever the request), their softmax scale, the head counts.
 PressModelInfo PressModelInfoFor(const ModelConfig& config);
 
-// The runner's KvSelectorFactory (engine/runner/model_runner.h):
+// A KvSelector for `config`'s layers: the runner's KvSelectorFactory
+// (engine/runner/model_runner.h), as the tools bind it:
 //   runner->SetKvSelectorFactory(&dropkv::compression::CreateKvSelectorForModel);
 absl::StatusOr<std::unique_ptr<KvSelector>> CreateKvSelectorForModel(
     const CompressionParams& params, const ModelConfig& config);
+// The same with the MGA / MLMA profile already loaded (no file is read): the engine's factory,
+// bound to the server's profile (LoadProfileForModel, once at start-up).
+absl::StatusOr<std::unique_ptr<KvSelector>> CreateKvSelectorWithProfile(
+    const CompressionParams& params, const ModelConfig& config, const LayerProfile* profile);
+
+// Reads the layer profile at `path` and checks it against the layers compression acts on in
+// `config` (one finite value > 0 per layer). Errors start with "profile_path: " and name the file.
+absl::StatusOr<LayerProfile> LoadProfileForModel(const std::string& path,
+                                                 const ModelConfig& config);
 
 }  // namespace dropkv::compression

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include "dropkv/v1/inference.pb.h"
+#include "engine/compression/compression.h"
 #include "engine/tokenizer/chat_template.h"
 #include "tests/scheduler/fake_tokenizer.h"
 
@@ -337,6 +338,29 @@ TEST_F(ValidationTest, WindowPoolingKernelChunkSize) {
   r.mutable_compression()->set_window(8);
   r.mutable_compression()->set_chunk_size(4);
   ExpectInvalid(r, "compression.chunk_size");
+}
+
+// Every integer a client sets has an upper bound: a pooling kernel of 2^31 - 1 on a 10-token
+// prompt once held the engine thread for a minute (docs/reliability.md).
+TEST_F(ValidationTest, CompressionIntegersAreBoundedAbove) {
+  const int32_t kHuge = 2147483647;
+  v1::GenerateRequest r = ok_;
+  r.mutable_compression()->set_pooling_kernel(kHuge);
+  ExpectInvalid(r, "compression.pooling_kernel");
+  r.mutable_compression()->set_pooling_kernel(compression::kMaxPoolingKernel);
+  EXPECT_TRUE(Check(r).ok());
+  r = ok_;
+  r.mutable_compression()->set_window(kHuge);
+  ExpectInvalid(r, "compression.window");
+  r = ok_;
+  r.mutable_compression()->set_num_sinks(kHuge);
+  ExpectInvalid(r, "compression.num_sinks");
+  r = ok_;
+  r.mutable_compression()->set_chunk_size(kHuge);
+  ExpectInvalid(r, "compression.chunk_size");
+  r = ok_;
+  r.mutable_compression()->set_budget_cap_tokens(int64_t{1} << 40);
+  ExpectInvalid(r, "compression.budget_cap_tokens");
 }
 
 TEST_F(ValidationTest, StopStrings) {
