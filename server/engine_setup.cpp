@@ -8,6 +8,15 @@
 
 namespace dropkv {
 
+std::string ServedModelName(const ServerConfig& config) {
+  if (!config.served_model_name.empty()) return config.served_model_name;
+  if (config.demo_model) return "demo";
+  std::string dir = config.model_dir;
+  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+  const size_t slash = dir.rfind('/');
+  return slash == std::string::npos ? dir : dir.substr(slash + 1);
+}
+
 absl::StatusOr<ServedEngine> CreateServedEngine(const ServerConfig& config) {
   if (!config.demo_model &&
       !std::filesystem::exists(std::filesystem::path(config.model_dir) / "config.json")) {
@@ -25,6 +34,7 @@ absl::StatusOr<ServedEngine> CreateServedEngine(const ServerConfig& config) {
   ro.kv_cache_bytes = config.kv_memory_bytes;
   ro.num_kv_blocks = config.kv_blocks;
   ro.random_weights = config.random_weights;
+  eo.compression_profile_path = config.compression.profile_path;
   SchedulerOptions& so = eo.scheduler;
   so.max_batch = config.max_batch;
   so.max_prefill_tokens_per_step = config.prefill_tokens_per_step;
@@ -48,7 +58,7 @@ absl::StatusOr<ServedEngine> CreateServedEngine(const ServerConfig& config) {
   limits.default_compression = config.compression;
 
   v1::ModelInfo& info = served.model_info;
-  info.set_model_name(config.demo_model ? "demo" : config.model_dir);
+  info.set_model_name(ServedModelName(config));
   info.set_family(mc.model_type);
   info.set_num_layers(mc.num_layers);
   info.set_num_attention_heads(mc.num_heads);

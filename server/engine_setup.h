@@ -3,6 +3,7 @@
 #pragma once
 
 #include <memory>
+#include <string>
 
 #include "absl/status/statusor.h"
 #include "dropkv/v1/inference.pb.h"
@@ -20,5 +21,9 @@ struct ServedEngine {
 };
 
 absl::StatusOr<ServedEngine> CreateServedEngine(const ServerConfig& config);
+
+// The model's name in both APIs and the metrics' labels: served_model_name, else the model
+// folder's base name ("demo" for the demo model). Never a server path.
+std::string ServedModelName(const ServerConfig& config);
 
 }  // namespace dropkv
