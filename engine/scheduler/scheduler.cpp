@@ -268,14 +268,16 @@ struct Scheduler::Impl {
   // --- the step ------------------------------------------------------------------------------
   void Reap(StepReport& report) {
     const SteadyTime now = Clock::now();
+    auto past_deadline = [&](const Sequence& s) {
+      return s.request.deadline && *s.request.deadline <= now;
+    };
     bool cancel_everyone = false;
     {
       std::lock_guard<std::mutex> lock(mu);
       cancel_everyone = std::exchange(cancel_all, false);
     }
     auto expired = [&](const Sequence& s) {
-      return cancel_everyone || s.channel->cancelled() ||
-             (s.request.deadline && *s.request.deadline <= now);
+      return cancel_everyone || s.channel->cancelled() || past_deadline(s);
     };
     std::vector<std::unique_ptr<Sequence>> gone;
     {
@@ -299,7 +301,12 @@ struct Scheduler::Impl {
         ++it;
       }
     }
-    for (auto& seq : gone) Finish(*seq, FinishReason::kCancelled);
+    for (auto& seq : gone) {
+      // A deadline that passed is recorded as such (logs, metrics), not as a client's cancel.
+      const bool deadline = !cancel_everyone && !seq->channel->cancelled() && past_deadline(*seq);
+      Finish(*seq, FinishReason::kCancelled,
+             deadline ? absl::DeadlineExceededError("deadline exceeded") : absl::OkStatus());
+    }
     report.num_reaped += static_cast<int32_t>(gone.size());
     report.num_finished += static_cast<int32_t>(gone.size());
   }

@@ -384,7 +384,10 @@ TEST_F(SchedulerTest, CancelledAndExpiredSequencesLeaveAtNextStep) {
   Drain(*expiring, c2);
   Drain(*kept, c3);
   EXPECT_EQ(c1.reason, FinishReason::kCancelled);
+  EXPECT_TRUE(c1.error.ok()) << c1.error;  // the client's cancel
   EXPECT_EQ(c2.reason, FinishReason::kCancelled);
+  // The deadline's expiry is told apart (logs and metrics record deadline_exceeded).
+  EXPECT_EQ(c2.error.code(), absl::StatusCode::kDeadlineExceeded) << c2.error;
   EXPECT_EQ(c3.reason, FinishReason::kLength);
   EXPECT_EQ(c3.tokens, FakeRunner::Greedy(Prompt(6, 3), 5));
   // What was sent before the cancel is a prefix of the reference.
