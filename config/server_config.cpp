@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <iostream>
 #include <limits>
 #include <sstream>
@@ -298,6 +299,19 @@ std::vector<Setting> MakeSettings() {
   v.push_back(DoubleSetting(
       "shutdown_grace_seconds", "on SIGTERM, drain running requests this long before cancelling",
       [](C& c) -> double& { return c.shutdown_grace_seconds; }, 0.0, 3600.0));
+  v.push_back(IntSetting<int32_t>(
+      "max_open_calls",
+      "generation calls open at once (gRPC calls + HTTP connections each); beyond: "
+      "RESOURCE_EXHAUSTED / 503",
+      [](C& c) -> int32_t& { return c.max_open_calls; }, 1, 1 << 20));
+  v.push_back(IntSetting<int32_t>(
+      "max_concurrent_streams", "gRPC streams one HTTP/2 connection may open at once",
+      [](C& c) -> int32_t& { return c.max_concurrent_streams; }, 1, 1 << 20));
+  v.push_back(DoubleSetting(
+      "write_stall_seconds",
+      "a client that reads nothing of an answer for this long is cut off and its request "
+      "cancelled (both APIs)",
+      [](C& c) -> double& { return c.write_stall_seconds; }, 0.1, 3600.0));
   // scheduler and KV cache
   v.push_back(IntSetting<int32_t>(
       "max_batch", "most sequences in one decode step",
@@ -749,6 +763,12 @@ absl::StatusOr<ServerConfig> LoadServerConfigFrom(const std::vector<std::string>
   if (!config_file.empty()) {
     std::string text;
     {
+      std::error_code ec;
+      if (std::filesystem::exists(config_file, ec) &&
+          !std::filesystem::is_regular_file(config_file, ec)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("config: '", config_file, "' is not a file (give the YAML file itself)"));
+      }
       FILE* f = std::fopen(config_file.c_str(), "rb");
       if (f == nullptr) {
         return absl::InvalidArgumentError(

@@ -47,6 +47,10 @@ struct ServerConfig {
   std::string tls_key_file;                      // PEM private key; empty both = plaintext
   std::string auth_token_file;                   // file holding the bearer token; empty = no auth
   double shutdown_grace_seconds = 30.0;          // SIGTERM: drain this long, then cancel the rest
+  // Connection bounds (docs/reliability.md): each open call or connection holds buffers.
+  int32_t max_open_calls = 4096;          // gRPC generation calls; also HTTP connections
+  int32_t max_concurrent_streams = 1024;  // per gRPC (HTTP/2) connection
+  double write_stall_seconds = 30.0;      // an answer nobody reads this long is cancelled
 
   // --- scheduler and KV cache ---
   int32_t max_batch = 32;   // most sequences in one decode step

@@ -2,6 +2,7 @@
 // TLS, the standard grpc.health.v1 service and server reflection, and graceful shutdown.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -24,7 +25,11 @@ struct GrpcServerOptions {
   int64_t max_message_bytes = 16 * 1024 * 1024;
   std::string tls_cert_file;  // PEM; both set = TLS, both empty = plaintext
   std::string tls_key_file;
+  int32_t max_concurrent_streams = 1024;  // per HTTP/2 connection
 };
+
+// Shutdown ends within its grace period plus this, whatever the clients do (docs/reliability.md).
+inline constexpr std::chrono::seconds kShutdownMargin{3};
 
 class GrpcServer {
  public:

@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include <google/protobuf/stubs/logging.h>
+#include <grpc/support/log.h>
 #include <spdlog/spdlog.h>
 
 #include "absl/strings/ascii.h"
@@ -27,6 +29,26 @@
 
 namespace {
 
+// gRPC's and protobuf's own messages go through our logger, so that with --log-format json every
+// line on stderr is one JSON object (they print raw text otherwise).
+void RouteLibraryLogging() {
+  gpr_set_log_function([](gpr_log_func_args* args) {
+    const spdlog::level::level_enum level =
+        args->severity == GPR_LOG_SEVERITY_ERROR  ? spdlog::level::err
+        : args->severity == GPR_LOG_SEVERITY_INFO ? spdlog::level::info
+                                                  : spdlog::level::debug;
+    spdlog::log(level, "grpc: {} ({}:{})", args->message, args->file, args->line);
+  });
+  google::protobuf::SetLogHandler(
+      [](google::protobuf::LogLevel level, const char* file, int line, const std::string& message) {
+        const spdlog::level::level_enum spd_level =
+            level >= google::protobuf::LOGLEVEL_ERROR     ? spdlog::level::err
+            : level == google::protobuf::LOGLEVEL_WARNING ? spdlog::level::warn
+                                                          : spdlog::level::info;
+        spdlog::log(spd_level, "protobuf: {} ({}:{})", message, file, line);
+      });
+}
+
 volatile std::sig_atomic_t g_signal = 0;
 void OnSignal(int signal) {
   g_signal = signal;
@@ -39,15 +61,6 @@ void RaiseOpenFileLimit() {
     limit.rlim_cur = limit.rlim_max;
     ::setrlimit(RLIMIT_NOFILE, &limit);
   }
-}
-
-// The HTTP API's model name: the model folder's base name ("demo" for the demo model).
-std::string DefaultServedModelName(const dropkv::ServerConfig& config) {
-  if (config.demo_model) return "demo";
-  std::string dir = config.model_dir;
-  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
-  const size_t slash = dir.rfind('/');
-  return slash == std::string::npos ? dir : dir.substr(slash + 1);
 }
 
 // `--model DIR` is the documented short form of the config's `--model-dir DIR`.
@@ -82,6 +95,7 @@ int main(int argc, char** argv) {
     std::cerr << "dropkv-server: " << st.message() << "\n";
     return 2;
   }
+  RouteLibraryLogging();
 
   // Signals first: a SIGTERM while the model loads must not kill the process uncleanly.
   std::signal(SIGTERM, OnSignal);
@@ -158,6 +172,8 @@ int main(int argc, char** argv) {
   service_options.limits = served.limits;
   service_options.model_info = served.model_info;
   service_options.auth_token = auth_token;
+  service_options.max_open_calls = config.max_open_calls;
+  service_options.write_stall_seconds = config.write_stall_seconds;
   InferenceService service(engine.scheduler(), engine.tokenizer(), service_options);
 
   GrpcServerOptions grpc_options;
@@ -166,6 +182,7 @@ int main(int argc, char** argv) {
   grpc_options.max_message_bytes = config.max_message_bytes;
   grpc_options.tls_cert_file = config.tls_cert_file;
   grpc_options.tls_key_file = config.tls_key_file;
+  grpc_options.max_concurrent_streams = config.max_concurrent_streams;
   auto server_or = GrpcServer::Start(grpc_options, service);
   if (!server_or.ok()) {
     spdlog::critical("{}", server_or.status().ToString());
@@ -184,11 +201,10 @@ int main(int argc, char** argv) {
     http_engine.scheduler = &engine.scheduler();
     http_engine.tokenizer = engine.tokenizer();
     http_engine.gateway = service_options.gateway();
-    http_engine.served_model_name = config.served_model_name.empty()
-                                        ? DefaultServedModelName(config)
-                                        : config.served_model_name;
-    if (served.model_info.model_name() != http_engine.served_model_name)
-      http_engine.model_aliases.push_back(served.model_info.model_name());
+    http_engine.served_model_name = served.model_info.model_name();
+    // Clients may also name the model by its folder (never listed or reported).
+    if (!config.demo_model && config.model_dir != http_engine.served_model_name)
+      http_engine.model_aliases.push_back(config.model_dir);
     http_engine.max_context_len = served.model_info.max_context_len();
     http_engine.vocab_size = served.model_info.vocab_size();
     http->Attach(std::move(http_engine));

@@ -1,14 +1,93 @@
 #include "server/service.h"
 
 #include <chrono>
+#include <condition_variable>
 #include <mutex>
+#include <unordered_set>
 
+#include "absl/strings/str_cat.h"
 #include "engine/scheduler/scheduler.h"
 #include "engine/tokenizer/tokenizer.h"
 #include "server/metrics/request_metrics.h"
 #include "server/metrics/server_metrics.h"
 
 namespace dropkv {
+
+// A generation call is open from its reactor's construction to OnDone. It is stalled while an
+// answer (a streamed message or the final status) waits on a client that reads nothing.
+struct OpenCall {
+  std::mutex mu;
+  std::condition_variable cv;
+  grpc::CallbackServerContext* context = nullptr;  // valid until `done`
+  std::optional<std::chrono::steady_clock::time_point> waiting_since;
+  int num_cancelling = 0;  // TryCancel calls in flight (OnDone waits them out)
+  bool done = false;
+
+  void SetWaiting(bool waiting) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (!waiting)
+      waiting_since.reset();
+    else if (!waiting_since)
+      waiting_since = std::chrono::steady_clock::now();
+  }
+};
+
+class InferenceService::OpenCalls {
+ public:
+  std::shared_ptr<OpenCall> Open(grpc::CallbackServerContext* context) {
+    auto call = std::make_shared<OpenCall>();
+    call->context = context;
+    std::lock_guard<std::mutex> lock(mu_);
+    calls_.push_back(call);
+    return call;
+  }
+  // From OnDone: after it no one touches the call's context.
+  void Close(const std::shared_ptr<OpenCall>& call) {
+    {
+      std::unique_lock<std::mutex> lock(call->mu);
+      call->cv.wait(lock, [&] { return call->num_cancelling == 0; });
+      call->done = true;
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    std::erase(calls_, call);
+  }
+  int64_t size() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return static_cast<int64_t>(calls_.size());
+  }
+  // Cancels the calls stalled longer than `limit`; every open call when `limit` is zero. No lock
+  // is held across TryCancel (its reactions may run on this thread).
+  void CancelStalled(std::chrono::duration<double> limit) {
+    std::vector<std::shared_ptr<OpenCall>> calls;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      calls = calls_;
+    }
+    const auto now = std::chrono::steady_clock::now();
+    for (const auto& call : calls) {
+      grpc::CallbackServerContext* context = nullptr;
+      {
+        std::lock_guard<std::mutex> lock(call->mu);
+        if (call->done) continue;
+        if (limit.count() > 0 && !(call->waiting_since && now - *call->waiting_since > limit))
+          continue;
+        ++call->num_cancelling;
+        context = call->context;
+      }
+      context->TryCancel();
+      {
+        std::lock_guard<std::mutex> lock(call->mu);
+        --call->num_cancelling;
+      }
+      call->cv.notify_all();
+    }
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::vector<std::shared_ptr<OpenCall>> calls_;
+};
+
 namespace {
 
 v1::FinishReason ToProto(FinishReason reason) {
@@ -45,8 +124,8 @@ void AppendDelta(const GenerationEvent& event, v1::GenerateResponse* response) {
 
 // The gRPC status that ends a call whose last event is `event`, when it is not OK.
 grpc::Status FinalStatus(const GenerationEvent& event, grpc::CallbackServerContext* context) {
-  if (event.finish_reason == FinishReason::kError && !event.error.ok())
-    return ToGrpcStatus(event.error);
+  // An error, or the scheduler's DEADLINE_EXCEEDED on a cancelled sequence.
+  if (!event.error.ok()) return ToGrpcStatus(event.error);
   if (event.finish_reason == FinishReason::kCancelled) {
     if (context->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled");
     if (context->deadline() <= std::chrono::system_clock::now())
@@ -59,12 +138,11 @@ grpc::Status FinalStatus(const GenerationEvent& event, grpc::CallbackServerConte
 class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateResponse> {
  public:
   GenerateReactor(grpc::CallbackServerContext* context,
-                  std::shared_ptr<std::atomic<int64_t>> num_active)
+                  std::shared_ptr<InferenceService::OpenCalls> open_calls)
       : context_(context),
         channel_(std::make_shared<RequestChannel>()),
-        num_active_(std::move(num_active)) {
-    ++*num_active_;
-  }
+        open_calls_(std::move(open_calls)),
+        call_(open_calls_->Open(context)) {}
 
   std::shared_ptr<RequestChannel> channel() const { return channel_; }
   std::unique_ptr<RequestMetricsTracker>* tracker() { return &tracker_; }
@@ -77,23 +155,21 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
   }
   void FinishNow(const grpc::Status& status) {
     std::lock_guard<std::mutex> lock(mu_);
-    finished_ = true;
-    Finish(status);
+    FinishLocked(status);
   }
 
   void OnWriteDone(bool ok) override {
     std::lock_guard<std::mutex> lock(mu_);
     writing_ = false;
     if (finished_) return;
+    call_->SetWaiting(false);
     if (!ok) {  // the client is gone
       channel_->Cancel();
-      finished_ = true;
-      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "client went away"));
+      FinishLocked(grpc::Status(grpc::StatusCode::CANCELLED, "client went away"));
       return;
     }
     if (pending_final_) {
-      finished_ = true;
-      Finish(final_status_);
+      FinishLocked(final_status_);
       return;
     }
     WriteNextLocked();
@@ -102,7 +178,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
   void OnDone() override {
     channel_->SetNotify(nullptr);  // after this no engine callback can reach us
     channel_->Cancel();
-    --*num_active_;
+    open_calls_->Close(call_);
     delete this;
   }
 
@@ -110,6 +186,12 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
   void OnEvent() {
     std::lock_guard<std::mutex> lock(mu_);
     if (!writing_ && !finished_ && !pending_final_) WriteNextLocked();
+  }
+  // The final status waits on the client as a write does.
+  void FinishLocked(const grpc::Status& status) {
+    finished_ = true;
+    call_->SetWaiting(true);
+    Finish(status);
   }
   // Merges every queued event into one message (fewer writes under load) and writes it.
   void WriteNextLocked() {
@@ -122,8 +204,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
       if (event->finished) {
         final_status_ = FinalStatus(*event, context_);
         if (!final_status_.ok()) {
-          finished_ = true;
-          Finish(final_status_);
+          FinishLocked(final_status_);
           return;
         }
         FillFinal(*event, &response_);
@@ -134,12 +215,14 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
     if (!any) return;
     response_.set_request_id(request_id_);
     writing_ = true;
+    call_->SetWaiting(true);
     StartWrite(&response_);
   }
 
   grpc::CallbackServerContext* context_;
   std::shared_ptr<RequestChannel> channel_;
-  std::shared_ptr<std::atomic<int64_t>> num_active_;
+  std::shared_ptr<InferenceService::OpenCalls> open_calls_;
+  std::shared_ptr<OpenCall> call_;
   std::unique_ptr<RequestMetricsTracker> tracker_;  // counts as abandoned if destroyed unfinished
   std::string request_id_;
   std::mutex mu_;
@@ -154,13 +237,12 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
 class UnaryGenerateReactor final : public grpc::ServerUnaryReactor {
  public:
   UnaryGenerateReactor(grpc::CallbackServerContext* context, v1::GenerateResponse* response,
-                       std::shared_ptr<std::atomic<int64_t>> num_active)
+                       std::shared_ptr<InferenceService::OpenCalls> open_calls)
       : context_(context),
         response_(response),
         channel_(std::make_shared<RequestChannel>()),
-        num_active_(std::move(num_active)) {
-    ++*num_active_;
-  }
+        open_calls_(std::move(open_calls)),
+        call_(open_calls_->Open(context)) {}
   std::shared_ptr<RequestChannel> channel() const { return channel_; }
   std::unique_ptr<RequestMetricsTracker>* tracker() { return &tracker_; }
   void set_request_id(std::string id) { response_->set_request_id(std::move(id)); }
@@ -170,18 +252,22 @@ class UnaryGenerateReactor final : public grpc::ServerUnaryReactor {
   }
   void FinishNow(const grpc::Status& status) {
     std::lock_guard<std::mutex> lock(mu_);
-    finished_ = true;
-    Finish(status);
+    FinishLocked(status);
   }
   void OnCancel() override { channel_->Cancel(); }
   void OnDone() override {
     channel_->SetNotify(nullptr);
     channel_->Cancel();
-    --*num_active_;
+    open_calls_->Close(call_);
     delete this;
   }
 
  private:
+  void FinishLocked(const grpc::Status& status) {
+    finished_ = true;
+    call_->SetWaiting(true);  // the response waits on the client
+    Finish(status);
+  }
   void OnEvent() {
     std::lock_guard<std::mutex> lock(mu_);
     if (finished_) return;
@@ -189,10 +275,9 @@ class UnaryGenerateReactor final : public grpc::ServerUnaryReactor {
       if (tracker_) tracker_->OnEvent(*event);
       AppendDelta(*event, response_);
       if (event->finished) {
-        finished_ = true;
         grpc::Status status = FinalStatus(*event, context_);
         if (status.ok()) FillFinal(*event, response_);
-        Finish(status);
+        FinishLocked(status);
         return;
       }
     }
@@ -201,7 +286,8 @@ class UnaryGenerateReactor final : public grpc::ServerUnaryReactor {
   grpc::CallbackServerContext* context_;
   v1::GenerateResponse* response_;
   std::shared_ptr<RequestChannel> channel_;
-  std::shared_ptr<std::atomic<int64_t>> num_active_;
+  std::shared_ptr<InferenceService::OpenCalls> open_calls_;
+  std::shared_ptr<OpenCall> call_;
   std::unique_ptr<RequestMetricsTracker> tracker_;
   std::mutex mu_;
   bool finished_ = false;
@@ -232,7 +318,35 @@ InferenceService::InferenceService(Scheduler& scheduler, const Tokenizer* tokeni
     : gateway_(scheduler, tokenizer, options.gateway()),
       tokenizer_(tokenizer),
       options_(std::move(options)),
-      num_active_calls_(std::make_shared<std::atomic<int64_t>>(0)) {}
+      open_calls_(std::make_shared<OpenCalls>()) {
+  stall_watch_ = std::thread([this] {
+    const std::chrono::duration<double> limit(options_.write_stall_seconds);
+    std::unique_lock<std::mutex> lock(stall_watch_mu_);
+    while (!stall_watch_cv_.wait_for(lock, std::chrono::milliseconds(100),
+                                     [this] { return stop_stall_watch_; })) {
+      lock.unlock();
+      open_calls_->CancelStalled(limit);
+      lock.lock();
+    }
+  });
+}
+
+InferenceService::~InferenceService() {
+  {
+    std::lock_guard<std::mutex> lock(stall_watch_mu_);
+    stop_stall_watch_ = true;
+  }
+  stall_watch_cv_.notify_all();
+  stall_watch_.join();
+}
+
+int64_t InferenceService::num_active_calls() const {
+  return open_calls_->size();
+}
+
+void InferenceService::CancelAllCalls() {
+  open_calls_->CancelStalled(std::chrono::duration<double>::zero());
+}
 
 grpc::Status InferenceService::CheckAuth(const grpc::CallbackServerContext* context) const {
   const auto& md = context->client_metadata();
@@ -270,6 +384,14 @@ Reactor* InferenceService::StartReactor(grpc::CallbackServerContext* context,
     reactor->FinishNow(auth);
     return reactor;
   }
+  // The reactor itself is open already.
+  if (const int64_t open = open_calls_->size(); open > options_.max_open_calls) {
+    reactor->FinishNow(grpc::Status(
+        grpc::StatusCode::RESOURCE_EXHAUSTED,
+        absl::StrCat("the server has ", open - 1, " generation calls open (max_open_calls ",
+                     options_.max_open_calls, "); retry later")));
+    return reactor;
+  }
   std::string request_id;
   absl::Status st = Start(context, request, reactor->channel(), &request_id, reactor->tracker());
   if (!st.ok()) {
@@ -292,14 +414,13 @@ grpc::ServerUnaryReactor* InferenceService::FinishUnary(grpc::CallbackServerCont
 
 grpc::ServerWriteReactor<v1::GenerateResponse>* InferenceService::Generate(
     grpc::CallbackServerContext* context, const v1::GenerateRequest* request) {
-  return StartReactor(context, *request, new GenerateReactor(context, num_active_calls_));
+  return StartReactor(context, *request, new GenerateReactor(context, open_calls_));
 }
 
 grpc::ServerUnaryReactor* InferenceService::GenerateUnary(grpc::CallbackServerContext* context,
                                                           const v1::GenerateRequest* request,
                                                           v1::GenerateResponse* response) {
-  return StartReactor(context, *request,
-                      new UnaryGenerateReactor(context, response, num_active_calls_));
+  return StartReactor(context, *request, new UnaryGenerateReactor(context, response, open_calls_));
 }
 
 grpc::ServerUnaryReactor* InferenceService::Tokenize(grpc::CallbackServerContext* context,

@@ -2,9 +2,11 @@
 // and stream its events back; they never touch tensors or the runner (DESIGN.md decision 8).
 #pragma once
 
-#include <atomic>
+#include <condition_variable>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 
 #include "dropkv/v1/inference.grpc.pb.h"
 #include "server/request_gateway.h"
@@ -23,6 +25,11 @@ struct ServiceOptions {
   std::string auth_token;            // non-empty: every RPC needs "authorization: Bearer <token>"
   ServerMetrics* metrics = nullptr;  // Prometheus (server/metrics); null = request log line only
   bool log_prompts = false;          // the request log line includes the prompt text
+  // Generate / GenerateUnary calls open at once; more get RESOURCE_EXHAUSTED at once.
+  int64_t max_open_calls = 4096;
+  // A call whose answer waits this long on a client that reads nothing is cancelled (its request
+  // leaves the scheduler and its KV blocks return; the output it buffered is freed).
+  double write_stall_seconds = 30.0;
 
   // The part every front end shares (server/request_gateway.h).
   GatewayOptions gateway() const { return {limits, auth_token, metrics, log_prompts}; }
@@ -32,6 +39,7 @@ class InferenceService final : public v1::Inference::CallbackService {
  public:
   // `scheduler` and `tokenizer` (may be null) outlive the service.
   InferenceService(Scheduler& scheduler, const Tokenizer* tokenizer, ServiceOptions options);
+  ~InferenceService() override;
 
   grpc::ServerWriteReactor<v1::GenerateResponse>* Generate(
       grpc::CallbackServerContext* context, const v1::GenerateRequest* request) override;
@@ -52,7 +60,13 @@ class InferenceService final : public v1::Inference::CallbackService {
                                            v1::ServerStats* response) override;
 
   // Number of Generate / GenerateUnary calls not finished yet (graceful shutdown waits on it).
-  int64_t num_active_calls() const { return num_active_calls_->load(); }
+  int64_t num_active_calls() const;
+  // Cancels every open Generate / GenerateUnary call (shutdown, once its grace period is over):
+  // each ends now, whatever its client reads.
+  void CancelAllCalls();
+
+  // The open generation calls (service.cpp): counted, watched for stalled writes, cancellable.
+  class OpenCalls;
 
  private:
   // OK, or UNAUTHENTICATED when a token is configured and the call does not carry it.
@@ -74,7 +88,12 @@ class InferenceService final : public v1::Inference::CallbackService {
   RequestGateway gateway_;
   const Tokenizer* tokenizer_;
   ServiceOptions options_;
-  std::shared_ptr<std::atomic<int64_t>> num_active_calls_;
+  std::shared_ptr<OpenCalls> open_calls_;
+  // Every 100 ms: cancels the calls whose answer waited longer than write_stall_seconds.
+  std::thread stall_watch_;
+  std::mutex stall_watch_mu_;
+  std::condition_variable stall_watch_cv_;
+  bool stop_stall_watch_ = false;
 };
 
 // Fills the final message's fields from an event (shared by the streaming and unary paths).

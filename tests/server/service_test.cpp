@@ -7,6 +7,7 @@
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <thread>
 
 #include "engine/scheduler/scheduler.h"
@@ -22,7 +23,8 @@ using testing::FakeTokenizer;
 
 struct Harness {
   Harness(SchedulerOptions sched_options, std::string auth_token = "", bool start_engine = true,
-          int64_t num_blocks = 4096) {
+          int64_t num_blocks = 4096,
+          const std::function<void(ServiceOptions&)>& configure = nullptr) {
     runner = std::make_unique<FakeRunner>(num_blocks, 16);
     sched_options.eos_token_ids = {2};
     scheduler = std::make_unique<Scheduler>(
@@ -38,6 +40,7 @@ struct Harness {
     o.auth_token = std::move(auth_token);
     o.model_info.set_num_layers(FakeRunner::kNumLayers);
     o.model_info.set_vocab_size(FakeRunner::kVocab);
+    if (configure) configure(o);
     service = std::make_unique<InferenceService>(*scheduler, &tokenizer, o);
     GrpcServerOptions g;
     g.port = 0;
@@ -359,6 +362,60 @@ TEST(ServiceTest, ShutdownCancelsWhatOutlivesTheGracePeriod) {
   EXPECT_TRUE(running.status.ok()) << running.status.error_message();
   EXPECT_EQ(running.last.finish_reason(), v1::FINISH_REASON_CANCELLED);
   EXPECT_LT(running.tokens.size(), 90000u);
+}
+
+// A client that reads nothing: once its HTTP/2 window is full (here: at the latest when the final
+// status waits on it), the call is cut off after write_stall_seconds, the request leaves the
+// scheduler and its blocks return, and what the server buffered for it is freed.
+TEST(ServiceTest, ClientThatReadsNothingIsCutOffAndItsBlocksReturn) {
+  Harness h({}, "", true, 4096, [](ServiceOptions& o) { o.write_stall_seconds = 0.5; });
+  v1::GenerateRequest request = TextRequest("abc", 5000);
+  request.mutable_sampling()->set_return_logprobs(true);
+  request.mutable_sampling()->set_num_top_logprobs(20);  // ~300 bytes a token: fills any window
+  grpc::ClientContext ctx;
+  auto reader = h.stub->Generate(&ctx, request);  // never Read()
+  EXPECT_TRUE(WaitUntilScheduled(*h.scheduler));
+  const auto start = std::chrono::steady_clock::now();
+  while (h.service->num_active_calls() > 0 &&
+         std::chrono::steady_clock::now() - start < std::chrono::seconds(10))
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_EQ(h.service->num_active_calls(), 0);
+  EXPECT_TRUE(h.WaitAllFree());
+  ctx.TryCancel();
+  v1::GenerateResponse ignored;
+  while (reader->Read(&ignored)) {
+  }
+  EXPECT_FALSE(reader->Finish().ok());  // cut off: no OK status reached the client
+}
+
+TEST(ServiceTest, OpenCallsBeyondTheLimitGetResourceExhausted) {
+  Harness h({}, "", true, 4096, [](ServiceOptions& o) { o.max_open_calls = 1; });
+  StreamResult running;
+  grpc::ClientContext running_ctx;
+  std::thread t([&] { running = Stream(*h.stub, TextRequest("abc", 90000), &running_ctx); });
+  EXPECT_TRUE(WaitUntilScheduled(*h.scheduler));
+  grpc::ClientContext ctx;
+  v1::GenerateResponse resp;
+  const grpc::Status refused = h.stub->GenerateUnary(&ctx, TextRequest("abc", 3), &resp);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_NE(refused.error_message().find("max_open_calls"), std::string::npos)
+      << refused.error_message();
+  running_ctx.TryCancel();
+  t.join();
+  EXPECT_TRUE(h.WaitAllFree());
+  grpc::ClientContext again;
+  EXPECT_TRUE(h.stub->GenerateUnary(&again, TextRequest("abc", 3), &resp).ok());
+}
+
+// gRPC's SO_REUSEPORT would let a second server share the port and half its connections.
+TEST(ServiceTest, SecondServerOnTheSamePortFailsToStart) {
+  Harness h({});
+  GrpcServerOptions same;
+  same.port = h.server->port();
+  InferenceService other(*h.scheduler, &h.tokenizer, {});
+  auto second = GrpcServer::Start(same, other);
+  ASSERT_FALSE(second.ok());
+  EXPECT_NE(second.status().message().find("cannot listen"), std::string::npos) << second.status();
 }
 
 }  // namespace

@@ -6,11 +6,17 @@ server is still serving afterwards. docs/reliability.md's table cites the case n
 Client side (server with a bearer token, TLS and max_message_bytes 1 MiB):
   no_token, wrong_token, plaintext_to_tls, untrusted_ca, oversized_message, invalid_utf8_prompt,
   garbage_bytes, token_id_out_of_vocab, max_new_tokens_zero, chat_without_template,
-  tokenize_invalid_utf8, detokenize_unknown_id, alive_after_all.
+  tokenize_invalid_utf8, detokenize_unknown_id, pooling_kernel_huge,
+  largest_compression_does_not_stall_others, largest_compression_runs,
+  no_server_path_in_model_info, alive_after_all, second_server_same_port.
+Stalled clients (plaintext server, write_stall_seconds 1): stalled_streams_memory_flat.
 Operator side (server start-up): unknown_config_key, missing_model_dir, truncated_safetensors,
-  broken_config_json, tls_cert_missing, tls_key_without_cert, empty_auth_token_file.
+  broken_config_json, tls_cert_missing, tls_key_without_cert, tls_key_mismatch,
+  profile_not_a_profile, config_is_a_directory, config_json_max_position_embeddings,
+  config_json_rms_norm_eps, empty_auth_token_file.
 """
 import argparse
+import json
 import os
 import re
 import shutil
@@ -162,8 +168,82 @@ def main():
         c, d = code_of(stub.Detokenize, pb.DetokenizeRequest(token_ids=[5, 99999]), metadata=auth)
         check("detokenize_unknown_id", c == grpc.StatusCode.INVALID_ARGUMENT, f"{c.name} {d}")
 
+        # Bounded work per request: a huge pooling kernel is refused, the largest accepted one
+        # does not stall another client.
+        huge = pb.GenerateRequest(token_ids=pb.TokenIds(ids=list(range(1, 11))), max_new_tokens=2,
+                                  compression=pb.CompressionSettings(method="dropkv",
+                                                                     pooling_kernel=2147483647))
+        c, d = code_of(stub.GenerateUnary, huge, metadata=auth)
+        check("pooling_kernel_huge", c == grpc.StatusCode.INVALID_ARGUMENT and
+              d.startswith("compression.pooling_kernel"), f"{c.name} {d}")
+        largest = pb.GenerateRequest(token_ids=pb.TokenIds(ids=list(range(1, 200))),
+                                     max_new_tokens=2,
+                                     compression=pb.CompressionSettings(
+                                         method="dropkv", pooling_kernel=127, window=1024))
+        heavy = stub.GenerateUnary.future(largest, metadata=auth, timeout=60)
+        t0 = time.time()
+        c, d = code_of(stub.GenerateUnary, good, metadata=auth)
+        waited = time.time() - t0
+        check("largest_compression_does_not_stall_others", c == grpc.StatusCode.OK and waited < 5,
+              f"{c.name} {d} after {waited:.2f} s")
+        try:
+            heavy.result()
+            check("largest_compression_runs", True, "OK")
+        except grpc.RpcError as e:
+            check("largest_compression_runs", False, f"{e.code().name} {e.details()}")
+
+        info = stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=auth, timeout=30)
+        check("no_server_path_in_model_info", "/" not in info.model_name, info.model_name)
+
         c, d = code_of(stub.GenerateUnary, good, metadata=auth)
         check("alive_after_all", c == grpc.StatusCode.OK and proc.poll() is None, f"{c.name}")
+
+        # Exclusive port: a second server on the same port fails (no SO_REUSEPORT sharing).
+        p2, _, err = start(args.server, ["--model", model, "--host", "127.0.0.1",
+                                         "--port", str(port), "--metrics-port", "0",
+                                         "--device", "cpu", "--kv-blocks", "64"],
+                           scratch, "same_port", wait_listen=False, timeout=60)
+        check("second_server_same_port", p2.returncode not in (0, None, -9) and
+              "cannot listen" in err, f"exit {p2.returncode}")
+    finally:
+        stop(proc)
+
+    # A client that reads nothing of 100 streams (no BDP probing, 1 KiB lookahead: its 64 KiB
+    # stream windows fill): the server cuts each off after write_stall_seconds, so the streams of
+    # a second round reuse what the first one held instead of adding to it.
+    proc, port, _ = start(args.server, [
+        "--model", model, "--host", "127.0.0.1", "--metrics-port", "0", "--device", "cpu",
+        "--kv-blocks", "8192", "--max-batch", "128", "--port", "0",
+        "--write-stall-seconds", "1"], scratch, "stall_server")
+    try:
+        def rss_kib():
+            for line in open(f"/proc/{proc.pid}/status"):
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+            return 0
+
+        stall_channel = grpc.insecure_channel(
+            f"127.0.0.1:{port}",
+            options=[("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)])
+        stall_stub = pbg.InferenceStub(stall_channel)
+        heavy_stream = pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=[1, 50, 60]), max_new_tokens=500,
+            sampling=pb.SamplingParams(return_logprobs=True, num_top_logprobs=20))
+        open_calls = []
+
+        def stalled_round():
+            open_calls.extend(stall_stub.Generate(heavy_stream, timeout=120) for _ in range(100))
+            time.sleep(8)
+            return rss_kib()
+
+        before = rss_kib()
+        first = stalled_round()
+        second = stalled_round()
+        for call in open_calls:
+            call.cancel()
+        growth_mib = (second - first) / 1024
+        check("stalled_streams_memory_flat", growth_mib < 5,
+              f"RSS {before / 1024:.0f} -> {first / 1024:.0f} -> {second / 1024:.0f} MiB")
     finally:
         stop(proc)
 
@@ -194,6 +274,19 @@ def main():
     startup("tls_cert_missing", ["--tls-cert-file", os.path.join(scratch, "none.pem"),
                                  "--tls-key-file", key], model, "none.pem")
     startup("tls_key_without_cert", ["--tls-key-file", key], model, "tls")
+    startup("tls_key_mismatch", ["--tls-cert-file", cert, "--tls-key-file", other_key], model,
+            "does not match the certificate")
+    startup("profile_not_a_profile", ["--compression-profile-path", "/etc/passwd"], model,
+            "compression.profile_path")
+    startup("config_is_a_directory", ["--config", scratch], model, "is not a file")
+    for field, value in (("max_position_embeddings", 0), ("rms_norm_eps", -1)):
+        bad_model = os.path.join(scratch, f"bad_{field}")
+        shutil.copytree(model, bad_model)
+        cfg_path = os.path.join(bad_model, "config.json")
+        cfg = json.load(open(cfg_path))
+        cfg[field] = value
+        json.dump(cfg, open(cfg_path, "w"))
+        startup(f"config_json_{field}", [], bad_model, field)
     empty_token = os.path.join(scratch, "empty_token")
     open(empty_token, "w").write("\n")
     startup("empty_auth_token_file", ["--auth-token-file", empty_token], model, "auth_token_file")
