@@ -156,8 +156,11 @@ int main(int argc, char** argv) {
   } forget_metrics{metrics_for_http};
   std::unique_ptr<MetricsHttpServer> metrics_http;
   if (config.metrics_port > 0) {
-    auto started = MetricsHttpServer::Start(config.host, config.metrics_port,
-                                            [&metrics] { return metrics.RenderText(); });
+    MetricsServerOptions metrics_options;  // no TLS and no token: config has no settings yet
+    metrics_options.host = config.host;
+    metrics_options.port = config.metrics_port;
+    auto started =
+        MetricsHttpServer::Start(metrics_options, [&metrics] { return metrics.RenderText(); });
     if (!started.ok()) {
       spdlog::critical("metrics_port: {}", started.status().ToString());
       return 1;

@@ -2,6 +2,7 @@
 
 #include "dropkv/v1/inference.pb.h"
 #include "engine/scheduler/scheduler.h"
+#include "server/bearer_token.h"
 #include "server/metrics/request_metrics.h"
 #include "server/metrics/server_metrics.h"
 
@@ -12,17 +13,7 @@ RequestGateway::RequestGateway(Scheduler& scheduler, const Tokenizer* tokenizer,
     : scheduler_(scheduler), tokenizer_(tokenizer), options_(std::move(options)) {}
 
 bool RequestGateway::Authorized(std::string_view authorization) const {
-  if (options_.auth_token.empty()) return true;
-  constexpr std::string_view kScheme = "Bearer ";
-  if (authorization.size() != kScheme.size() + options_.auth_token.size() ||
-      authorization.substr(0, kScheme.size()) != kScheme)
-    return false;
-  // Compare every byte whatever the first mismatch: the time taken says nothing about the token.
-  unsigned char diff = 0;
-  const std::string_view given = authorization.substr(kScheme.size());
-  for (size_t i = 0; i < given.size(); ++i)
-    diff |= static_cast<unsigned char>(given[i] ^ options_.auth_token[i]);
-  return diff == 0;
+  return BearerTokenMatches(authorization, options_.auth_token);
 }
 
 absl::StatusOr<GenerationRequest> RequestGateway::Validate(

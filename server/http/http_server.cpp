@@ -4,6 +4,9 @@
 // bytes go to Beast's request parser while no answer is pending, and are held (pipelining) while
 // one is; a read error or EOF during a pending answer is the client going away. Answers arrive as
 // Out items posted by the Exchange from any thread and are written in order.
+//
+// Two timers per session: the read timer (TLS handshake and request deadline, keep-alive idle
+// time, the close linger) and the write timer (a pending write that makes no progress).
 #include "server/http/http_server.h"
 
 #include <array>
@@ -51,7 +54,8 @@ struct IoGuard {
 };
 
 struct Out {
-  enum class Kind { kFull, kStreamHead, kChunk, kLastChunk, kContinue };
+  // kOverflow: the answer's streamed output passed max_output_bytes_per_exchange.
+  enum class Kind { kFull, kStreamHead, kChunk, kLastChunk, kContinue, kOverflow };
   Kind kind = Kind::kFull;
   int status = 200;
   std::string content_type;
@@ -72,8 +76,11 @@ class SessionBase : public std::enable_shared_from_this<SessionBase> {
 
 class ExchangeImpl final : public Exchange, public std::enable_shared_from_this<ExchangeImpl> {
  public:
-  ExchangeImpl(std::weak_ptr<SessionBase> session, std::shared_ptr<IoGuard> guard)
-      : session_(std::move(session)), guard_(std::move(guard)) {}
+  ExchangeImpl(std::weak_ptr<SessionBase> session, std::shared_ptr<IoGuard> guard,
+               int64_t max_unwritten_bytes)
+      : session_(std::move(session)),
+        guard_(std::move(guard)),
+        max_unwritten_bytes_(max_unwritten_bytes) {}
 
   void Respond(int status, std::string content_type, std::string body,
                Headers extra_headers) override {
@@ -83,8 +90,16 @@ class ExchangeImpl final : public Exchange, public std::enable_shared_from_this<
   void StartStream(int status, std::string content_type, Headers extra_headers) override {
     Post({Out::Kind::kStreamHead, status, std::move(content_type), "", std::move(extra_headers)});
   }
+  // Counted here, before the post: data waiting in the strand's queue is held by the server too.
   void Write(std::string data) override {
-    if (!data.empty()) Post({Out::Kind::kChunk, 0, "", std::move(data), {}});
+    if (data.empty()) return;
+    const auto size = static_cast<int64_t>(data.size());
+    if (unwritten_bytes_.fetch_add(size) + size > max_unwritten_bytes_) {
+      unwritten_bytes_ -= size;  // dropped: the count stays what the server holds
+      if (!overflowed_.exchange(true)) Post({Out::Kind::kOverflow, 0, "", "", {}});
+      return;
+    }
+    Post({Out::Kind::kChunk, 0, "", std::move(data), {}});
   }
   void End() override { Post({Out::Kind::kLastChunk, 0, "", "", {}}); }
 
@@ -96,6 +111,10 @@ class ExchangeImpl final : public Exchange, public std::enable_shared_from_this<
     std::lock_guard<std::mutex> lock(mu_);
     if (!done_) held_.push_back(std::move(state));
   }
+
+  // Session side, on the strand: `n` streamed bytes reached the socket.
+  void OnStreamBytesWritten(size_t n) { unwritten_bytes_ -= static_cast<int64_t>(n); }
+  int64_t unwritten_bytes() const { return unwritten_bytes_.load(); }
 
   // Session side, on the strand: the answer is complete (client_gone false) or cannot be.
   void Finish(bool client_gone) {
@@ -126,6 +145,9 @@ class ExchangeImpl final : public Exchange, public std::enable_shared_from_this<
 
   std::weak_ptr<SessionBase> session_;
   std::shared_ptr<IoGuard> guard_;
+  const int64_t max_unwritten_bytes_;
+  std::atomic<int64_t> unwritten_bytes_{0};  // streamed, not yet written
+  std::atomic<bool> overflowed_{false};
   std::mutex mu_;
   bool done_ = false;
   std::function<void()> on_gone_;
@@ -161,11 +183,13 @@ struct Server::Impl {
   std::mutex sessions_mu;
   std::set<std::weak_ptr<SessionBase>, std::owner_less<std::weak_ptr<SessionBase>>> sessions;
   std::atomic<int64_t> num_connections{0};
+  bool refusing_connections = false;  // at max_connections; only the accept chain touches it
   std::once_flag stop_once;
 
   explicit Impl(int num_threads)
       : ioc(std::make_unique<asio::io_context>(std::max(1, num_threads))) {}
   void Accept();
+  void Refuse(tcp::socket socket);
   void Register(const std::shared_ptr<SessionBase>& s) {
     std::lock_guard<std::mutex> lock(sessions_mu);
     sessions.insert(s);
@@ -193,14 +217,20 @@ template <class Stream>
 class Session final : public SessionBase {
  public:
   Session(Stream stream, Server::Impl& server)
-      : stream_(std::move(stream)), server_(server), timer_(stream_.get_executor()) {
+      : stream_(std::move(stream)),
+        server_(server),
+        read_timer_(stream_.get_executor()),
+        write_timer_(stream_.get_executor()) {
     ++server_.num_connections;
   }
   ~Session() override { --server_.num_connections; }
 
   void Start() {
     server_.Register(shared_from_this());
-    ArmTimer(server_.options.idle_timeout);
+    // The first request's deadline runs from the accept: a client that connects and stays silent
+    // (or stalls the TLS handshake) holds its connection no longer than one that drips.
+    request_started_ = true;
+    ArmReadTimer(server_.options.request_timeout);
     if constexpr (std::is_same_v<Stream, asio::ssl::stream<tcp::socket>>) {
       stream_.async_handshake(asio::ssl::stream_base::server,
                               [self = Self()](beast::error_code ec) {
@@ -214,6 +244,13 @@ class Session final : public SessionBase {
 
   void Enqueue(const std::shared_ptr<ExchangeImpl>& exchange, Out out) override {
     if (closed_ || exchange != exchange_) return;  // a finished or abandoned answer
+    if (out.kind == Out::Kind::kOverflow) {
+      spdlog::warn(
+          "http: closing a connection whose client does not read: {} bytes of streamed output "
+          "queued (max_output_bytes_per_exchange {})",
+          exchange->unwritten_bytes(), server_.options.max_output_bytes_per_exchange);
+      return Close(/*client_gone=*/true);
+    }
     out_.push_back(std::move(out));
     if (!writing_) WriteNext();
   }
@@ -239,15 +276,59 @@ class Session final : public SessionBase {
     sent_continue_ = false;
   }
 
-  void ArmTimer(std::chrono::steady_clock::duration after) {
-    timer_.expires_after(after);
-    timer_.async_wait([weak = weak_from_this()](beast::error_code ec) {
+  void ArmReadTimer(std::chrono::steady_clock::duration after) {
+    read_timer_.expires_after(after);
+    read_timer_.async_wait([weak = weak_from_this()](beast::error_code ec) {
       if (ec) return;  // cancelled or re-armed
-      if (auto s = weak.lock()) static_cast<Session*>(s.get())->OnTimer();
+      if (auto s = weak.lock()) static_cast<Session*>(s.get())->OnReadTimer();
     });
   }
-  void OnTimer() {
-    if (!exchange_) Close(false);  // idle, a stuck handshake, or a close that lingered
+  void OnReadTimer() {
+    if (closed_ || exchange_) return;  // an answer is pending: the write timer watches it
+    // 408 only to a request that has begun: an unsolicited answer on a connection that never sent
+    // one could be read by a pooling client as the answer to its next request.
+    if (request_has_bytes_ && !closing_) {
+      return ReplyAndClose(408, absl::StrCat("request not complete within ",
+                                             server_.options.request_timeout.count(), " ms"));
+    }
+    Close(false);  // idle, a stuck handshake, or a close that lingered
+  }
+
+  // Called as every write starts; the timer runs until a check finds no write pending.
+  void BeginWrite() {
+    writing_ = true;
+    NoteWriteProgress();
+    if (write_timer_armed_) return;
+    write_timer_armed_ = true;
+    ArmWriteTimer(server_.options.write_stall_timeout);
+  }
+  void NoteWriteProgress() { last_write_progress_ = std::chrono::steady_clock::now(); }
+  void ArmWriteTimer(std::chrono::steady_clock::duration after) {
+    write_timer_.expires_after(after);
+    write_timer_.async_wait([weak = weak_from_this()](beast::error_code ec) {
+      if (ec) return;
+      if (auto s = weak.lock()) static_cast<Session*>(s.get())->OnWriteTimer();
+    });
+  }
+  void OnWriteTimer() {
+    write_timer_armed_ = false;
+    if (closed_ || !writing_) return;
+    const auto stalled = std::chrono::steady_clock::now() - last_write_progress_;
+    if (stalled < server_.options.write_stall_timeout) {
+      write_timer_armed_ = true;
+      return ArmWriteTimer(server_.options.write_stall_timeout - stalled);
+    }
+    spdlog::warn("http: closing a connection whose client took no bytes for {} ms",
+                 server_.options.write_stall_timeout.count());
+    Close(/*client_gone=*/true);
+  }
+  // asio::async_write's completion condition, called after every partial write: a slow reader
+  // makes progress, only one that takes nothing stalls.
+  auto TransferAllNotingProgress() {
+    return [self = Self()](const beast::error_code& ec, size_t n) {
+      self->NoteWriteProgress();
+      return asio::transfer_all()(ec, n);
+    };
   }
 
   void ReadSome() {
@@ -274,6 +355,11 @@ class Session final : public SessionBase {
 
   void ParseBuffered() {
     while (!exchange_ && !closing_ && !closed_ && buffer_.size() > 0) {
+      if (!request_started_) {  // this request's first byte: its deadline starts, once
+        request_started_ = true;
+        ArmReadTimer(server_.options.request_timeout);
+      }
+      request_has_bytes_ = true;
       beast::error_code ec;
       const size_t used = parser_->put(buffer_.data(), ec);
       buffer_.consume(used);
@@ -299,7 +385,8 @@ class Session final : public SessionBase {
         MaybeSendContinue();
       }
     }
-    if (!exchange_ && !closing_ && !closed_) ArmTimer(server_.options.idle_timeout);
+    if (!exchange_ && !closing_ && !closed_ && !request_started_)
+      ArmReadTimer(server_.options.idle_timeout);
   }
 
   // curl sends "Expect: 100-continue" before bodies over 1 KiB and waits for this line.
@@ -315,7 +402,9 @@ class Session final : public SessionBase {
   }
 
   void Dispatch(bhttp::request<bhttp::string_body> message) {
-    timer_.cancel();
+    read_timer_.cancel();
+    request_started_ = false;
+    request_has_bytes_ = false;
     Request request;
     request.method = Str(message.method_string());
     const std::string target = Str(message.target());
@@ -329,7 +418,7 @@ class Session final : public SessionBase {
     keep_alive_ = message.keep_alive();
     head_request_ = message.method() == bhttp::verb::head;
     version_ = message.version();
-    exchange_ = std::make_shared<ExchangeImpl>(weak_from_this(), server_.guard);
+    exchange_ = NewExchange();
     try {
       server_.handler(request, exchange_);
     } catch (const std::exception& e) {
@@ -339,10 +428,15 @@ class Session final : public SessionBase {
     }
   }
 
+  std::shared_ptr<ExchangeImpl> NewExchange() {
+    return std::make_shared<ExchangeImpl>(weak_from_this(), server_.guard,
+                                          server_.options.max_output_bytes_per_exchange);
+  }
+
   void ReplyAndClose(int status, const std::string& message) {
     keep_alive_ = false;
     head_request_ = false;
-    exchange_ = std::make_shared<ExchangeImpl>(weak_from_this(), server_.guard);
+    exchange_ = NewExchange();
     auto [type, body] = server_.ErrorBody(status, message);
     exchange_->Respond(status, std::move(type), std::move(body), {});
   }
@@ -359,10 +453,10 @@ class Session final : public SessionBase {
     if (closed_) return;
     if (!continue_queue_.empty()) {
       continue_queue_.clear();
-      writing_ = true;
+      BeginWrite();
       static const std::string kContinue = "HTTP/1.1 100 Continue\r\n\r\n";
       asio::async_write(
-          stream_, asio::buffer(kContinue),
+          stream_, asio::buffer(kContinue), TransferAllNotingProgress(),
           [self = Self()](beast::error_code ec, size_t) { self->OnWritten(ec, /*final=*/false); });
       return;
     }
@@ -370,21 +464,18 @@ class Session final : public SessionBase {
       writing_ = false;
       return;
     }
-    writing_ = true;
+    BeginWrite();
     Out out = std::move(out_.front());
     out_.pop_front();
     switch (out.kind) {
       case Out::Kind::kFull: {
-        auto response = std::make_shared<bhttp::response<bhttp::string_body>>(
-            static_cast<bhttp::status>(out.status), version_);
-        SetCommonFields(*response, out);
-        response->body() = std::move(out.body);
-        response->prepare_payload();
-        if (head_request_) response->body().clear();  // Content-Length stays: HEAD's meaning
-        bhttp::async_write(stream_, *response,
-                           [self = Self(), response](beast::error_code ec, size_t) {
-                             self->OnWritten(ec, /*final=*/true);
-                           });
+        bhttp::response<bhttp::string_body> message(static_cast<bhttp::status>(out.status),
+                                                    version_);
+        SetCommonFields(message, out);
+        message.body() = std::move(out.body);
+        message.prepare_payload();
+        if (head_request_) message.body().clear();  // Content-Length stays: HEAD's meaning
+        WriteSomeOf(std::make_shared<FullResponse>(std::move(message)));
         return;
       }
       case Out::Kind::kStreamHead: {
@@ -409,26 +500,49 @@ class Session final : public SessionBase {
           data->append(out_.front().body);
           out_.pop_front();
         }
-        asio::async_write(stream_, bhttp::make_chunk(asio::buffer(*data)),
-                          [self = Self(), data](beast::error_code ec, size_t) {
-                            self->OnWritten(ec, /*final=*/false);
-                          });
+        asio::async_write(
+            stream_, bhttp::make_chunk(asio::buffer(*data)), TransferAllNotingProgress(),
+            [self = Self(), data, exchange = exchange_](beast::error_code ec, size_t) {
+              if (exchange) exchange->OnStreamBytesWritten(data->size());
+              self->OnWritten(ec, /*final=*/false);
+            });
         return;
       }
       case Out::Kind::kLastChunk:
         asio::async_write(
-            stream_, bhttp::make_chunk_last(),
+            stream_, bhttp::make_chunk_last(), TransferAllNotingProgress(),
             [self = Self()](beast::error_code ec, size_t) { self->OnWritten(ec, /*final=*/true); });
         return;
       case Out::Kind::kContinue:
+      case Out::Kind::kOverflow:
         break;
     }
     writing_ = false;
   }
 
+  // A complete response and its serializer, alive until its last partial write.
+  struct FullResponse {
+    explicit FullResponse(bhttp::response<bhttp::string_body> m)
+        : message(std::move(m)), serializer(message) {}
+    bhttp::response<bhttp::string_body> message;
+    bhttp::response_serializer<bhttp::string_body> serializer;
+  };
+  // Piece by piece rather than bhttp::async_write, so that each piece counts as progress.
+  void WriteSomeOf(std::shared_ptr<FullResponse> response) {
+    bhttp::async_write_some(stream_, response->serializer,
+                            [self = Self(), response](beast::error_code ec, size_t) {
+                              if (ec || response->serializer.is_done())
+                                return self->OnWritten(ec, /*final=*/true);
+                              if (self->closed_) return;
+                              self->NoteWriteProgress();
+                              self->WriteSomeOf(response);
+                            });
+  }
+
   void OnWritten(beast::error_code ec, bool final) {
     if (closed_) return;
     if (ec) return Close(/*client_gone=*/true);
+    NoteWriteProgress();
     if (final) {
       std::shared_ptr<ExchangeImpl> done = std::move(exchange_);
       exchange_.reset();
@@ -447,7 +561,7 @@ class Session final : public SessionBase {
     beast::error_code ec;
     LowestLayer(stream_).shutdown(tcp::socket::shutdown_send, ec);
     if (ec) return Close(false);
-    ArmTimer(kCloseLinger);
+    ArmReadTimer(kCloseLinger);
   }
 
   void Close(bool client_gone) {
@@ -459,7 +573,8 @@ class Session final : public SessionBase {
       abandoned->Finish(client_gone);
     }
     out_.clear();
-    timer_.cancel();
+    read_timer_.cancel();
+    write_timer_.cancel();
     beast::error_code ec;
     LowestLayer(stream_).shutdown(tcp::socket::shutdown_both, ec);
     LowestLayer(stream_).close(ec);
@@ -468,7 +583,10 @@ class Session final : public SessionBase {
 
   Stream stream_;
   Server::Impl& server_;
-  asio::steady_timer timer_;
+  asio::steady_timer read_timer_;
+  asio::steady_timer write_timer_;
+  std::chrono::steady_clock::time_point last_write_progress_;
+  bool write_timer_armed_ = false;
   std::array<char, kReadChunkBytes> read_chunk_;
   beast::flat_buffer buffer_;  // received, not yet parsed
   std::optional<bhttp::request_parser<bhttp::string_body>> parser_;
@@ -479,6 +597,8 @@ class Session final : public SessionBase {
   bool keep_alive_ = true;
   bool head_request_ = false;
   bool sent_continue_ = false;
+  bool request_started_ = false;    // the request deadline runs: a byte of it (or the accept) came
+  bool request_has_bytes_ = false;  // a byte of the request came
   bool closing_ = false;
   bool closed_ = false;
   unsigned version_ = 11;
@@ -500,6 +620,11 @@ void Server::Impl::Accept() {
       });
       return;
     }
+    if (num_connections.load() >= options.max_connections) {
+      Refuse(std::move(socket));
+      return Accept();
+    }
+    refusing_connections = false;
     beast::error_code opt_ec;
     socket.set_option(tcp::no_delay(true), opt_ec);  // SSE deltas are small: no Nagle delay
     if (ssl) {
@@ -513,11 +638,44 @@ void Server::Impl::Accept() {
   });
 }
 
+// Without a session, so that a refused connection is never counted: one non-blocking write (a new
+// socket's send buffer takes it whole), FIN, then close. With TLS there is no answer without a
+// handshake, so it is only closed.
+void Server::Impl::Refuse(tcp::socket socket) {
+  if (!refusing_connections)
+    spdlog::warn("http: {} connections open (max_connections): refusing new ones with 503",
+                 num_connections.load());
+  refusing_connections = true;
+  beast::error_code ec;
+  if (!ssl) {
+    const auto [type, body] = ErrorBody(503, "too many open connections; retry later");
+    const std::string response = absl::StrCat(
+        "HTTP/1.1 503 Service Unavailable\r\nServer: dropkv-server\r\nContent-Type: ", type,
+        "\r\nContent-Length: ", body.size(), "\r\nRetry-After: 1\r\nConnection: close\r\n\r\n",
+        body);
+    socket.non_blocking(true, ec);
+    if (!ec) socket.write_some(asio::buffer(response), ec);
+    socket.shutdown(tcp::socket::shutdown_send, ec);
+    // What the client already sent is read away: closing with unread input resets the
+    // connection, and the reset could reach the client before the 503 does.
+    std::array<char, 4096> discard;
+    socket.read_some(asio::buffer(discard), ec);
+  }
+  socket.close(ec);
+}
+
 Server::Server(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options, Handler handler) {
   if (options.port < 0 || options.port > 65535)
     return absl::InvalidArgumentError(absl::StrCat("port ", options.port, " out of [0, 65535]"));
+  if (options.request_timeout.count() <= 0 || options.write_stall_timeout.count() <= 0 ||
+      options.max_output_bytes_per_exchange <= 0 || options.max_connections <= 0)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "request_timeout, write_stall_timeout, max_output_bytes_per_exchange and "
+        "max_connections must be positive (",
+        options.request_timeout.count(), " ms, ", options.write_stall_timeout.count(), " ms, ",
+        options.max_output_bytes_per_exchange, ", ", options.max_connections, ")"));
   if (options.tls_cert_file.empty() != options.tls_key_file.empty())
     return absl::InvalidArgumentError("tls: set both the certificate and the key file, or neither");
   auto impl = std::make_unique<Impl>(options.num_threads);
@@ -546,6 +704,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options, Han
   for (const auto& entry : endpoints) {
     tcp::acceptor acceptor(asio::make_strand(*impl->ioc));  // Stop() closes it from a post
     acceptor.open(entry.endpoint().protocol(), ec);
+    // Lets a restart bind while the last run's connections sit in TIME_WAIT; on Linux it does not
+    // let a second listener share the port (that is SO_REUSEPORT), so a busy port fails below.
     if (!ec) acceptor.set_option(asio::socket_base::reuse_address(true), ec);
     if (!ec) acceptor.bind(entry.endpoint(), ec);
     if (!ec) acceptor.listen(asio::socket_base::max_listen_connections, ec);

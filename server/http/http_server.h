@@ -6,7 +6,8 @@
 // thread (the engine thread streams tokens). While an answer is pending the connection keeps
 // reading, so a client that hangs up is noticed at once and the Exchange's gone-callback runs:
 // that is how a disconnect cancels a generation. Keep-alive, HEAD, chunked server-sent events,
-// request size limits (413) and TLS (same PEM files as gRPC) are handled here.
+// request size limits (413), the limits of ServerOptions (request deadline 408, write stall,
+// output queue, connection count 503) and TLS (same PEM files as gRPC) are handled here.
 #pragma once
 
 #include <atomic>
@@ -67,12 +68,25 @@ struct ServerOptions {
   std::string tls_cert_file;          // PEM; both set = HTTPS, both empty = plain HTTP
   std::string tls_key_file;
   std::chrono::seconds idle_timeout{75};  // an idle keep-alive connection is closed after this
-  ErrorFormatter error_formatter;         // null: text/plain
+  // From a request's first byte (for the first request: the accept, TLS handshake included) until
+  // its headers and body are in; not extended by partial reads, so a client that drips bytes is
+  // answered 408 and closed after it (one that sent nothing is closed without an answer).
+  std::chrono::milliseconds request_timeout{30'000};
+  // While output waits to be written, a write that makes no progress for this long closes the
+  // connection as client-gone (the Exchange's OnClientGone runs: the generation is cancelled).
+  std::chrono::milliseconds write_stall_timeout{30'000};
+  // Streamed bytes (Exchange::Write) of one answer queued in the server and not yet written; more
+  // closes the connection as client-gone, so a client that never reads costs bounded memory.
+  int64_t max_output_bytes_per_exchange = 8 << 20;
+  // Open connections; one more is answered 503 (plain HTTP; closed at once with TLS) and closed.
+  int64_t max_connections = 1024;
+  ErrorFormatter error_formatter;  // null: text/plain
 };
 
 class Server {
  public:
-  // Binds and starts the I/O threads. Errors name what failed (resolve, bind, TLS files).
+  // Binds and starts the I/O threads. Errors name what failed (resolve, bind, TLS files); a port
+  // another listener holds is an error (SO_REUSEADDR on Linux allows no second listener).
   static absl::StatusOr<std::unique_ptr<Server>> Start(ServerOptions options, Handler handler);
   ~Server();  // Stop()s
   Server(const Server&) = delete;

@@ -61,7 +61,7 @@ std::set<std::string> ExportedNames() {
   metrics.OnPreemption();
   metrics.SetKvBlocks(1, 2);
   metrics.OnPrefillCompressed({1, 2}, 3, 0.001);
-  auto server = MetricsHttpServer::Start("127.0.0.1", 0, [&] { return metrics.RenderText(); });
+  auto server = MetricsHttpServer::Start({}, [&] { return metrics.RenderText(); });
   EXPECT_TRUE(server.ok()) << server.status();
   if (!server.ok()) return {};
   auto resp = testing::HttpGet((*server)->port(), "/metrics");

@@ -17,7 +17,7 @@ TEST(MetricsTorchThreadTest, ServerThreadRunsAtenOpsWithTorchLoaded) {
   ASSERT_EQ(x.sum().item<float>(), 45.0f);
   ServerMetrics metrics("m");
   metrics.OnTokensGenerated(3);
-  auto server = MetricsHttpServer::Start("127.0.0.1", 0, [&metrics] {
+  auto server = MetricsHttpServer::Start({}, [&metrics] {
     // [4, 4] matmul on the server thread: touches torch's thread-local state there.
     at::Tensor a = at::ones({4, 4}, at::kFloat);
     const float trace = at::matmul(a, a).trace().item<float>();  // 4 * 4 = 16

@@ -89,8 +89,7 @@ class PrometheusServer {
 TEST(PrometheusE2eTest, PrometheusStoresWhatWasSent) {
   if (FindPrometheus().empty()) GTEST_SKIP() << "prometheus is not installed";
   ServerMetrics metrics("tiny-llama");
-  auto server =
-      MetricsHttpServer::Start("127.0.0.1", 0, [&metrics] { return metrics.RenderText(); });
+  auto server = MetricsHttpServer::Start({}, [&metrics] { return metrics.RenderText(); });
   ASSERT_TRUE(server.ok()) << server.status();
   PrometheusServer prom;
   ASSERT_TRUE(prom.Start((*server)->port()));

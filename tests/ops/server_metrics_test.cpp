@@ -2,6 +2,7 @@
 // check every series against the traffic the test sent (counts computed here, not by the code).
 #include "server/metrics/server_metrics.h"
 
+#include "server/http/http_client.h"
 #include "server/http/metrics_http_server.h"
 
 #include <gmock/gmock.h>
@@ -56,8 +57,7 @@ testing::ParsedMetrics Scrape(int port) {
 class ServerMetricsTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    auto server =
-        MetricsHttpServer::Start("127.0.0.1", 0, [this] { return metrics_.RenderText(); });
+    auto server = MetricsHttpServer::Start({}, [this] { return metrics_.RenderText(); });
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = *std::move(server);
     ASSERT_GT(server_->port(), 0);
@@ -234,14 +234,46 @@ TEST_F(ServerMetricsTest, HttpEndpointAnswersOtherPathsAndMalformedRequests) {
 }
 
 TEST(MetricsHttpServerTest, BadHostOrBusyPortIsAnError) {
-  auto bad = MetricsHttpServer::Start("no.such.host.invalid", 0, [] { return std::string(); });
+  MetricsServerOptions bad_host;
+  bad_host.host = "no.such.host.invalid";
+  auto bad = MetricsHttpServer::Start(bad_host, [] { return std::string(); });
   EXPECT_FALSE(bad.ok());
-  auto first = MetricsHttpServer::Start("127.0.0.1", 0, [] { return std::string(); });
+  auto first = MetricsHttpServer::Start({}, [] { return std::string(); });
   ASSERT_TRUE(first.ok());
-  auto second =
-      MetricsHttpServer::Start("127.0.0.1", (*first)->port(), [] { return std::string(); });
+  MetricsServerOptions same_port;
+  same_port.port = (*first)->port();
+  auto second = MetricsHttpServer::Start(same_port, [] { return std::string(); });
   ASSERT_FALSE(second.ok());
   EXPECT_THAT(std::string(second.status().message()), ::testing::HasSubstr("cannot listen"));
+}
+
+TEST(MetricsHttpServerTest, BearerTokenGuardsMetrics) {
+  MetricsServerOptions options;
+  options.bearer_token = "s3cret";
+  auto server = MetricsHttpServer::Start(options, [] { return std::string("up 1\n"); });
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto client = http::Client::Connect("127.0.0.1", (*server)->port(), std::chrono::seconds(5));
+  ASSERT_TRUE(client.ok()) << client.status();
+  auto none = (*client)->Send("GET", "/metrics");
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_EQ(none->status, 401);
+  EXPECT_EQ(none->Header("www-authenticate"), "Bearer");
+  auto wrong = (*client)->Send("GET", "/metrics", "", {{"Authorization", "Bearer s3creT"}});
+  ASSERT_TRUE(wrong.ok()) << wrong.status();
+  EXPECT_EQ(wrong->status, 401);
+  auto right = (*client)->Send("GET", "/metrics", "", {{"Authorization", "Bearer s3cret"}});
+  ASSERT_TRUE(right.ok()) << right.status();
+  EXPECT_EQ(right->status, 200);
+  EXPECT_EQ(right->body, "up 1\n");
+}
+
+TEST(MetricsHttpServerTest, TlsFilesThatDoNotLoadAreAnError) {
+  MetricsServerOptions options;
+  options.tls_cert_file = "/no/such/cert.pem";
+  options.tls_key_file = "/no/such/key.pem";
+  auto server = MetricsHttpServer::Start(options, [] { return std::string(); });
+  ASSERT_FALSE(server.ok());
+  EXPECT_THAT(std::string(server.status().message()), ::testing::HasSubstr("/no/such/cert.pem"));
 }
 
 TEST(ServerMetricsStatusLabelTest, SnakeCaseCodeNames) {
