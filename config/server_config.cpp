@@ -275,6 +275,10 @@ std::vector<Setting> MakeSettings() {
   v.push_back(IntSetting<int32_t>(
       "metrics_port", "Prometheus /metrics HTTP port; 0 = off",
       [](C& c) -> int32_t& { return c.metrics_port; }, 0, 65535));
+  v.push_back(BoolSetting(
+      "metrics_auth",
+      "the /metrics port uses the TLS files and bearer token of the gRPC port (when set)",
+      [](C& c) -> bool& { return c.metrics_auth; }));
   v.push_back(IntSetting<int32_t>(
       "http_port",
       "OpenAI-compatible HTTP API port (/v1/completions, /v1/chat/completions, /v1/models, "

@@ -37,6 +37,7 @@ struct ServerConfig {
   std::string host = "127.0.0.1";  // gRPC bind address (0.0.0.0 to serve other hosts)
   int32_t port = 50051;            // gRPC port; 0 = any free port (tests)
   int32_t metrics_port = 9400;     // Prometheus /metrics port; 0 = no endpoint
+  bool metrics_auth = false;       // /metrics with the gRPC port's TLS files and bearer token
   int32_t http_port = 0;           // OpenAI-compatible HTTP API port (binds host); 0 = off
   int32_t http_threads = 2;        // HTTP I/O threads (asynchronous: each holds many connections)
   // The model's name in the HTTP API (`model`, /v1/models); empty = the model folder's base name

@@ -29,6 +29,10 @@
 
 namespace {
 
+std::chrono::milliseconds StallTimeout(const dropkv::ServerConfig& config) {
+  return std::chrono::milliseconds(static_cast<int64_t>(config.write_stall_seconds * 1e3));
+}
+
 // gRPC's and protobuf's own messages go through our logger, so that with --log-format json every
 // line on stderr is one JSON object (they print raw text otherwise).
 void RouteLibraryLogging() {
@@ -127,6 +131,9 @@ int main(int argc, char** argv) {
     http_options.max_body_bytes = config.max_message_bytes;
     http_options.tls_cert_file = config.tls_cert_file;
     http_options.tls_key_file = config.tls_key_file;
+    http_options.write_stall_timeout = StallTimeout(config);
+    http_options.max_connections = config.max_open_calls;
+    if (config.metrics_auth) http_options.metrics_bearer_token = auth_token;
     http_options.render_metrics = [&metrics_for_http] {
       ServerMetrics* m = metrics_for_http.load();
       return m != nullptr ? m->RenderText() : std::string();
@@ -156,9 +163,15 @@ int main(int argc, char** argv) {
   } forget_metrics{metrics_for_http};
   std::unique_ptr<MetricsHttpServer> metrics_http;
   if (config.metrics_port > 0) {
-    MetricsServerOptions metrics_options;  // no TLS and no token: config has no settings yet
+    MetricsServerOptions metrics_options;
     metrics_options.host = config.host;
     metrics_options.port = config.metrics_port;
+    if (config.metrics_auth) {  // the gRPC port's TLS files and bearer token
+      metrics_options.tls_cert_file = config.tls_cert_file;
+      metrics_options.tls_key_file = config.tls_key_file;
+      metrics_options.bearer_token = auth_token;
+    }
+    metrics_options.limits.write_stall_timeout = StallTimeout(config);
     auto started =
         MetricsHttpServer::Start(metrics_options, [&metrics] { return metrics.RenderText(); });
     if (!started.ok()) {

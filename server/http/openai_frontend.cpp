@@ -10,6 +10,7 @@
 #include "dropkv/v1/inference.pb.h"
 #include "engine/scheduler/scheduler.h"
 #include "engine/tokenizer/tokenizer.h"
+#include "server/bearer_token.h"
 #include "server/http/http_server.h"
 #include "server/http/openai_protocol.h"
 #include "server/metrics/request_metrics.h"
@@ -229,6 +230,7 @@ struct HttpFrontend::Routes {
   std::unique_ptr<HttpEngine> engine_storage;
   std::unique_ptr<RequestGateway> gateway;
   std::function<std::string()> render_metrics;
+  std::string metrics_bearer_token;
   std::shared_ptr<std::atomic<int64_t>> num_active = std::make_shared<std::atomic<int64_t>>(0);
   const int64_t started_unix = UnixSeconds();
 
@@ -245,6 +247,9 @@ struct HttpFrontend::Routes {
     }
     if (request.path == "/metrics" && render_metrics) {
       if (!get) return RespondError(*exchange, openai::MakeError(405, "/metrics: use GET"));
+      if (!BearerTokenMatches(request.Header("authorization"), metrics_bearer_token))
+        return RespondError(
+            *exchange, openai::MakeError(401, "missing or wrong 'Authorization: Bearer <token>'"));
       return exchange->Respond(200, "text/plain; version=0.0.4; charset=utf-8", render_metrics());
     }
     const bool completions = request.path == "/v1/completions";
@@ -329,6 +334,7 @@ absl::StatusOr<std::unique_ptr<HttpFrontend>> HttpFrontend::Start(HttpFrontendOp
   frontend->options_ = options;
   frontend->routes_ = std::make_unique<Routes>();
   frontend->routes_->render_metrics = options.render_metrics;
+  frontend->routes_->metrics_bearer_token = options.metrics_bearer_token;
   http::ServerOptions server_options;
   server_options.host = options.host;
   server_options.port = options.port;
@@ -336,6 +342,8 @@ absl::StatusOr<std::unique_ptr<HttpFrontend>> HttpFrontend::Start(HttpFrontendOp
   server_options.max_body_bytes = options.max_body_bytes;
   server_options.tls_cert_file = options.tls_cert_file;
   server_options.tls_key_file = options.tls_key_file;
+  server_options.write_stall_timeout = options.write_stall_timeout;
+  server_options.max_connections = options.max_connections;
   // 413 and unparsable requests in OpenAI's error shape too.
   server_options.error_formatter = [](int status, std::string_view message) {
     ApiError error = openai::MakeError(status, std::string(message));

@@ -12,6 +12,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -35,6 +36,10 @@ struct HttpFrontendOptions {
   std::string tls_cert_file;          // both set: HTTPS (the gRPC port's files)
   std::string tls_key_file;
   std::function<std::string()> render_metrics;  // GET /metrics; null = 404
+  std::string metrics_bearer_token;             // non-empty: GET /metrics needs it (else 401)
+  // Connection bounds (http::ServerOptions has their meaning and defaults).
+  std::chrono::milliseconds write_stall_timeout{30'000};
+  int64_t max_connections = 1024;
 };
 
 // What Attach() needs to serve /v1: the engine side and how to name the model.

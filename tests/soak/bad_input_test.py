@@ -10,6 +10,7 @@ Client side (server with a bearer token, TLS and max_message_bytes 1 MiB):
   largest_compression_does_not_stall_others, largest_compression_runs,
   no_server_path_in_model_info, alive_after_all, second_server_same_port.
 Stalled clients (plaintext server, write_stall_seconds 1): stalled_streams_memory_flat.
+JSON logs: json_log_lines_only.
 Operator side (server start-up): unknown_config_key, missing_model_dir, truncated_safetensors,
   broken_config_json, tls_cert_missing, tls_key_without_cert, tls_key_mismatch,
   profile_not_a_profile, config_is_a_directory, config_json_max_position_embeddings,
@@ -246,6 +247,32 @@ def main():
               f"RSS {before / 1024:.0f} -> {first / 1024:.0f} -> {second / 1024:.0f} MiB")
     finally:
         stop(proc)
+
+    # --log-format json: every stderr line is one JSON object, gRPC's and protobuf's own messages
+    # (invalid UTF-8 in a string field makes protobuf log an error) included.
+    proc, port, _ = start(args.server, [
+        "--model", model, "--host", "127.0.0.1", "--metrics-port", "0", "--device", "cpu",
+        "--kv-blocks", "64", "--port", "0", "--log-format", "json"], scratch, "json_server")
+    try:
+        raw_json = grpc.insecure_channel(f"127.0.0.1:{port}").unary_unary(
+            "/dropkv.v1.Inference/GenerateUnary", request_serializer=None,
+            response_deserializer=pb.GenerateResponse.FromString)
+        try:
+            raw_json(b"\x0a\x03\xff\xfe\x41" + b"\x20\x02", timeout=30)
+        except grpc.RpcError:
+            pass
+    finally:
+        stop(proc)
+    lines = [l for l in open(os.path.join(scratch, "json_server.log")).read().splitlines()
+             if l.strip()]
+    not_json = []
+    for line in lines:
+        try:
+            json.loads(line)
+        except ValueError:
+            not_json.append(line)
+    check("json_log_lines_only", lines and not not_json,
+          f"{len(lines)} lines, not JSON: {not_json[:2]}")
 
     # Operator mistakes: the process exits non-zero with a message naming the culprit.
     def startup(case, extra, model_dir, expect):
