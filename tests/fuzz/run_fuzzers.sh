@@ -8,7 +8,7 @@
 set -u -o pipefail
 
 SOURCE="" BUILD="" SCRATCH="" SECONDS_PER_TARGET=30 NO_BUILD=0
-TARGETS="tokenizer_fuzz chat_template_fuzz model_config_fuzz safetensors_fuzz server_config_fuzz validation_fuzz"
+TARGETS="tokenizer_fuzz chat_template_fuzz model_config_fuzz safetensors_fuzz server_config_fuzz validation_fuzz openai_request_fuzz"
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --source) SOURCE="$2"; shift 2 ;;

@@ -10,7 +10,7 @@ Client side (server with a bearer token, TLS and max_message_bytes 1 MiB):
   largest_compression_does_not_stall_others, largest_compression_runs,
   no_server_path_in_model_info, alive_after_all, second_server_same_port.
 Stalled clients (plaintext server, write_stall_seconds 1): stalled_streams_memory_flat.
-JSON logs: json_log_lines_only.
+Shutdown: sigterm_with_stalled_streams. JSON logs: json_log_lines_only.
 Operator side (server start-up): unknown_config_key, missing_model_dir, truncated_safetensors,
   broken_config_json, tls_cert_missing, tls_key_without_cert, tls_key_mismatch,
   profile_not_a_profile, config_is_a_directory, config_json_max_position_embeddings,
@@ -247,6 +247,33 @@ def main():
               f"RSS {before / 1024:.0f} -> {first / 1024:.0f} -> {second / 1024:.0f} MiB")
     finally:
         stop(proc)
+
+    # SIGTERM with stalled streams (the stall watch off): the server exits within its grace period
+    # plus the 3 s shutdown margin (it took grace + ~6 s before).
+    proc, port, _ = start(args.server, [
+        "--model", model, "--host", "127.0.0.1", "--metrics-port", "0", "--device", "cpu",
+        "--kv-blocks", "8192", "--max-batch", "64", "--port", "0", "--write-stall-seconds", "3600",
+        "--shutdown-grace-seconds", "2"], scratch, "shutdown_server")
+    try:
+        stall_stub = pbg.InferenceStub(grpc.insecure_channel(
+            f"127.0.0.1:{port}",
+            options=[("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]))
+        stalled = [stall_stub.Generate(heavy_stream, timeout=120) for _ in range(32)]
+        time.sleep(4)
+        t0 = time.time()
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+        took = time.time() - t0
+        check("sigterm_with_stalled_streams", proc.returncode == 0 and took < 2 + 3 + 1.5,
+              f"exit {proc.returncode} after {took:.1f} s (grace 2 s + margin 3 s)")
+        for call in stalled:
+            call.cancel()
+    finally:
+        if proc.poll() is None:
+            stop(proc)
 
     # --log-format json: every stderr line is one JSON object, gRPC's and protobuf's own messages
     # (invalid UTF-8 in a string field makes protobuf log an error) included.
