@@ -302,8 +302,9 @@ struct Scheduler::Impl {
       }
     }
     for (auto& seq : gone) {
-      // A deadline that passed is recorded as such (logs, metrics), not as a client's cancel.
-      const bool deadline = !cancel_everyone && !seq->channel->cancelled() && past_deadline(*seq);
+      // A deadline that passed is recorded as such (logs, metrics), not as a client's cancel;
+      // gRPC cancels a call at its deadline, so a cancelled channel past it is the deadline too.
+      const bool deadline = !cancel_everyone && past_deadline(*seq);
       Finish(*seq, FinishReason::kCancelled,
              deadline ? absl::DeadlineExceededError("deadline exceeded") : absl::OkStatus());
     }

@@ -36,7 +36,8 @@ RequestMetricsTracker::RequestMetricsTracker(ServerMetrics* metrics,
       log_prompts_(log_prompts),
       prompt_text_(std::move(prompt_text)),
       now_(now ? std::move(now) : Clock([] { return std::chrono::steady_clock::now(); })),
-      arrival_(request.arrival_time) {}
+      arrival_(request.arrival_time),
+      deadline_(request.deadline) {}
 
 RequestMetricsTracker::~RequestMetricsTracker() {
   OnAbandoned();
@@ -49,7 +50,10 @@ void RequestMetricsTracker::OnRejected(const absl::Status& status) {
 
 void RequestMetricsTracker::OnAbandoned() {
   if (done_) return;
-  Finish(absl::StatusCode::kCancelled, "cancelled", nullptr);
+  if (deadline_ && *deadline_ <= now_())
+    Finish(absl::StatusCode::kDeadlineExceeded, "cancelled", nullptr);
+  else
+    Finish(absl::StatusCode::kCancelled, "cancelled", nullptr);
 }
 
 void RequestMetricsTracker::OnEvent(const GenerationEvent& event) {

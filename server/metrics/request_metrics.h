@@ -15,6 +15,7 @@
 #include <condition_variable>
 #include <functional>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -38,7 +39,8 @@ class RequestMetricsTracker {
   void OnRejected(const absl::Status& status);
   // Each event popped from the request's channel, in order; the finished one closes the record.
   void OnEvent(const GenerationEvent& event);
-  // The client went away before the final event: counted as cancelled. No-op once done.
+  // The call ended before the final event: counted as cancelled, or as deadline_exceeded when the
+  // request's deadline has passed (gRPC ends such a call itself). No-op once done.
   void OnAbandoned();
   bool done() const { return done_; }
 
@@ -53,6 +55,7 @@ class RequestMetricsTracker {
   std::string prompt_text_;
   Clock now_;
   SteadyTime arrival_;
+  std::optional<SteadyTime> deadline_;
   std::optional<SteadyTime> last_token_time_;
   double ttft_ms_ = -1;
   int64_t num_generated_ = 0;

@@ -135,13 +135,19 @@ TEST_F(RequestMetricsTest, RejectedErroredAndAbandonedRequestsAreCountedOnce) {
     RequestMetricsTracker t(&metrics_, request_, false, "", Clock());
     t.OnEvent(Tokens(1));
   }  // destroyed unfinished: the client went away
+  {
+    GenerationRequest with_deadline = request_;
+    with_deadline.deadline = t0_ + 100ms;
+    RequestMetricsTracker t(&metrics_, with_deadline, false, "", Clock());
+    now_ = t0_ + 150ms;
+  }  // gRPC ended the call at its deadline before the engine's final event
   auto m = ParsePrometheusText(metrics_.RenderText());
   EXPECT_EQ(m.Value("dropkv_requests_total", {{"status", "resource_exhausted"}}), 1);
-  EXPECT_EQ(m.Value("dropkv_requests_total", {{"status", "deadline_exceeded"}}), 1);
+  EXPECT_EQ(m.Value("dropkv_requests_total", {{"status", "deadline_exceeded"}}), 2);
   EXPECT_EQ(m.Value("dropkv_requests_total", {{"status", "cancelled"}}), 1);
-  EXPECT_EQ(m.Value("dropkv_request_duration_seconds_count"), 3);
+  EXPECT_EQ(m.Value("dropkv_request_duration_seconds_count"), 4);
   EXPECT_EQ(m.Value("dropkv_prompt_tokens_total"), 0);  // none was admitted with a summary
-  EXPECT_EQ(LastLogLine()["status"], "cancelled");
+  EXPECT_EQ(LastLogLine()["status"], "deadline_exceeded");
 }
 
 TEST(SchedulerStatsPollerTest, CopiesGaugesAndPreemptionDeltas) {
