@@ -60,7 +60,9 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
   engine->scheduler_ = std::make_unique<Scheduler>(
       *r, engine->tokenizer_.get(),
       [r] {
-        return KvBlockCounts{r->pool().num_blocks(), r->pool().num_free_blocks()};
+        // The runner's own blocks are neither free nor used: reported as not in the pool.
+        return KvBlockCounts{r->pool().num_blocks() - r->num_reserved_blocks(),
+                             r->pool().num_free_blocks()};
       },
       so);
 

@@ -49,6 +49,9 @@ class ModelRunner {
 
   virtual const ModelConfig& config() const = 0;
   virtual BlockPool& pool() = 0;
+  // Blocks of the pool the runner holds for itself (CUDA graphs' padding rows write into one):
+  // never free, never a sequence's.
+  virtual int64_t num_reserved_blocks() const { return 0; }
 
   // Blocks a prompt of `prompt_len` tokens will hold after prefill under `compression`, plus
   // `decode_reserve_tokens` of decode room per layer. Admission control uses it.
