@@ -228,6 +228,10 @@ class TorchModelRunner : public ModelRunner {
   const ModelConfig& config() const override { return model_->config(); }
   BlockPool& pool() override { return *pool_; }
   int64_t num_reserved_blocks() const override { return scratch_block_ >= 0 ? 1 : 0; }
+  int64_t BlocksToDecode(std::span<const SequenceId> seqs) const override {
+    const std::vector<int64_t> ids(seqs.begin(), seqs.end());
+    return pool_->BlocksToAppend(ids, 1);
+  }
   const Model* model() const override { return model_.get(); }
   void SetKvSelectorFactory(KvSelectorFactory factory) override { factory_ = std::move(factory); }
   void SetCudaGraphs(bool on) override { options_.cuda_graphs = on; }

@@ -66,9 +66,14 @@ class ModelRunner {
                                              bool is_last_chunk,
                                              const CompressionParams& compression) = 0;
 
+  // Blocks the next Decode of `seqs` takes from the pool (each grows by one token in every
+  // layer): the scheduler asks before the step and preempts until it fits.
+  virtual int64_t BlocksToDecode(std::span<const SequenceId> seqs) const = 0;
+
   // One decode step for a batch: tokens[i] is appended to seqs[i] at its next position; returns
-  // fp32 logits [batch, vocab]. RESOURCE_EXHAUSTED when a block cannot be allocated: nothing is
-  // changed for any sequence, and the scheduler preempts and retries.
+  // fp32 logits [batch, vocab]. RESOURCE_EXHAUSTED when a block cannot be allocated (the
+  // scheduler's BlocksToDecode check makes that an internal error): nothing is changed for any
+  // sequence.
   virtual absl::StatusOr<at::Tensor> Decode(std::span<const SequenceId> seqs,
                                             std::span<const int32_t> tokens) = 0;
 

@@ -489,14 +489,22 @@ struct Scheduler::Impl {
         seq_ids.push_back(seq->seq_id);
         tokens.push_back(seq->generated[seq->num_generated_fed]);
       }
+      // Admission of the step: the pool must hold every sequence's next token, else the newest
+      // sequence goes back to waiting, before any forward.
+      const bool fits = runner.BlocksToDecode(seq_ids) <= kv_counts().num_free;
+      if (!fits && running.size() > 1) {
+        PreemptNewest(report);
+        continue;
+      }
       const SteadyTime start = Clock::now();
-      auto logits_or = runner.Decode(seq_ids, tokens);
+      absl::StatusOr<at::Tensor> logits_or =
+          fits ? runner.Decode(seq_ids, tokens)
+               : absl::ResourceExhaustedError(
+                     "the KV pool cannot hold the next token of the only running sequence");
       if (!logits_or.ok()) {
-        if (absl::IsResourceExhausted(logits_or.status()) && running.size() > 1) {
-          PreemptNewest(report);
-          continue;
-        }
-        // A lone sequence that cannot grow, or a runner failure: these sequences end with an error.
+        // A lone sequence that cannot grow, or a runner failure (RESOURCE_EXHAUSTED from the
+        // forward itself is one: the check above said it fits): these sequences end with an
+        // error.
         std::fprintf(stderr, "decode failed: %s\n", logits_or.status().ToString().c_str());
         for (Sequence* seq : batch) {
           runner.Release(seq->seq_id);

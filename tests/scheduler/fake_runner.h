@@ -111,12 +111,20 @@ class FakeRunner : public ModelRunner {
     return LogitsFor(hist);
   }
 
+  int64_t BlocksToDecode(std::span<const SequenceId> seqs) const override {
+    const std::vector<int64_t> ids(seqs.begin(), seqs.end());
+    return pool_->BlocksToAppend(ids, 1);
+  }
+
   absl::StatusOr<at::Tensor> Decode(std::span<const SequenceId> seqs,
                                     std::span<const int32_t> tokens) override {
     ++num_decode_calls;
     last_decode_batch = static_cast<int32_t>(seqs.size());
     std::vector<int64_t> ids(seqs.begin(), seqs.end());
-    if (auto st = pool_->AppendSlots(ids, 1); !st.ok()) return st;
+    if (auto st = pool_->AppendSlots(ids, 1); !st.ok()) {
+      ++num_decode_failures;
+      return st;
+    }
     at::Tensor out = at::empty({static_cast<int64_t>(seqs.size()), kVocab}, at::kFloat);
     for (size_t i = 0; i < seqs.size(); ++i) {
       auto& hist = history_[seqs[i]];
@@ -147,6 +155,7 @@ class FakeRunner : public ModelRunner {
   std::vector<int64_t> prefill_chunk_lens;  // every Prefill call's chunk length, in order
   CompressionParams last_prefill_params;
   int num_decode_calls = 0;
+  int num_decode_failures = 0;  // Decode calls the pool could not hold
   int32_t last_decode_batch = 0;
 
  private:

@@ -306,6 +306,8 @@ TEST_F(SchedulerTest, PreemptionKeepsOutputsExact) {
   }
   EXPECT_EQ(total_preemptions, scheduler_->Stats().num_preemptions);
   EXPECT_EQ(runner_->pool().num_free_blocks(), 24);
+  // The scheduler preempted before each decode step that would not fit: no forward was refused.
+  EXPECT_EQ(runner_->num_decode_failures, 0);
 }
 
 TEST_F(SchedulerTest, AdmissionWaitsForBlocksFcfs) {
