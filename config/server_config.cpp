@@ -826,11 +826,22 @@ absl::StatusOr<ServerConfig> LoadServerConfigFrom(const std::vector<std::string>
   absl::Status valid = ValidateServerConfig(config);
   if (!valid.ok()) return absl::InvalidArgumentError(absl::StrCat("config: ", valid.message()));
   if (config.model_dir.empty() && !config.demo_model) config.model_dir = DefaultModelDir(env);
+  config.demo_model_dir = DemoModelDir(env);
   if (print_config) {
     out << ServerConfigToYaml(config) << kernels::TuningToYaml(tuning);
     config.exit_after_load = true;
   }
   return config;
+}
+
+std::string DemoModelDir(const std::map<std::string, std::string>& env) {
+  auto get = [&](const char* name) -> std::string {
+    auto it = env.find(name);
+    return it == env.end() ? "" : it->second;
+  };
+  if (!get("DROPKV_CACHE").empty()) return get("DROPKV_CACHE") + "/demo-model";
+  if (!get("HOME").empty()) return get("HOME") + "/.cache/dropkv/demo-model";
+  return "";
 }
 
 std::string DefaultModelDir(const std::map<std::string, std::string>& env) {

@@ -79,6 +79,7 @@ struct ServerConfig {
 
   // --- not settings: how this config came to be ---
   std::string config_file;            // the YAML file read, "" when none
+  std::string demo_model_dir;         // where --demo-model's folder is written (DemoModelDir)
   bool exit_after_load = false;       // --help or --print-config was handled: the caller exits 0
   std::vector<std::string> warnings;  // e.g. an unknown DROPKV_* variable; the caller logs them
 };
@@ -87,6 +88,9 @@ struct ServerConfig {
 // $DROPKV_CACHE/models, else $HOME/.cache/dropkv/models, + /smollm2-135m-instruct. `env` maps
 // variable names to values; "" when none of them is set.
 std::string DefaultModelDir(const std::map<std::string, std::string>& env);
+// Where --demo-model writes the demo model: $DROPKV_CACHE/demo-model, else
+// ~/.cache/dropkv/demo-model ("" without either variable: the engine's temp-folder default).
+std::string DemoModelDir(const std::map<std::string, std::string>& env);
 
 // Loads defaults <- file <- flags <- environment (the process's own environ), validates, and
 // handles --help / --print-config by printing to stdout and setting exit_after_load.

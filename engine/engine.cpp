@@ -38,8 +38,8 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
         return compression::CreateKvSelectorWithProfile(params, config, profile.get());
       });
 
-  auto tokenizer =
-      Tokenizer::FromDirectory(ro.model_dir.empty() ? DefaultDemoModelDir() : ro.model_dir);
+  auto tokenizer = Tokenizer::FromDirectory(ro.model_dir.empty() ? DemoModelDir(ro.demo_model_dir)
+                                                                 : ro.model_dir);
   if (!tokenizer.ok()) return tokenizer.status();
   engine->tokenizer_ = std::move(*tokenizer);
 

@@ -28,6 +28,7 @@ absl::StatusOr<ServedEngine> CreateServedEngine(const ServerConfig& config) {
   EngineOptions eo;
   RunnerOptions& ro = eo.runner;
   ro.model_dir = config.demo_model ? "" : config.model_dir;
+  ro.demo_model_dir = config.demo_model_dir;
   ro.device = config.device;
   ro.dtype = config.dtype;
   ro.block_size = config.block_size;

@@ -60,11 +60,13 @@ absl::Status WriteText(const fs::path& p, const std::string& text) {
 }  // namespace
 
 std::string DefaultDemoModelDir() {
-  if (const char* c = std::getenv("DROPKV_CACHE"); c != nullptr && *c != '\0') {
-    return (fs::path(c) / "demo-model").string();
-  }
-  const char* home = std::getenv("HOME");
-  return (fs::path(home != nullptr ? home : "/tmp") / ".cache" / "dropkv" / "demo-model").string();
+  std::error_code ec;
+  const fs::path temp = fs::temp_directory_path(ec);
+  return ((ec ? fs::path("/tmp") : temp) / "dropkv-demo-model").string();
+}
+
+std::string DemoModelDir(const std::string& requested) {
+  return requested.empty() ? DefaultDemoModelDir() : requested;
 }
 
 std::string DemoTokenizerJson() {

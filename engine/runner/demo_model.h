@@ -9,8 +9,11 @@
 
 namespace dropkv {
 
-// $DROPKV_CACHE/demo-model, else ~/.cache/dropkv/demo-model.
+// <temp dir>/dropkv-demo-model: the folder when the caller names none (the server names its
+// cache folder: config's DemoModelDir).
 std::string DefaultDemoModelDir();
+// `requested`, or DefaultDemoModelDir() when it is empty.
+std::string DemoModelDir(const std::string& requested);
 
 // Writes the demo model folder into `dir` unless it is already complete; returns `dir`.
 // The same bytes on every machine (weights from a fixed-seed CPU generator).

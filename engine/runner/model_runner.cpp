@@ -812,7 +812,7 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const RunnerOpt
   c10::InferenceMode guard;
   std::string dir = options.model_dir;
   if (dir.empty()) {
-    ASSIGN_OR_RETURN(dir, EnsureDemoModel(DefaultDemoModelDir()));
+    ASSIGN_OR_RETURN(dir, EnsureDemoModel(DemoModelDir(options.demo_model_dir)));
     LogWarn(absl::StrCat("no model given: serving the built-in DEMO model (random weights) from ",
                          dir));
   }

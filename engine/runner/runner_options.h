@@ -10,7 +10,10 @@
 namespace dropkv {
 
 struct RunnerOptions {
-  std::string model_dir;       // Hugging Face folder; empty = the built-in demo model
+  std::string model_dir;  // Hugging Face folder; empty = the built-in demo model
+  // Where the demo model is written when model_dir is empty; "" = DefaultDemoModelDir() (the
+  // server passes its cache folder, resolved by the config).
+  std::string demo_model_dir;
   std::string device = "cpu";  // "cpu" or "cuda[:N]"
   std::string dtype =
       "auto";               // "auto" (bf16 on CUDA, fp32 on CPU), "float32", "bfloat16", "float16"

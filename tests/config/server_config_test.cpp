@@ -381,5 +381,17 @@ TEST(ServerConfigTest, ByteSizes) {
   EXPECT_FALSE(ParseByteSize("4 XB").ok());
 }
 
+// The environment is read here, once, and the folders reach the engine as options.
+TEST(ServerConfigTest, ModelFoldersComeFromTheEnvironment) {
+  EXPECT_EQ(DefaultModelDir({{"HOME", "/h"}}), "/h/.cache/dropkv/models/smollm2-135m-instruct");
+  EXPECT_EQ(DefaultModelDir({{"HOME", "/h"}, {"DROPKV_CACHE", "/c"}}),
+            "/c/models/smollm2-135m-instruct");
+  EXPECT_EQ(DefaultModelDir({{"DROPKV_MODELS", "/m"}, {"DROPKV_CACHE", "/c"}}),
+            "/m/smollm2-135m-instruct");
+  EXPECT_EQ(DemoModelDir({{"HOME", "/h"}}), "/h/.cache/dropkv/demo-model");
+  EXPECT_EQ(DemoModelDir({{"HOME", "/h"}, {"DROPKV_CACHE", "/c"}}), "/c/demo-model");
+  EXPECT_EQ(DemoModelDir({}), "");
+}
+
 }  // namespace
 }  // namespace dropkv

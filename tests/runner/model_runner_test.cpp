@@ -326,8 +326,8 @@ TEST(ModelRunnerTest, CaptureAttentionOutputsDoesNotTouchThePool) {
 TEST(ModelRunnerTest, DemoModelIsCreatedAndItsTokenizerLoads) {
   const auto cache = testing::ScratchDir("runner_demo_cache");
   RemoveTree(cache / "demo-model");
-  setenv("DROPKV_CACHE", cache.c_str(), 1);
   RunnerOptions o;
+  o.demo_model_dir = (cache / "demo-model").string();
   o.num_kv_blocks = 16;
   auto r = ModelRunner::Create(o);
   ASSERT_TRUE(r.ok()) << r.status();

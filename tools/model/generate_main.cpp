@@ -1,9 +1,9 @@
 // dropkv-generate: one prompt through the ModelRunner + Sampler, text printed as it comes.
 // No --model = the built-in demo model. --json prints {"token_ids": [...], "text": "..."} at the
 // end.
+#include <algorithm>
 #include <cstdio>
 #include <iostream>
-#include <algorithm>
 #include <optional>
 #include <span>
 #include <sstream>
@@ -14,11 +14,11 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
-#include "engine/model/config.h"
-#include "engine/model/log.h"
 #include "engine/compression/cli_flags.h"
 #include "engine/compression/compression.h"
 #include "engine/compression/press.h"
+#include "engine/model/config.h"
+#include "engine/model/log.h"
 #include "engine/runner/demo_model.h"
 #include "engine/runner/model_runner.h"
 #include "engine/sampling/sampler.h"
@@ -77,7 +77,8 @@ int main(int argc, char** argv) {
   if (auto st = dropkv::compression::ValidateCompression(cp, runner->config().num_layers); !st.ok())
     return Fail(std::string(st.message()));
   runner->SetKvSelectorFactory(&dropkv::compression::CreateKvSelectorForModel);
-  const std::string model_dir = ro.model_dir.empty() ? dropkv::DefaultDemoModelDir() : ro.model_dir;
+  const std::string model_dir =
+      ro.model_dir.empty() ? dropkv::DemoModelDir(ro.demo_model_dir) : ro.model_dir;
   auto tok_or = dropkv::Tokenizer::FromDirectory(model_dir);
   std::unique_ptr<dropkv::Tokenizer> tokenizer;
   if (tok_or.ok()) {
@@ -120,12 +121,14 @@ int main(int argc, char** argv) {
   std::string text;
   const dropkv::SequenceId seq = 1;
   // Chunked prefill when --chunk-size is given (the chunk policy decides when to compress).
-  const size_t chunk_len = cp.chunk_size > 0 ? static_cast<size_t>(cp.chunk_size) : prompt_ids.size();
+  const size_t chunk_len =
+      cp.chunk_size > 0 ? static_cast<size_t>(cp.chunk_size) : prompt_ids.size();
   absl::StatusOr<at::Tensor> logits = absl::InternalError("no prefill ran");
   for (size_t start = 0; start < prompt_ids.size(); start += chunk_len) {
     const size_t len = std::min(chunk_len, prompt_ids.size() - start);
     const bool is_last = start + len == prompt_ids.size();
-    logits = runner->Prefill(seq, std::span<const int32_t>(prompt_ids).subspan(start, len), is_last, cp);
+    logits =
+        runner->Prefill(seq, std::span<const int32_t>(prompt_ids).subspan(start, len), is_last, cp);
     if (!logits.ok()) return Fail(std::string(logits.status().message()));
   }
   at::Tensor step_logits = logits->unsqueeze(0);
