@@ -116,6 +116,8 @@ TEST(DeployTest, DeploymentMatchesTheConfig) {
     ports[p["name"].as<std::string>()] = p["containerPort"].as<int>();
   EXPECT_EQ(ports["grpc"], config->port);
   EXPECT_EQ(ports["metrics"], config->metrics_port);
+  EXPECT_EQ(ports["http"], config->http_port);
+  EXPECT_GT(config->http_port, 0);
   // gRPC health probes on the server's port.
   for (const char* probe : {"readinessProbe", "livenessProbe", "startupProbe"}) {
     ASSERT_TRUE(c[probe]["grpc"]) << probe << " is not a grpc probe";
@@ -238,6 +240,13 @@ TEST(DeployTest, ComposeWiresServerPrometheusAndGrafana) {
   ASSERT_TRUE(image_config.ok());
   EXPECT_EQ(prom["scrape_configs"][0]["static_configs"][0]["targets"][0].as<std::string>(),
             "dropkv:" + std::to_string(image_config->metrics_port));
+  // The compose file publishes every port the image's config serves.
+  std::set<std::string> published;
+  for (const auto& p : compose["services"]["dropkv"]["ports"])
+    published.insert(p.as<std::string>());
+  for (int port : {image_config->port, image_config->metrics_port, image_config->http_port}) {
+    EXPECT_TRUE(published.count(std::to_string(port) + ":" + std::to_string(port))) << port;
+  }
   // docker stop waits longer than the drain.
   std::string grace = compose["services"]["dropkv"]["stop_grace_period"].as<std::string>();
   EXPECT_GT(std::stod(grace), image_config->shutdown_grace_seconds);
