@@ -420,13 +420,11 @@ int Run(int argc, char** argv) {
                  "CUDA: fused RMSNorm / RoPE + K/V store / activation kernels, on or off")
       ->capture_default_str()
       ->check(CLI::IsMember({"on", "off"}));
-  app.add_option(
-         "--fused-gemv", gemv_arg,
-         "CUDA, with --fused-ops on: decode projections as kernels/fused_gemv.h (norm / "
-         "activation in the GEMV's prologue), plain (every projection as the plain GEMV, the "
-         "fused ops before them), o_proj (that one alone) or off (the fused ops + cuBLAS)")
+  app.add_option("--fused-gemv", gemv_arg,
+                 "CUDA, with --fused-ops on: batch-1 decode projections as kernels/fused_gemv.h's "
+                 "plain GEMV (plain) or cuBLAS (off)")
       ->capture_default_str()
-      ->check(CLI::IsMember({"on", "plain", "o_proj", "off"}));
+      ->check(CLI::IsMember({"plain", "off"}));
   app.add_flag("--gemv-table", gemv_table,
                "print the --geometry's decode GEMVs, cuBLAS vs kernels/fused_gemv.h, and exit");
   app.add_option("--throughput-context", throughput_context,
@@ -477,10 +475,7 @@ int Run(int argc, char** argv) {
   options.dtype = dtype;
   options.random_weights = random_weights;
   options.cuda_fused_ops = fused_arg == "on";
-  options.cuda_decode_gemv = gemv_arg == "on"       ? RunnerOptions::DecodeGemv::kAll
-                             : gemv_arg == "plain"  ? RunnerOptions::DecodeGemv::kPlain
-                             : gemv_arg == "o_proj" ? RunnerOptions::DecodeGemv::kOProj
-                                                    : RunnerOptions::DecodeGemv::kOff;
+  options.cuda_decode_gemv = gemv_arg == "plain";
   if (kv_gib > 0) options.kv_cache_bytes = static_cast<int64_t>(kv_gib * (1LL << 30));
   auto runner_or = ModelRunner::Create(options);
   if (!runner_or.ok()) {
