@@ -1,16 +1,12 @@
-// The decode step's GEMVs on CUDA with the elementwise op before each fused into its prologue
-// (issue 8): y = f(x) W^T (+ bias) for a few rows x (the decode batch's tokens), where f is
-//   AddRmsNormGemv:        RMSNorm(residual + delta) * w   (replaces AddRmsNorm + the qkv or
-//                                                           gate_up GEMM: 2 launches -> 1)
-//   GatedActivationGemv:   act(gate) * up                  (GatedActivation + down: 2 -> 1)
-//   Gemv:                  x as it is                      (o_proj, lm_head)
-// Each prologue rounds exactly where kernels/fused_ops.h's op rounds (fp32 inside, the dtype
-// after), so the GEMM sees the same input values as the unfused chain; the product accumulates
-// in fp32 (tensor cores) and is rounded once after the bias, like cuBLAS. The K reduction order
-// is fixed (no atomics): the same inputs give the same bits on every call.
-// W: [N, K] row-major, bf16 or fp16 (every tensor of a call shares the dtype; the norm weight
-// may be fp32, Gemma's folded 1 + w). CUDA tensors only; a build without CUDA returns
-// FailedPrecondition. No host syncs, no allocations beyond the outputs: safe in a CUDA graph.
+// The decode step's GEMVs on CUDA (issue 8): y = x W^T (+ bias) for a few rows x (the decode
+// batch's tokens), W streamed once through shared memory. The product accumulates in fp32
+// (tensor cores) and is rounded once after the bias, like cuBLAS. The K reduction order is fixed
+// (no atomics): the same inputs give the same bits on every call. (Variants with the norm or the
+// gated activation before the GEMV fused into it lost their A/B against the plain GEMV after
+// the fused ops and were deleted; their figures are in docs/benchmarks.md.)
+// W: [N, K] row-major, bf16 or fp16 (every tensor of a call shares the dtype). CUDA tensors
+// only; a build without CUDA returns FailedPrecondition. No host syncs, no allocations beyond
+// the outputs: safe in a CUDA graph.
 #pragma once
 
 #include <cstdint>
@@ -26,7 +22,7 @@ namespace dropkv::kernels {
 bool FusedGemvBuilt();
 
 // The most rows x (tokens) one call takes for inner dimension k in `dtype` on the current CUDA
-// device: the prologue's output stays in shared memory, [rows, k], beside the weight stages, so
+// device: x stays in shared memory, [rows, k], beside the weight stages, so
 // the limit falls with k (H200, bf16: 16 at k <= 5.1K, 6 at 14336, 3 at 24576). 0 when the dtype
 // or k is unsupported (k % 8 != 0) or there is no CUDA device. Larger batches: the unfused ops +
 // cuBLAS.
@@ -51,26 +47,5 @@ absl::StatusOr<at::Tensor> GemvRopeWriteKv(const at::Tensor& x, const at::Tensor
                                            const at::Tensor& positions, const at::Tensor& inv_freq,
                                            at::Tensor& key_cache, at::Tensor& value_cache,
                                            const at::Tensor& slots);
-
-struct AddRmsNormGemvResult {
-  at::Tensor y;         // [M, N]
-  at::Tensor residual;  // [M, K]: residual + delta (a new tensor), or the input when no delta
-};
-
-// h = RMSNorm(residual + delta) * norm_weight as kernels::AddRmsNorm computes it, then y = h W^T
-// (+ bias). The residual is not updated in place: every CTA reads the old one, and one CTA writes
-// the sum to the returned tensor.
-//   residual: [M, K] contiguous; delta: [M, K], rows may be strided, or undefined (plain RMSNorm)
-//   norm_weight: [K], the dtype or fp32
-absl::StatusOr<AddRmsNormGemvResult> AddRmsNormGemv(const at::Tensor& residual,
-                                                    const at::Tensor& delta,
-                                                    const at::Tensor& norm_weight, double eps,
-                                                    const at::Tensor& weight,
-                                                    const at::Tensor& bias);
-
-// y = (act(gate) * up) W^T (+ bias), the product rounded as kernels::GatedActivation rounds it.
-//   gate_up: [M, 2 K]: gate | up of the fused projection, rows may be strided
-absl::StatusOr<at::Tensor> GatedActivationGemv(const at::Tensor& gate_up, GateActivation act,
-                                               const at::Tensor& weight, const at::Tensor& bias);
 
 }  // namespace dropkv::kernels

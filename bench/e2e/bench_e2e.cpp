@@ -215,8 +215,7 @@ double GraphTimeUs(Fn&& fn) {
 }
 
 // --gemv-table: the decode projections of the geometry at M tokens, cuBLAS (at::linear) vs
-// kernels/fused_gemv.h: the plain GEMV, and the chain the model runs without it (fused norm or
-// activation + at::linear) vs the GEMV with that op in its prologue. GB/s = weight bytes / time.
+// kernels/fused_gemv.h's GEMV. GB/s = weight bytes / time.
 int RunGemvTable(const Json& geo) {
   c10::InferenceMode guard;
   const int64_t hidden = geo["hidden_size"], inter = geo["intermediate_size"];
@@ -224,61 +223,38 @@ int RunGemvTable(const Json& geo) {
   const int64_t head_dim =
       geo.contains("head_dim") ? geo["head_dim"].get<int64_t>() : hidden / heads;
   const int64_t vocab = geo["vocab_size"];
-  const bool silu = geo["hidden_act"] == "silu";
-  const auto act = silu ? kernels::GateActivation::kSilu : kernels::GateActivation::kGeluTanh;
-  enum class Pre { kNorm, kPlain, kGated };
   struct Proj {
     const char* name;
     int64_t n, k;
-    Pre pre;
   };
-  const Proj projs[] = {{"qkv (norm)", (heads + 2 * kv_heads) * head_dim, hidden, Pre::kNorm},
-                        {"o_proj", hidden, heads * head_dim, Pre::kPlain},
-                        {"gate_up (norm)", 2 * inter, hidden, Pre::kNorm},
-                        {"down (act)", hidden, inter, Pre::kGated},
-                        {"lm_head", vocab, hidden, Pre::kPlain}};
+  const Proj projs[] = {{"qkv", (heads + 2 * kv_heads) * head_dim, hidden},
+                        {"o_proj", hidden, heads * head_dim},
+                        {"gate_up", 2 * inter, hidden},
+                        {"down", hidden, inter},
+                        {"lm_head", vocab, hidden}};
   const auto opts = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
   // With PDL on, the graph's consecutive GEMV calls overlap as they do in a decode step; cuBLAS's
   // do not.
   std::printf("PDL %s\n\n", kernels::Tuning().pdl ? "on" : "off");
   std::printf(
-      "| proj | N x K | M | cuBLAS us | cuBLAS GB/s | GEMV us | GEMV GB/s | GEMV / cuBLAS |"
-      " chain us | fused us | fused / chain |\n|---|---|---|---|---|---|---|---|---|---|---|\n");
+      "| proj | N x K | M | cuBLAS us | cuBLAS GB/s | GEMV us | GEMV GB/s | GEMV / cuBLAS |\n"
+      "|---|---|---|---|---|---|---|---|\n");
   for (const Proj& p : projs) {
     const double bytes = 2.0 * p.n * p.k;
     // Enough copies that a round of calls streams >= 512 MB (L2 is 50 MB).
     const int copies = static_cast<int>(std::max(2.0, std::ceil(512e6 / bytes)));
     std::vector<at::Tensor> ws;
     for (int c = 0; c < copies; ++c) ws.push_back(at::randn({p.n, p.k}, opts) * 0.02);
-    auto norm_w = at::rand({p.k}, opts) + 0.5;
     for (int64_t m : {1, 2, 4, 8, 16}) {
       if (m > kernels::FusedGemvMaxRows(p.k, at::kBFloat16)) continue;
       auto x = at::randn({m, p.k}, opts);
-      auto delta = at::randn({m, p.k}, opts);
-      auto gate_up = at::randn({m, 2 * p.k}, opts);
       auto w = [&](int i) { return ws[i % copies]; };
       const double t_linear = GraphTimeUs([&](int i) { at::linear(x, w(i)); });
       const double t_gemv = GraphTimeUs([&](int i) { (void)kernels::Gemv(x, w(i), at::Tensor()); });
-      double t_chain = t_linear, t_fused = t_gemv;
-      if (p.pre == Pre::kNorm) {
-        auto r = x.clone();  // AddRmsNorm updates its residual in place (values drift: fine)
-        t_chain = GraphTimeUs(
-            [&](int i) { at::linear(*kernels::AddRmsNorm(r, delta, norm_w, 1e-5), w(i)); });
-        t_fused = GraphTimeUs([&](int i) {
-          (void)kernels::AddRmsNormGemv(x, delta, norm_w, 1e-5, w(i), at::Tensor());
-        });
-      } else if (p.pre == Pre::kGated) {
-        t_chain =
-            GraphTimeUs([&](int i) { at::linear(*kernels::GatedActivation(gate_up, act), w(i)); });
-        t_fused = GraphTimeUs(
-            [&](int i) { (void)kernels::GatedActivationGemv(gate_up, act, w(i), at::Tensor()); });
-      }
-      std::printf(
-          "| %s | %lld x %lld | %lld | %.1f | %.0f | %.1f | %.0f | %.2f | %.1f | %.1f | "
-          "%.2f |\n",
-          p.name, static_cast<long long>(p.n), static_cast<long long>(p.k),
-          static_cast<long long>(m), t_linear, bytes / t_linear * 1e-3, t_gemv,
-          bytes / t_gemv * 1e-3, t_gemv / t_linear, t_chain, t_fused, t_fused / t_chain);
+      std::printf("| %s | %lld x %lld | %lld | %.1f | %.0f | %.1f | %.0f | %.2f |\n", p.name,
+                  static_cast<long long>(p.n), static_cast<long long>(p.k),
+                  static_cast<long long>(m), t_linear, bytes / t_linear * 1e-3, t_gemv,
+                  bytes / t_gemv * 1e-3, t_gemv / t_linear);
       std::fflush(stdout);
     }
   }
@@ -420,13 +396,11 @@ int Run(int argc, char** argv) {
                  "CUDA: fused RMSNorm / RoPE + K/V store / activation kernels, on or off")
       ->capture_default_str()
       ->check(CLI::IsMember({"on", "off"}));
-  app.add_option(
-         "--fused-gemv", gemv_arg,
-         "CUDA, with --fused-ops on: decode projections as kernels/fused_gemv.h (norm / "
-         "activation in the GEMV's prologue), plain (every projection as the plain GEMV, the "
-         "fused ops before them), o_proj (that one alone) or off (the fused ops + cuBLAS)")
+  app.add_option("--fused-gemv", gemv_arg,
+                 "CUDA, with --fused-ops on: batch-1 decode projections as kernels/fused_gemv.h's "
+                 "plain GEMV (plain) or cuBLAS (off)")
       ->capture_default_str()
-      ->check(CLI::IsMember({"on", "plain", "o_proj", "off"}));
+      ->check(CLI::IsMember({"plain", "off"}));
   app.add_flag("--gemv-table", gemv_table,
                "print the --geometry's decode GEMVs, cuBLAS vs kernels/fused_gemv.h, and exit");
   app.add_option("--throughput-context", throughput_context,
@@ -477,10 +451,7 @@ int Run(int argc, char** argv) {
   options.dtype = dtype;
   options.random_weights = random_weights;
   options.cuda_fused_ops = fused_arg == "on";
-  options.cuda_decode_gemv = gemv_arg == "on"       ? RunnerOptions::DecodeGemv::kAll
-                             : gemv_arg == "plain"  ? RunnerOptions::DecodeGemv::kPlain
-                             : gemv_arg == "o_proj" ? RunnerOptions::DecodeGemv::kOProj
-                                                    : RunnerOptions::DecodeGemv::kOff;
+  options.cuda_decode_gemv = gemv_arg == "plain";
   if (kv_gib > 0) options.kv_cache_bytes = static_cast<int64_t>(kv_gib * (1LL << 30));
   auto runner_or = ModelRunner::Create(options);
   if (!runner_or.ok()) {

@@ -362,19 +362,15 @@ bool Model::uses_fused_ops(const at::Tensor& x) const {
 Model::GemvPlan Model::PlanGemvs(const at::Tensor& x, bool fused) const {
   GemvPlan plan;
   const int64_t n = x.size(0);
-  if (!fused || n > std::min(gemv_wanted_.max_tokens, kMaxFusedGemvTokens) ||
-      !kernels::FusedGemvBuilt()) {
-    return plan;
-  }
+  if (!fused_gemv_ || !fused || n > 1 || !kernels::FusedGemvBuilt()) return plan;
   const Layer& l = layers_.front();
   auto fits = [&](const at::Tensor& w) {
     return n <= kernels::FusedGemvMaxRows(w.size(1), w.scalar_type());
   };
-  plan.qkv = gemv_wanted_.qkv && fits(l.qkv_w);
-  plan.o = gemv_wanted_.o && fits(l.o_w);
-  plan.gate_up = gemv_wanted_.gate_up && fits(l.gate_up_w);
-  plan.down = gemv_wanted_.down && fits(l.down_w);
-  plan.prologues = gemv_wanted_.prologues;
+  plan.qkv = fits(l.qkv_w);
+  plan.o = fits(l.o_w);
+  plan.gate_up = fits(l.gate_up_w);
+  plan.down = fits(l.down_w);
   return plan;
 }
 
@@ -482,15 +478,9 @@ absl::StatusOr<at::Tensor> Model::Forward(const at::Tensor& tokens, const at::Te
       if (use_gemv && RowsAligned16(in)) return kernels::Gemv(in, w, b);
       return Linear(in, w, b);
     };
-    // x += delta, then norm(x) W^T (+ b): one GEMV with the norm in its prologue (x replaced by
-    // the sum), or the norm kernel and `project`.
+    // x += delta, then norm(x) W^T (+ b).
     auto norm_linear = [&](const at::Tensor& d, const at::Tensor& norm_w, const at::Tensor& w,
                            const at::Tensor& b, bool use_gemv) -> absl::StatusOr<at::Tensor> {
-      if (use_gemv && gemv.prologues) {
-        ASSIGN_OR_RETURN(auto r, kernels::AddRmsNormGemv(x, d, norm_w, c.rms_norm_eps, w, b));
-        x = std::move(r.residual);
-        return std::move(r.y);
-      }
       ASSIGN_OR_RETURN(at::Tensor hs, AddNorm(x, d, norm_w, fused));
       return project(hs, w, b, use_gemv);
     };
@@ -501,7 +491,7 @@ absl::StatusOr<at::Tensor> Model::Forward(const at::Tensor& tokens, const at::Te
       QkvHeads heads;
       const Rope& rope = ropes.of(c, i);
       // (q/k norms come between the projection and RoPE: not in the GEMV's epilogue.)
-      auto kv_dst = gemv.qkv && !gemv.prologues && !c.qk_norm ? backend.kv_slots(i) : std::nullopt;
+      auto kv_dst = gemv.qkv && !c.qk_norm ? backend.kv_slots(i) : std::nullopt;
       if (kv_dst) {
         // Decode through the plain GEMVs: the qkv GEMV's epilogue does RoPE and the K/V store
         // (kernels::RopeWriteKv's work, the same bits) and returns q.
@@ -525,10 +515,6 @@ absl::StatusOr<at::Tensor> Model::Forward(const at::Tensor& tokens, const at::Te
       ASSIGN_OR_RETURN(auto gate_up,
                        norm_linear(o, l.post_norm, l.gate_up_w, l.gate_up_b, gemv.gate_up));
       const int64_t inter = c.intermediate_size;
-      if (gemv.down && gemv.prologues && !c.sandwich_norms) {
-        ASSIGN_OR_RETURN(delta, kernels::GatedActivationGemv(gate_up, act, l.down_w, l.down_b));
-        continue;
-      }
       at::Tensor gated;
       if (fused) {
         ASSIGN_OR_RETURN(gated, kernels::GatedActivation(gate_up, act));

@@ -89,24 +89,12 @@ class Model {
   // No effect on the CPU. On by default.
   void set_fused_cuda_ops(bool on) { fused_cuda_ops_ = on; }
   bool uses_fused_ops(const at::Tensor& x) const;
-  // CUDA, with the fused ops, forwards of at most GemvPlan::max_tokens (<= kMaxFusedGemvTokens)
-  // tokens (decode): the chosen projections run as our GEMV (kernels/fused_gemv.h), either with
-  // the norm before qkv and gate_up and the activation before down in its prologue (3 launches
-  // per layer fewer) or plain after the fused norm / activation kernels; o_proj always plain. A
-  // matrix whose K leaves too little shared memory for the batch uses cuBLAS as before. At most
-  // 8 tokens: from 8 up the prologues cost more than the launch they save (the GEMV table in
-  // docs/benchmarks.md). Which projections and form: RunnerOptions::cuda_decode_gemv.
-  static constexpr int64_t kMaxFusedGemvTokens = 8;
-  struct GemvPlan {
-    bool qkv = false, o = false, gate_up = false, down = false;
-    // false: the norms and the activation stay the fused ops and the GEMVs run plain (every
-    // kernel of the step is then ours, so programmatic dependent launch links all of them).
-    bool prologues = true;
-    // The GEMVs run for forwards of at most this many tokens (<= kMaxFusedGemvTokens); larger
-    // ones use cuBLAS.
-    int64_t max_tokens = kMaxFusedGemvTokens;
-  };
-  void set_fused_gemv(const GemvPlan& wanted) { gemv_wanted_ = wanted; }
+  // CUDA, with the fused ops, single-token forwards (decode at batch 1): every projection runs
+  // as our plain GEMV (kernels/fused_gemv.h) after the fused norm / activation kernels, and qkv's
+  // GEMV does RoPE + the K/V store; a matrix whose K leaves too little shared memory uses cuBLAS
+  // as before. Larger forwards keep cuBLAS (the GEMV's stages are tuned for one token). Off by
+  // default; RunnerOptions::cuda_decode_gemv turns it on.
+  void set_fused_gemv(bool on) { fused_gemv_ = on; }
   // CPU fp32: replaces the large projection weights (and an untied LM head) by oneDNN-packed
   // copies; elsewhere nothing. Memory-neutral: the plain ones go. Once, right after loading.
   void PackForCpu();
@@ -167,6 +155,10 @@ class Model {
   absl::StatusOr<QkvHeads> SplitHeads(const at::Tensor& qkv, const Rope& rope, bool fused,
                                       int32_t layer_idx, AttentionBackend& backend) const;
 
+  // Which projections of a forward of x run as the GEMV (set_fused_gemv).
+  struct GemvPlan {
+    bool qkv = false, o = false, gate_up = false, down = false;
+  };
   GemvPlan PlanGemvs(const at::Tensor& x, bool fused) const;
 
   ModelConfig config_;
@@ -179,7 +171,7 @@ class Model {
   std::vector<Layer> layers_;
   int32_t num_packed_weights_ = 0;
   bool fused_cuda_ops_ = true;
-  GemvPlan gemv_wanted_;
+  bool fused_gemv_ = false;
 };
 
 // fp32 [D/2] RoPE inverse frequencies of `rope` for head_dim `head_dim` at sequence length

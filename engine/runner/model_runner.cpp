@@ -842,17 +842,7 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const RunnerOpt
   }
   if (options.cpu_packed_weights) model->PackForCpu();
   model->set_fused_cuda_ops(options.cuda_fused_ops);
-  {
-    using Gemv = RunnerOptions::DecodeGemv;
-    const bool plain = options.cuda_decode_gemv == Gemv::kPlain;
-    const bool all = options.cuda_decode_gemv == Gemv::kAll || plain;
-    model->set_fused_gemv({.qkv = all,
-                           .o = all || options.cuda_decode_gemv == Gemv::kOProj,
-                           .gate_up = all,
-                           .down = all,
-                           .prologues = !plain,
-                           .max_tokens = plain ? 1 : Model::kMaxFusedGemvTokens});
-  }
+  model->set_fused_gemv(options.cuda_decode_gemv);
   BlockPoolOptions po;
   po.block_size = options.block_size;
   po.num_layers = config.num_layers;

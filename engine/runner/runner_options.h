@@ -31,17 +31,13 @@ struct RunnerOptions {
   // CUDA: the fused residual + RMSNorm, RoPE + K/V store and gated-activation kernels
   // (kernels/fused_ops.h) instead of chains of ATen ops. Off: for comparison and debugging.
   bool cuda_fused_ops = true;
-  // CUDA, with the fused ops: which decode projections run as our GEMV (kernels/fused_gemv.h)
-  // instead of cuBLAS. kPlain (default): every projection through the plain GEMV at batch 1,
-  // the norms and the activation as the fused ops, so every kernel of the step is ours and
-  // programmatic dependent launch links them all, and the qkv GEMV does RoPE + the K/V store
-  // (kernels::GemvRopeWriteKv): bs1 8K 4.72-4.77 ms against cuBLAS's 4.91-4.93 in one call on the
-  // H200 (docs/benchmarks.md); larger batches keep cuBLAS (the GEMV's stages are tuned for one
-  // token). kAll: the norm before qkv / gate_up and the activation before down in the GEMV's
-  // prologue, up to 8 tokens (alone ~8 us per layer slower: the prologue precedes the first MMA;
-  // the step within 1-2% of cuBLAS). kOProj: o_proj alone, up to 8 tokens. kOff: cuBLAS.
-  enum class DecodeGemv { kOff, kOProj, kAll, kPlain };
-  DecodeGemv cuda_decode_gemv = DecodeGemv::kPlain;
+  // CUDA, with the fused ops: at batch 1, every decode projection through our plain GEMV
+  // (kernels/fused_gemv.h) instead of cuBLAS, the norms and the activation as the fused ops, so
+  // every kernel of the step is ours and programmatic dependent launch links them all, and the
+  // qkv GEMV does RoPE + the K/V store (kernels::GemvRopeWriteKv): bs1 8K 4.72-4.77 ms against
+  // cuBLAS's 4.91-4.93 in one call on the H200 (docs/benchmarks.md). Larger batches keep cuBLAS
+  // (the GEMV's stages are tuned for one token). Off: cuBLAS, for comparison.
+  bool cuda_decode_gemv = true;
   // CPU fp32: the large projections in oneDNN's packed layout (Model::PackForCpu).
   bool cpu_packed_weights = kernels::Tuning().cpu_packed_weights;
 };

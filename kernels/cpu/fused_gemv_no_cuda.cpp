@@ -23,14 +23,5 @@ absl::StatusOr<at::Tensor> GemvRopeWriteKv(const at::Tensor&, const at::Tensor&,
                                            at::Tensor&, at::Tensor&, const at::Tensor&) {
   return NotBuilt();
 }
-absl::StatusOr<AddRmsNormGemvResult> AddRmsNormGemv(const at::Tensor&, const at::Tensor&,
-                                                    const at::Tensor&, double, const at::Tensor&,
-                                                    const at::Tensor&) {
-  return NotBuilt();
-}
-absl::StatusOr<at::Tensor> GatedActivationGemv(const at::Tensor&, GateActivation, const at::Tensor&,
-                                               const at::Tensor&) {
-  return NotBuilt();
-}
 
 }  // namespace dropkv::kernels

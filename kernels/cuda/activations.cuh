@@ -1,6 +1,5 @@
-// Gate activations in fp32, as ATen's CUDA kernels compute them (at::silu, at::gelu "tanh"), shared
-// by the fused gated activation (fused_decode_ops.cu) and the fused GEMV's prologue. No torch
-// includes.
+// Gate activations in fp32, as ATen's CUDA kernels compute them (at::silu, at::gelu "tanh"), for
+// the fused gated activation (fused_decode_ops.cu). No torch includes.
 #pragma once
 
 namespace dropkv::kernels::cuda {

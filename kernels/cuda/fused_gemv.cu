@@ -1,5 +1,5 @@
 // kernels/fused_gemv.h on CUDA: the entry points check the tensors, fill the raw Params and
-// dispatch on the dtype to the launchers instantiated in fused_gemv_{plain,norm,gated}.cu.
+// dispatch on the dtype to the launchers instantiated in fused_gemv_plain.cu.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -23,7 +23,6 @@ namespace dropkv::kernels {
 namespace {
 
 using cuda::gemv::Params;
-using cuda::gemv::Prologue;
 
 constexpr int64_t kMaxTokens = 16;  // two 8-token mma tiles
 constexpr int64_t kMaxK = int64_t{1} << 20;
@@ -74,7 +73,7 @@ absl::Status CheckCudaHalf(const at::Tensor& t, const char* name, const at::Tens
   return absl::OkStatus();
 }
 
-// rows [M, width]: inner dim contiguous, rows 16-byte aligned (the prologues' vector loads).
+// rows [M, width]: inner dim contiguous, rows 16-byte aligned (the prologue's vector loads).
 absl::Status CheckRows(const at::Tensor& t, const char* name, int64_t m, int64_t width,
                        const at::Tensor& weight) {
   GEMV_RETURN_IF_ERROR(internal::CheckDim(t, name, 2, "[M, width]"));
@@ -135,22 +134,12 @@ Params GemvParams(const at::Tensor& weight, const at::Tensor& bias, at::Tensor& 
   return p;
 }
 
-// The norm weight may be fp32 only in the norm prologue (the others are instantiated with T).
-template <typename T, Prologue kP>
-cudaError_t LaunchTyped(const Params& p, bool fp32_norm_weight, cudaStream_t stream) {
-  const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  if constexpr (kP == Prologue::kAddRmsNorm) {
-    if (fp32_norm_weight) return cuda::gemv::LaunchStreamGemv<T, float, kP>(p, num_sms, stream);
-  }
-  return cuda::gemv::LaunchStreamGemv<T, T, kP>(p, num_sms, stream);
-}
-
-template <Prologue kP>
-absl::Status Launch(const Params& p, at::ScalarType dtype, bool fp32_norm_weight) {
+absl::Status Launch(const Params& p, at::ScalarType dtype) {
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const cudaError_t err = dtype == at::kBFloat16
-                              ? LaunchTyped<__nv_bfloat16, kP>(p, fp32_norm_weight, stream)
-                              : LaunchTyped<__half, kP>(p, fp32_norm_weight, stream);
+                              ? cuda::gemv::LaunchStreamGemv<__nv_bfloat16>(p, num_sms, stream)
+                              : cuda::gemv::LaunchStreamGemv<__half>(p, num_sms, stream);
   if (err != cudaSuccess)
     return absl::InternalError(absl::StrCat("fused GEMV launch: ", cudaGetErrorString(err)));
   return absl::OkStatus();
@@ -184,7 +173,7 @@ absl::StatusOr<at::Tensor> Gemv(const at::Tensor& x, const at::Tensor& weight,
     Params p = GemvParams(weight, bias, y, m);
     p.x = x.data_ptr();
     p.x_stride = x.stride(0);
-    GEMV_RETURN_IF_ERROR(Launch<Prologue::kPlain>(p, weight.scalar_type(), false));
+    GEMV_RETURN_IF_ERROR(Launch(p, weight.scalar_type()));
     return y;
   });
 }
@@ -230,74 +219,8 @@ absl::StatusOr<at::Tensor> GemvRopeWriteKv(const at::Tensor& x, const at::Tensor
     p.rope.num_heads = static_cast<int>(geo.num_heads);
     p.rope.num_kv_heads = static_cast<int>(geo.num_kv_heads);
     p.rope.head_dim = static_cast<int>(geo.head_dim);
-    GEMV_RETURN_IF_ERROR(Launch<Prologue::kPlain>(p, weight.scalar_type(), false));
+    GEMV_RETURN_IF_ERROR(Launch(p, weight.scalar_type()));
     return q;
-  });
-}
-
-absl::StatusOr<AddRmsNormGemvResult> AddRmsNormGemv(const at::Tensor& residual,
-                                                    const at::Tensor& delta,
-                                                    const at::Tensor& norm_weight, double eps,
-                                                    const at::Tensor& weight,
-                                                    const at::Tensor& bias) {
-  GEMV_RETURN_IF_ERROR(internal::CheckDim(residual, "residual", 2, "[M, K]"));
-  GEMV_RETURN_IF_ERROR(CheckWeight(weight, bias, residual.size(0)));
-  const int64_t m = residual.size(0), k = weight.size(1);
-  GEMV_RETURN_IF_ERROR(CheckRows(residual, "residual", m, k, weight));
-  if (!residual.is_contiguous()) return absl::InvalidArgumentError("residual: must be contiguous");
-  if (delta.defined()) GEMV_RETURN_IF_ERROR(CheckRows(delta, "delta", m, k, weight));
-  GEMV_RETURN_IF_ERROR(internal::CheckDim(norm_weight, "norm_weight", 1, "[K]"));
-  GEMV_RETURN_IF_ERROR(internal::CheckSize(norm_weight, "norm_weight", 0, k, "K"));
-  const bool fp32_norm = norm_weight.scalar_type() == at::kFloat;
-  if (!fp32_norm) GEMV_RETURN_IF_ERROR(CheckCudaHalf(norm_weight, "norm_weight", weight));
-  if (norm_weight.device() != weight.device() || !norm_weight.is_contiguous() ||
-      !Aligned16(norm_weight.data_ptr())) {
-    return absl::InvalidArgumentError(
-        "norm_weight: must be contiguous, 16-byte aligned and on the weight's device");
-  }
-  using Result = AddRmsNormGemvResult;
-  return internal::CatchTorch("AddRmsNormGemv(cuda)", [&]() -> absl::StatusOr<Result> {
-    c10::cuda::CUDAGuard guard(weight.device());
-    Result r;
-    r.y = at::empty({m, weight.size(0)}, weight.options());
-    r.residual = delta.defined() ? at::empty_like(residual) : residual;
-    if (m == 0) return r;
-    Params p = GemvParams(weight, bias, r.y, m);
-    p.x = residual.data_ptr();
-    p.x_stride = residual.stride(0);
-    p.delta = delta.defined() ? delta.data_ptr() : nullptr;
-    p.delta_stride = delta.defined() ? delta.stride(0) : 0;
-    p.residual_out = delta.defined() ? r.residual.data_ptr() : nullptr;
-    p.norm_weight = norm_weight.data_ptr();
-    p.eps = static_cast<float>(eps);
-    if (r.y.numel() == 0) {
-      // No output rows: no CTA would write the residual; let ATen do the add.
-      if (delta.defined()) r.residual.copy_(residual + delta);
-      return r;
-    }
-    GEMV_RETURN_IF_ERROR(Launch<Prologue::kAddRmsNorm>(p, weight.scalar_type(), fp32_norm));
-    return r;
-  });
-}
-
-absl::StatusOr<at::Tensor> GatedActivationGemv(const at::Tensor& gate_up, GateActivation act,
-                                               const at::Tensor& weight, const at::Tensor& bias) {
-  GEMV_RETURN_IF_ERROR(internal::CheckDim(gate_up, "gate_up", 2, "[M, 2 K]"));
-  GEMV_RETURN_IF_ERROR(CheckWeight(weight, bias, gate_up.size(0)));
-  const int64_t m = gate_up.size(0), k = weight.size(1);
-  GEMV_RETURN_IF_ERROR(CheckRows(gate_up, "gate_up", m, 2 * k, weight));
-  return internal::CatchTorch("GatedActivationGemv(cuda)", [&]() -> absl::StatusOr<at::Tensor> {
-    c10::cuda::CUDAGuard guard(weight.device());
-    auto y = at::empty({m, weight.size(0)}, weight.options());
-    if (y.numel() == 0) return y;
-    Params p = GemvParams(weight, bias, y, m);
-    p.x = gate_up.data_ptr();
-    p.x_stride = gate_up.stride(0);
-    if (act == GateActivation::kSilu)
-      GEMV_RETURN_IF_ERROR(Launch<Prologue::kSiluMul>(p, weight.scalar_type(), false));
-    else
-      GEMV_RETURN_IF_ERROR(Launch<Prologue::kGeluTanhMul>(p, weight.scalar_type(), false));
-    return y;
   });
 }
 

@@ -1,5 +1,5 @@
-// Device code of kernels/fused_gemv.h shared by the streaming kernel (fused_gemv_stream.cuh): the
-// mma, the prologues (what x is made of), the warp-order reduction and the RoPE epilogue. Raw
+// Device code of kernels/fused_gemv.h used by the streaming kernel (fused_gemv_stream.cuh): the
+// mma, the prologue (x into shared memory), the warp-order reduction and the RoPE epilogue. Raw
 // pointers, no torch.
 //
 // Mapping. y [M, N] = x [M, K] W^T with W [N, K] row-major, M <= 16 tokens. A CTA of 8 warps owns
@@ -20,7 +20,6 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "kernels/cuda/activations.cuh"
 #include "kernels/cuda/dtype_convert.cuh"
 #include "kernels/cuda/fused_gemv_params.h"
 #include "kernels/cuda/rope.cuh"
@@ -31,11 +30,6 @@ template <typename T>
 struct alignas(16) Pack8 {
   T v[kPackElems];
 };
-
-template <typename T>
-__device__ __forceinline__ float RoundTo(float x) {
-  return ToFloat(FromFloat<T>(x));
-}
 
 // c += A B: A 16x16 (row-major fragments a0..a3), B 16x8 (col-major b0, b1), fp32 c.
 template <typename T>
@@ -54,28 +48,12 @@ __device__ __forceinline__ void Mma16816(float (&c)[4], uint32_t a0, uint32_t a1
   }
 }
 
-// 8 elements of a 16-byte aligned bf16 / fp16 (one load) or fp32 (two loads) array, as floats.
-template <typename E>
-__device__ __forceinline__ void LoadPack(const E* src, float (&dst)[kPackElems]) {
-  if constexpr (std::is_same_v<E, float>) {
-    const float4 a = reinterpret_cast<const float4*>(src)[0];
-    const float4 b = reinterpret_cast<const float4*>(src)[1];
-    dst[0] = a.x, dst[1] = a.y, dst[2] = a.z, dst[3] = a.w;
-    dst[4] = b.x, dst[5] = b.y, dst[6] = b.z, dst[7] = b.w;
-  } else {
-    const Pack8<E> v = *reinterpret_cast<const Pack8<E>*>(src);
-#pragma unroll
-    for (int e = 0; e < kPackElems; ++e) dst[e] = ToFloat(v.v[e]);
-  }
-}
-
-// --- prologues: build x [M, K] (the dtype) in shared memory; every thread of the CTA takes part.
+// --- prologue: x [M, K] (the dtype) into shared memory; every thread of the CTA takes part.
 
 // Packs a thread loads before it stores any (the stores to shared memory would otherwise keep the
 // compiler from hoisting the next iteration's global load: one L2 round trip per pack).
 constexpr int kPrologueBatch = 4;
 
-// x as it is.
 template <typename T, int kBatch>
 __device__ void PlainPrologue(const Params& p, T* xs) {
   const int packs = p.k / kPackElems;
@@ -92,129 +70,6 @@ __device__ void PlainPrologue(const Params& p, T* xs) {
     for (int b = 0; b < kBatch; ++b) {
       const int i = base + b * kThreads, t = i / packs, j = i % packs;
       if (i < total) *reinterpret_cast<Pack8<T>*>(xs + t * p.x_smem_stride + j * kPackElems) = v[b];
-    }
-  }
-}
-
-// kernels::AddRmsNorm's arithmetic: s = round(residual + delta); rstd = rsqrt(mean(s^2) + eps)
-// over the fp32 values of the rounded s; x = round(s * rstd * w). Pass 2 re-reads only the
-// packs this thread wrote in pass 1, so one barrier (the reduction's) suffices.
-template <typename T, typename NW, int kMaxRows, int kBatch>
-__device__ void AddRmsNormPrologue(const Params& p, T* xs) {
-  __shared__ float warp_sums[kWarps][kMaxRows];
-  const int packs = p.k / kPackElems;
-  const T* residual = static_cast<const T*>(p.x);
-  const T* delta = static_cast<const T*>(p.delta);
-  // One CTA writes the updated residual; the others only read the old one.
-  T* residual_out = blockIdx.x == 0 ? static_cast<T*>(p.residual_out) : nullptr;
-  // This thread's first two packs of the norm weight (all of them for K <= 4096), requested
-  // early so that their latency hides behind the residual's.
-  const NW* weight = static_cast<const NW*>(p.norm_weight);
-  float w_first[2][kPackElems];
-  auto load_w_first = [&] {
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int j = threadIdx.x + i * kThreads;
-      if (j < packs) LoadPack(weight + j * kPackElems, w_first[i]);
-    }
-  };
-  if constexpr (kBatch > 1) load_w_first();
-  // Token by token, kBatch packs per thread per round; each thread sums its packs in
-  // ascending j (the order does not depend on the batching).
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  for (int t = 0; t < p.m; ++t) {
-    float sum_sq = 0.f;
-    for (int base = threadIdx.x; base < packs; base += kThreads * kBatch) {
-      Pack8<T> s[kBatch], d[kBatch];
-#pragma unroll
-      for (int b = 0; b < kBatch; ++b) {
-        const int j = base + b * kThreads;
-        if (j >= packs) continue;
-        s[b] = *reinterpret_cast<const Pack8<T>*>(residual + t * p.x_stride + j * kPackElems);
-        if (delta != nullptr)
-          d[b] = *reinterpret_cast<const Pack8<T>*>(delta + t * p.delta_stride + j * kPackElems);
-      }
-#pragma unroll
-      for (int b = 0; b < kBatch; ++b) {
-        const int j = base + b * kThreads;
-        if (j >= packs) continue;
-        if (delta != nullptr) {
-#pragma unroll
-          for (int e = 0; e < kPackElems; ++e)
-            s[b].v[e] = FromFloat<T>(ToFloat(s[b].v[e]) + ToFloat(d[b].v[e]));
-          if (residual_out != nullptr)
-            *reinterpret_cast<Pack8<T>*>(residual_out + static_cast<int64_t>(t) * p.k +
-                                         j * kPackElems) = s[b];
-        }
-#pragma unroll
-        for (int e = 0; e < kPackElems; ++e) {
-          const float f = ToFloat(s[b].v[e]);
-          sum_sq += f * f;
-        }
-        *reinterpret_cast<Pack8<T>*>(xs + t * p.x_smem_stride + j * kPackElems) = s[b];
-      }
-    }
-    for (int offset = 16; offset > 0; offset /= 2)
-      sum_sq += __shfl_xor_sync(0xffffffffu, sum_sq, offset);
-    if (lane == 0) warp_sums[warp][t] = sum_sq;
-  }
-  if constexpr (kBatch == 1) load_w_first();
-  __syncthreads();
-  float rstd[kMaxRows];
-#pragma unroll
-  for (int t = 0; t < kMaxRows; ++t) {
-    float total = 0.f;
-    for (int w = 0; w < kWarps; ++w) total += t < p.m ? warp_sums[w][t] : 0.f;
-    rstd[t] = rsqrtf(total / static_cast<float>(p.k) + p.eps);
-  }
-  for (int j = threadIdx.x, i = 0; j < packs; j += kThreads, ++i) {
-    float w[kPackElems];
-    if (i < 2) {
-#pragma unroll
-      for (int e = 0; e < kPackElems; ++e) w[e] = i == 0 ? w_first[0][e] : w_first[1][e];
-    } else {
-      LoadPack(weight + j * kPackElems, w);
-    }
-#pragma unroll
-    for (int t = 0; t < kMaxRows; ++t) {
-      if (t >= p.m) break;
-      auto* dst = reinterpret_cast<Pack8<T>*>(xs + t * p.x_smem_stride + j * kPackElems);
-      Pack8<T> s = *dst;
-#pragma unroll
-      for (int e = 0; e < kPackElems; ++e) s.v[e] = FromFloat<T>(ToFloat(s.v[e]) * rstd[t] * w[e]);
-      *dst = s;
-    }
-  }
-}
-
-// kernels::GatedActivation's arithmetic: x = round(round(act(gate)) * up).
-template <typename T, Prologue kP, int kBatch>
-__device__ void GatedPrologue(const Params& p, T* xs) {
-  const int packs = p.k / kPackElems;
-  const int total = p.m * packs;
-  const T* gate_up = static_cast<const T*>(p.x);
-  for (int base = threadIdx.x; base < total; base += kThreads * kBatch) {
-    Pack8<T> g[kBatch], u[kBatch];
-#pragma unroll
-    for (int b = 0; b < kBatch; ++b) {
-      const int i = base + b * kThreads, t = i / packs, j = i % packs;
-      if (i >= total) continue;
-      const T* row = gate_up + t * p.x_stride;
-      g[b] = *reinterpret_cast<const Pack8<T>*>(row + j * kPackElems);
-      u[b] = *reinterpret_cast<const Pack8<T>*>(row + p.k + j * kPackElems);
-    }
-#pragma unroll
-    for (int b = 0; b < kBatch; ++b) {
-      const int i = base + b * kThreads, t = i / packs, j = i % packs;
-      if (i >= total) continue;
-      Pack8<T> x;
-#pragma unroll
-      for (int e = 0; e < kPackElems; ++e) {
-        const float gf = ToFloat(g[b].v[e]);
-        const float a = RoundTo<T>(kP == Prologue::kSiluMul ? Silu(gf) : GeluTanh(gf));
-        x.v[e] = FromFloat<T>(a * ToFloat(u[b].v[e]));
-      }
-      *reinterpret_cast<Pack8<T>*>(xs + t * p.x_smem_stride + j * kPackElems) = x;
     }
   }
 }

@@ -1,6 +1,5 @@
 // Launchers of kernels/cuda/fused_gemv_stream.cuh; the token count picks the tile count.
-// Instantiated per prologue in fused_gemv_{plain,norm,gated}.cu (FUSED_GEMV_INSTANTIATE); called
-// by fused_gemv.cu. No torch.
+// Instantiated in fused_gemv_plain.cu (FUSED_GEMV_INSTANTIATE); called by fused_gemv.cu. No torch.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -44,22 +43,18 @@ cudaError_t LaunchStream(const Params& p, int num_sms, size_t smem, cudaStream_t
   return LaunchMaybePdl(kKernel, dim3(ctas), dim3(kThreads), smem, stream, p);
 }
 
-template <typename T, typename NW, Prologue kP>
+template <typename T>
 cudaError_t LaunchStreamGemv(const Params& p, int num_sms, cudaStream_t stream) {
   const size_t smem = StreamSmemBytes(p.m, p.k, p.stages, sizeof(T));
-  if constexpr (kP == Prologue::kPlain) {
-    if (p.rope.head_dim > 0) {
-      if (p.m <= 8)
-        return LaunchStream<StreamGemvKernel<T, NW, kP, 1, true>>(p, num_sms, smem, stream);
-      return LaunchStream<StreamGemvKernel<T, NW, kP, 2, true>>(p, num_sms, smem, stream);
-    }
+  if (p.rope.head_dim > 0) {
+    if (p.m <= 8) return LaunchStream<StreamGemvKernel<T, 1, true>>(p, num_sms, smem, stream);
+    return LaunchStream<StreamGemvKernel<T, 2, true>>(p, num_sms, smem, stream);
   }
-  if (p.m <= 8)
-    return LaunchStream<StreamGemvKernel<T, NW, kP, 1, false>>(p, num_sms, smem, stream);
-  return LaunchStream<StreamGemvKernel<T, NW, kP, 2, false>>(p, num_sms, smem, stream);
+  if (p.m <= 8) return LaunchStream<StreamGemvKernel<T, 1, false>>(p, num_sms, smem, stream);
+  return LaunchStream<StreamGemvKernel<T, 2, false>>(p, num_sms, smem, stream);
 }
 
-#define FUSED_GEMV_INSTANTIATE(T, NW, P) \
-  template cudaError_t LaunchStreamGemv<T, NW, P>(const Params&, int, cudaStream_t);
+#define FUSED_GEMV_INSTANTIATE(T) \
+  template cudaError_t LaunchStreamGemv<T>(const Params&, int, cudaStream_t);
 
 }  // namespace dropkv::kernels::cuda::gemv

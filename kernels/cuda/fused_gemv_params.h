@@ -1,6 +1,6 @@
 // The plain-data side of kernels/cuda/fused_gemv_stream.cuh: the call's arguments, the shared
 // memory layout and the launcher's declaration, for fused_gemv.cu (which must not instantiate the
-// kernels: they live in fused_gemv_{plain,norm,gated}.cu). No torch, no device code.
+// kernels: they live in fused_gemv_plain.cu). No torch, no device code.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -16,8 +16,6 @@ constexpr int kRowsPerCta = 16;  // mma M
 constexpr int kChunk = 32;       // k per lane group step: 4 lanes x 8 elements
 constexpr int kPackElems = 8;    // elements per 16-byte load (bf16 / fp16)
 
-enum class Prologue { kPlain, kAddRmsNorm, kSiluMul, kGeluTanhMul };
-
 // The decode qkv projection's epilogue (kernels::GemvRopeWriteKv): RoPE on q and k, q to y as
 // [M, Hq, D], k and v to their cache slots. Its 16-row groups are 8 RoPE pairs (GroupRow).
 struct RopeEpilogue {
@@ -32,15 +30,8 @@ struct RopeEpilogue {
 
 // Raw arguments of one call (pointers are device pointers, 16-byte aligned rows).
 struct Params {
-  // Plain: x [M, K], row stride x_stride. AddRmsNorm: the residual [M, K] (stride x_stride).
-  // Gated: gate_up [M, 2K] (gate | up), row stride x_stride.
-  const void* x = nullptr;
+  const void* x = nullptr;  // [M, K], row stride x_stride
   int64_t x_stride = 0;
-  const void* delta = nullptr;  // AddRmsNorm: [M, K], row stride delta_stride; nullptr: none
-  int64_t delta_stride = 0;
-  const void* norm_weight = nullptr;  // AddRmsNorm: [K], T or fp32
-  void* residual_out = nullptr;       // AddRmsNorm: [M, K] contiguous, residual + delta; or null
-  float eps = 0.f;
   const void* weight = nullptr;  // [N, K] contiguous
   const void* bias = nullptr;    // [N] or nullptr
   void* y = nullptr;             // [M, N] contiguous
@@ -48,7 +39,7 @@ struct Params {
   int x_smem_stride = 0;  // elements per token row of x in shared memory (XSmemStride(k))
   int stages = 0;         // weight stages in shared memory (StreamStages), 16 rows x kStageK each
   int ctas_per_sm = 2;    // the grid: CTAs per SM (host side only)
-  RopeEpilogue rope;      // with the plain prologue only
+  RopeEpilogue rope;
 };
 
 // Row stride of x in shared memory: K rounded up to 64 elements plus 32, so that the 8 lanes of a
@@ -61,7 +52,8 @@ __host__ __device__ constexpr int PartialsBytes(int num_tiles) {
   return 2 * kWarps * num_tiles * 8 * kRowsPerCta * 4;
 }
 
-// Static shared memory of the kernel (the norm prologue's warp sums), with room to spare.
+// Static shared memory reserved beside the dynamic (the kernel has none; the stage counts were
+// measured with this reserve, and a smaller one can add a stage).
 constexpr size_t kStaticSmemBytes = 1024;
 
 // --- W through shared memory: a stage is 16 rows x kStageK elements of W (1 KB per row in bf16;
@@ -114,11 +106,10 @@ constexpr bool PreferThreeCtasPerSm(int groups, int num_sms) {
   return num_sms > 0 && group_times(3) < group_times(2);
 }
 
-// Launches y = prologue(x) W^T (+ bias) on `stream` as one wave of p.ctas_per_sm CTAs per SM
-// (num_sms: the device's), with programmatic dependent launch (kernels/cuda/pdl.cuh). T:
-// __nv_bfloat16 or __half; NW: the norm weight's type (T or float; T for the other prologues).
-// p.m in [1, 16], p.stages set by StreamStages.
-template <typename T, typename NW, Prologue kP>
+// Launches y = x W^T (+ bias) on `stream` as one wave of p.ctas_per_sm CTAs per SM (num_sms: the
+// device's), with programmatic dependent launch (kernels/cuda/pdl.cuh). T: __nv_bfloat16 or
+// __half. p.m in [1, 16], p.stages set by StreamStages.
+template <typename T>
 cudaError_t LaunchStreamGemv(const Params& p, int num_sms, cudaStream_t stream);
 
 }  // namespace dropkv::kernels::cuda::gemv

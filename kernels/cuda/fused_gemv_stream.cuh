@@ -94,10 +94,9 @@ __device__ __forceinline__ void CopyAsyncWaitAllBut(int pending) {
 // tokens][16 rows] (fp32, alternating by group), then x [M][x_smem_stride] (T). Every thread
 // fills the stages with 16-byte cp.async (a warp copies 512 contiguous bytes of a row per
 // instruction; p.stages - 1 in flight).
-// kRope: the RoPE epilogue (p.rope; plain prologue): groups of RoPE pairs.
-template <typename T, typename NW, Prologue kP, int kTiles, bool kRope>
+// kRope: the RoPE epilogue (p.rope): groups of RoPE pairs.
+template <typename T, int kTiles, bool kRope>
 __global__ void __launch_bounds__(kThreads, 2) StreamGemvKernel(const Params p) {
-  static_assert(!kRope || kP == Prologue::kPlain, "RoPE epilogue: plain prologue only");
   extern __shared__ __align__(128) unsigned char smem[];
   constexpr int kPartialFloats = kWarps * kTiles * 8 * kRowsPerCta;  // one buffer
   const int stages = p.stages;
@@ -139,15 +138,9 @@ __global__ void __launch_bounds__(kThreads, 2) StreamGemvKernel(const Params p) 
 
   for (int i = 0; i < stages - 1; ++i) request_async(i);
   PdlLaunchDependents();
-  PdlWaitForPrimary();  // x, the residual, the gate are the previous kernel's outputs
+  PdlWaitForPrimary();  // x is the previous kernel's output
 
-  if constexpr (kP == Prologue::kPlain) {
-    PlainPrologue<T, kPrologueBatch>(p, xs);
-  } else if constexpr (kP == Prologue::kAddRmsNorm) {
-    AddRmsNormPrologue<T, NW, kTiles * 8, kPrologueBatch>(p, xs);
-  } else {
-    GatedPrologue<T, kP, kPrologueBatch>(p, xs);
-  }
+  PlainPrologue<T, kPrologueBatch>(p, xs);
   __syncthreads();
 
   const uint4 zero = make_uint4(0, 0, 0, 0);
