@@ -298,6 +298,11 @@ std::vector<Setting> MakeSettings() {
                             [](C& c) -> std::string& { return c.tls_cert_file; }));
   v.push_back(StringSetting("tls_key_file", "PEM private key (with tls_cert_file)",
                             [](C& c) -> std::string& { return c.tls_key_file; }));
+  v.push_back(StringSetting(
+      "tls_client_ca_file",
+      "PEM CA certificate: clients must present a certificate it signed (mutual TLS, on every "
+      "TLS port); needs tls_cert_file",
+      [](C& c) -> std::string& { return c.tls_client_ca_file; }));
   v.push_back(StringSetting("auth_token_file", "file with the bearer token; empty = no auth",
                             [](C& c) -> std::string& { return c.auth_token_file; }));
   v.push_back(DoubleSetting(
@@ -636,6 +641,10 @@ absl::Status ValidateServerConfig(const ServerConfig& c) {
   if (c.tls_cert_file.empty() != c.tls_key_file.empty()) {
     return err(c.tls_cert_file.empty() ? "tls_cert_file" : "tls_key_file",
                "tls_cert_file and tls_key_file must be set together");
+  }
+  if (!c.tls_client_ca_file.empty() && c.tls_cert_file.empty()) {
+    return err("tls_client_ca_file",
+               "client certificates need TLS: set tls_cert_file and tls_key_file");
   }
   if (c.metrics_port != 0 && c.metrics_port == c.port) {
     return err("metrics_port", absl::StrCat("must differ from port (", c.port, ")"));

@@ -46,8 +46,9 @@ struct ServerConfig {
   int64_t max_message_bytes = 16 * 1024 * 1024;  // gRPC max receive/send message size
   std::string tls_cert_file;                     // PEM certificate chain; set with tls_key_file
   std::string tls_key_file;                      // PEM private key; empty both = plaintext
-  std::string auth_token_file;                   // file holding the bearer token; empty = no auth
-  double shutdown_grace_seconds = 30.0;          // SIGTERM: drain this long, then cancel the rest
+  std::string tls_client_ca_file;        // PEM CA; set: clients need a certificate it signed (mTLS)
+  std::string auth_token_file;           // file holding the bearer token; empty = no auth
+  double shutdown_grace_seconds = 30.0;  // SIGTERM: drain this long, then cancel the rest
   // Connection bounds (docs/reliability.md): each open call or connection holds buffers.
   int32_t max_open_calls = 4096;          // gRPC generation calls; also HTTP connections
   int32_t max_concurrent_streams = 1024;  // per gRPC (HTTP/2) connection

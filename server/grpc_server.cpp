@@ -45,6 +45,9 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(const GrpcServerOp
   std::shared_ptr<grpc::ServerCredentials> creds;
   if (options.tls_cert_file.empty() != options.tls_key_file.empty())
     return absl::InvalidArgumentError("tls: set both the certificate and the key file, or neither");
+  if (!options.tls_client_ca_file.empty() && options.tls_cert_file.empty())
+    return absl::InvalidArgumentError(
+        "tls: client certificates (mTLS) need the server's TLS files");
   if (!options.tls_cert_file.empty()) {
     auto cert = ReadFileToString(options.tls_cert_file);
     if (!cert.ok()) return cert.status();
@@ -56,6 +59,12 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(const GrpcServerOp
                                                      ": ", pair.message()));
     grpc::SslServerCredentialsOptions ssl;
     ssl.pem_key_cert_pairs.push_back({*key, *cert});
+    if (!options.tls_client_ca_file.empty()) {  // mTLS: no verified client certificate, no call
+      auto ca = ReadFileToString(options.tls_client_ca_file);
+      if (!ca.ok()) return ca.status();
+      ssl.pem_root_certs = *ca;
+      ssl.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
+    }
     creds = grpc::SslServerCredentials(ssl);
   } else {
     creds = grpc::InsecureServerCredentials();

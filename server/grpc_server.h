@@ -25,6 +25,7 @@ struct GrpcServerOptions {
   int64_t max_message_bytes = 16 * 1024 * 1024;
   std::string tls_cert_file;  // PEM; both set = TLS, both empty = plaintext
   std::string tls_key_file;
+  std::string tls_client_ca_file;  // PEM CA: clients must present a certificate it signed (mTLS)
   int32_t max_concurrent_streams = 1024;  // per HTTP/2 connection
 };
 

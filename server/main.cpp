@@ -131,6 +131,7 @@ int main(int argc, char** argv) {
     http_options.max_body_bytes = config.max_message_bytes;
     http_options.tls_cert_file = config.tls_cert_file;
     http_options.tls_key_file = config.tls_key_file;
+    http_options.tls_client_ca_file = config.tls_client_ca_file;
     http_options.write_stall_timeout = StallTimeout(config);
     http_options.max_connections = config.max_open_calls;
     if (config.metrics_auth) http_options.metrics_bearer_token = auth_token;
@@ -169,6 +170,7 @@ int main(int argc, char** argv) {
     if (config.metrics_auth) {  // the gRPC port's TLS files and bearer token
       metrics_options.tls_cert_file = config.tls_cert_file;
       metrics_options.tls_key_file = config.tls_key_file;
+      metrics_options.tls_client_ca_file = config.tls_client_ca_file;
       metrics_options.bearer_token = auth_token;
     }
     metrics_options.limits.write_stall_timeout = StallTimeout(config);
@@ -198,6 +200,7 @@ int main(int argc, char** argv) {
   grpc_options.max_message_bytes = config.max_message_bytes;
   grpc_options.tls_cert_file = config.tls_cert_file;
   grpc_options.tls_key_file = config.tls_key_file;
+  grpc_options.tls_client_ca_file = config.tls_client_ca_file;
   grpc_options.max_concurrent_streams = config.max_concurrent_streams;
   auto server_or = GrpcServer::Start(grpc_options, service);
   if (!server_or.ok()) {

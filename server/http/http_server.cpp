@@ -678,6 +678,9 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options, Han
         options.max_output_bytes_per_exchange, ", ", options.max_connections, ")"));
   if (options.tls_cert_file.empty() != options.tls_key_file.empty())
     return absl::InvalidArgumentError("tls: set both the certificate and the key file, or neither");
+  if (!options.tls_client_ca_file.empty() && options.tls_cert_file.empty())
+    return absl::InvalidArgumentError(
+        "tls: client certificates (mTLS) need the server's TLS files");
   auto impl = std::make_unique<Impl>(options.num_threads);
   impl->handler = std::move(handler);
   if (!options.tls_cert_file.empty()) {
@@ -688,9 +691,15 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options, Han
                              asio::ssl::context::no_tlsv1 | asio::ssl::context::no_tlsv1_1);
       impl->ssl->use_certificate_chain_file(options.tls_cert_file);
       impl->ssl->use_private_key_file(options.tls_key_file, asio::ssl::context::pem);
+      if (!options.tls_client_ca_file.empty()) {  // mTLS: no certificate, no connection
+        impl->ssl->load_verify_file(options.tls_client_ca_file);
+        impl->ssl->set_verify_mode(asio::ssl::verify_peer | asio::ssl::verify_fail_if_no_peer_cert);
+      }
     } catch (const boost::system::system_error& e) {
-      return absl::InvalidArgumentError(absl::StrCat("tls: cannot load ", options.tls_cert_file,
-                                                     " / ", options.tls_key_file, ": ", e.what()));
+      return absl::InvalidArgumentError(
+          absl::StrCat("tls: cannot load ", options.tls_cert_file, " / ", options.tls_key_file,
+                       options.tls_client_ca_file.empty() ? "" : " / ", options.tls_client_ca_file,
+                       ": ", e.what()));
     }
   }
   beast::error_code ec;

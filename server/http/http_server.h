@@ -67,6 +67,7 @@ struct ServerOptions {
   int64_t max_body_bytes = 16 << 20;  // larger bodies get 413
   std::string tls_cert_file;          // PEM; both set = HTTPS, both empty = plain HTTP
   std::string tls_key_file;
+  std::string tls_client_ca_file;  // PEM CA: with TLS, clients must show a certificate it signed
   std::chrono::seconds idle_timeout{75};  // an idle keep-alive connection is closed after this
   // From a request's first byte (for the first request: the accept, TLS handshake included) until
   // its headers and body are in; not extended by partial reads, so a client that drips bytes is

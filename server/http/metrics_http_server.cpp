@@ -19,6 +19,7 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
   options.port = metrics_options.port;
   options.tls_cert_file = metrics_options.tls_cert_file;
   options.tls_key_file = metrics_options.tls_key_file;
+  options.tls_client_ca_file = metrics_options.tls_client_ca_file;
   options.num_threads = 1;
   options.max_body_bytes = 64 * 1024;  // scrapes have no body
   auto handler = [render = std::move(render), token = metrics_options.bearer_token](

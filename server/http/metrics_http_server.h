@@ -19,6 +19,7 @@ struct MetricsServerOptions {
   int32_t port = 0;           // 0 = any free port (see MetricsHttpServer::port())
   std::string tls_cert_file;  // PEM; both set = HTTPS, both empty = plain HTTP
   std::string tls_key_file;
+  std::string tls_client_ca_file;  // set: scrapers need a certificate it signed (mTLS)
   std::string bearer_token;  // non-empty: /metrics needs "Authorization: Bearer <token>" (else 401)
   // Timeouts and connection bounds (the defaults of http::ServerOptions); its host, port, TLS
   // files and threads are ignored: the fields above and one I/O thread are used.

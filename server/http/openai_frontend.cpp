@@ -342,6 +342,7 @@ absl::StatusOr<std::unique_ptr<HttpFrontend>> HttpFrontend::Start(HttpFrontendOp
   server_options.max_body_bytes = options.max_body_bytes;
   server_options.tls_cert_file = options.tls_cert_file;
   server_options.tls_key_file = options.tls_key_file;
+  server_options.tls_client_ca_file = options.tls_client_ca_file;
   server_options.write_stall_timeout = options.write_stall_timeout;
   server_options.max_connections = options.max_connections;
   // 413 and unparsable requests in OpenAI's error shape too.

@@ -35,6 +35,7 @@ struct HttpFrontendOptions {
   int64_t max_body_bytes = 16 << 20;  // larger bodies: 413
   std::string tls_cert_file;          // both set: HTTPS (the gRPC port's files)
   std::string tls_key_file;
+  std::string tls_client_ca_file;               // set: clients need a certificate it signed (mTLS)
   std::function<std::string()> render_metrics;  // GET /metrics; null = 404
   std::string metrics_bearer_token;             // non-empty: GET /metrics needs it (else 401)
   // Connection bounds (http::ServerOptions has their meaning and defaults).

@@ -489,7 +489,8 @@ std::optional<ApiError> ParseRequest(Endpoint endpoint, std::string_view text,
       if (!docs->is_array()) return MakeError(400, "documents: must be an array", "documents");
       chat->set_documents_json(docs->dump());
     }
-    if (const json* kwargs = f.Get("chat_template_kwargs"); kwargs != nullptr && !kwargs->is_null()) {
+    if (const json* kwargs = f.Get("chat_template_kwargs");
+        kwargs != nullptr && !kwargs->is_null()) {
       if (!kwargs->is_object())
         return MakeError(400, "chat_template_kwargs: must be an object", "chat_template_kwargs");
       chat->set_chat_template_kwargs_json(kwargs->dump());

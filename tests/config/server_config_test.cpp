@@ -93,6 +93,8 @@ TEST(ServerConfigTest, EachKeyReachesItsField) {
       {"shutdown_grace_seconds: 2.5",
        [](const ServerConfig& c) { return c.shutdown_grace_seconds == 2.5; }},
       {"metrics_auth: true", [](const ServerConfig& c) { return c.metrics_auth; }},
+      {"tls_client_ca_file: ca.pem",
+       [](const ServerConfig& c) { return c.tls_client_ca_file == "ca.pem"; }},
       {"max_open_calls: 12", [](const ServerConfig& c) { return c.max_open_calls == 12; }},
       {"max_concurrent_streams: 13",
        [](const ServerConfig& c) { return c.max_concurrent_streams == 13; }},

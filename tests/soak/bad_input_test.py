@@ -10,6 +10,8 @@ Client side (server with a bearer token, TLS and max_message_bytes 1 MiB):
   largest_compression_does_not_stall_others, largest_compression_runs,
   no_server_path_in_model_info, alive_after_all, second_server_same_port.
 Stalled clients (plaintext server, write_stall_seconds 1): stalled_streams_memory_flat.
+Mutual TLS: mtls_grpc_with_client_cert, mtls_grpc_without_client_cert,
+  mtls_http_with_client_cert, mtls_http_without_client_cert.
 Shutdown: sigterm_with_stalled_streams. JSON logs: json_log_lines_only.
 Operator side (server start-up): unknown_config_key, missing_model_dir, truncated_safetensors,
   broken_config_json, tls_cert_missing, tls_key_without_cert, tls_key_mismatch,
@@ -206,6 +208,57 @@ def main():
                            scratch, "same_port", wait_listen=False, timeout=60)
         check("second_server_same_port", p2.returncode not in (0, None, -9) and
               "cannot listen" in err, f"exit {p2.returncode}")
+    finally:
+        stop(proc)
+
+    # Mutual TLS: with tls_client_ca_file, a client without a certificate that CA signed is refused
+    # on the gRPC and the HTTP port; one with it is served.
+    ca, ca_key = os.path.join(scratch, "ca.pem"), os.path.join(scratch, "ca.key")
+    client, client_key = os.path.join(scratch, "client.pem"), os.path.join(scratch, "client.key")
+    csr = os.path.join(scratch, "client.csr")
+    for cmd in (["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
+                 "-subj", "/CN=dropkv-test-ca", "-keyout", ca_key, "-out", ca],
+                ["openssl", "req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=client",
+                 "-keyout", client_key, "-out", csr],
+                ["openssl", "x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key,
+                 "-CAcreateserial", "-days", "2", "-out", client]):
+        subprocess.run(cmd, check=True, capture_output=True)
+    import socket
+    import ssl
+    import http.client
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        http_port = s.getsockname()[1]
+    proc, port, _ = start(args.server, base + [
+        "--port", "0", "--tls-cert-file", cert, "--tls-key-file", key, "--tls-client-ca-file", ca,
+        "--http-port", str(http_port)], scratch, "mtls_server")
+    try:
+        server_ca = open(cert, "rb").read()
+        with_cert = pbg.InferenceStub(grpc.secure_channel(f"127.0.0.1:{port}", grpc.ssl_channel_credentials(
+            root_certificates=server_ca, private_key=open(client_key, "rb").read(),
+            certificate_chain=open(client, "rb").read())))
+        without_cert = pbg.InferenceStub(grpc.secure_channel(
+            f"127.0.0.1:{port}", grpc.ssl_channel_credentials(root_certificates=server_ca)))
+        good = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 50, 60]), max_new_tokens=3)
+        c, d = code_of(with_cert.GenerateUnary, good)
+        check("mtls_grpc_with_client_cert", c == grpc.StatusCode.OK, f"{c.name} {d}")
+        c, d = code_of(without_cert.GenerateUnary, good)
+        check("mtls_grpc_without_client_cert", c == grpc.StatusCode.UNAVAILABLE, f"{c.name}")
+
+        def http_health(client_cert):
+            ctx = ssl.create_default_context(cafile=cert)
+            if client_cert:
+                ctx.load_cert_chain(client, client_key)
+            try:
+                conn = http.client.HTTPSConnection("127.0.0.1", http_port, context=ctx, timeout=10)
+                conn.request("GET", "/health")
+                return conn.getresponse().status
+            except (ssl.SSLError, ConnectionError, OSError) as e:
+                return type(e).__name__
+        got = http_health(True)
+        check("mtls_http_with_client_cert", got == 200, f"{got}")
+        got = http_health(False)
+        check("mtls_http_without_client_cert", got != 200, f"{got}")
     finally:
         stop(proc)
 
