@@ -4,6 +4,7 @@
 // the same kept entries, and bounded pool usage with every_chunk on a 4K-token prompt.
 #include <ATen/ATen.h>
 
+#include <filesystem>
 #include <iostream>
 #include <numeric>
 
@@ -53,6 +54,43 @@ class PoolWatch final : public KvSelector {
   KvSelector* inner_;
   BlockPool* pool_;
 };
+
+// The server's profile is read and checked against the model once (start-up): a file that is no
+// profile, or one for another depth, is an error naming compression's field and the file; a good
+// one reaches the presses without another read.
+TEST(RunnerIntegration, ProfileIsCheckedAgainstTheModelOnce) {
+  auto runner = DemoRunner(64);
+  ASSERT_NE(runner, nullptr);
+  const ModelConfig& config = runner->config();
+  const auto dir = std::filesystem::temp_directory_path();
+  LayerProfile profile;
+  profile.model = "demo";
+  profile.num_layers = config.num_global_layers();
+  profile.values.assign(profile.num_layers, 1.0);
+  profile.values[0] = 0.5;
+  const std::string good = (dir / "dropkv_demo_profile.json").string();
+  ASSERT_TRUE(SaveLayerProfile(profile, good).ok());
+  auto loaded = LoadProfileForModel(good, config);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  CompressionParams p;
+  p.method = ScoreMethod::kDropKV;
+  p.allocator = BudgetAllocator::kMGA;
+  p.keep_ratio = 0.5;
+  p.profile_path = "/not/read/again.json";  // the loaded profile is used, no file is read
+  EXPECT_TRUE(CreateKvSelectorWithProfile(p, config, &*loaded).ok());
+
+  profile.num_layers += 1;
+  profile.values.push_back(1.0);
+  const std::string deeper = (dir / "dropkv_deeper_profile.json").string();
+  ASSERT_TRUE(SaveLayerProfile(profile, deeper).ok());
+  for (const std::string& path : {deeper, std::string("/etc/passwd")}) {
+    auto bad = LoadProfileForModel(path, config);
+    ASSERT_FALSE(bad.ok()) << path;
+    EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(bad.status().message().rfind("profile_path: ", 0), 0u) << bad.status();
+    EXPECT_NE(bad.status().message().find(path), std::string::npos) << bad.status();
+  }
+}
 
 TEST(RunnerIntegration, CompressedPrefillThenDecodeEqualsCompactedFullCache) {
   auto runner = DemoRunner(2048);
