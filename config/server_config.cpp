@@ -843,24 +843,30 @@ absl::StatusOr<ServerConfig> LoadServerConfigFrom(const std::vector<std::string>
   return config;
 }
 
+namespace {
+
+std::string EnvOrEmpty(const std::map<std::string, std::string>& env, const char* name) {
+  auto it = env.find(name);
+  return it == env.end() ? "" : it->second;
+}
+
+// scripts/setup.sh's cache: $DROPKV_CACHE, else ~/.cache/dropkv ("" without either variable).
+std::string CacheDir(const std::map<std::string, std::string>& env) {
+  if (std::string cache = EnvOrEmpty(env, "DROPKV_CACHE"); !cache.empty()) return cache;
+  const std::string home = EnvOrEmpty(env, "HOME");
+  return home.empty() ? "" : home + "/.cache/dropkv";
+}
+
+}  // namespace
+
 std::string DemoModelDir(const std::map<std::string, std::string>& env) {
-  auto get = [&](const char* name) -> std::string {
-    auto it = env.find(name);
-    return it == env.end() ? "" : it->second;
-  };
-  if (!get("DROPKV_CACHE").empty()) return get("DROPKV_CACHE") + "/demo-model";
-  if (!get("HOME").empty()) return get("HOME") + "/.cache/dropkv/demo-model";
-  return "";
+  const std::string cache = CacheDir(env);
+  return cache.empty() ? "" : cache + "/demo-model";
 }
 
 std::string DefaultModelDir(const std::map<std::string, std::string>& env) {
-  auto get = [&](const char* name) -> std::string {
-    auto it = env.find(name);
-    return it == env.end() ? "" : it->second;
-  };
-  std::string models = get("DROPKV_MODELS");
-  if (models.empty() && !get("DROPKV_CACHE").empty()) models = get("DROPKV_CACHE") + "/models";
-  if (models.empty() && !get("HOME").empty()) models = get("HOME") + "/.cache/dropkv/models";
+  std::string models = EnvOrEmpty(env, "DROPKV_MODELS");
+  if (models.empty() && !CacheDir(env).empty()) models = CacheDir(env) + "/models";
   return models.empty() ? "" : models + "/smollm2-135m-instruct";
 }
 
