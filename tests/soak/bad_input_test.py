@@ -262,6 +262,13 @@ def main():
     finally:
         stop(proc)
 
+    def reads_nothing_stub(port):
+        """A plaintext stub whose streams the test never reads: no BDP probing and 1 KiB of
+        lookahead keep each stream's window at 64 KiB, so the server's writes stall."""
+        return pbg.InferenceStub(grpc.insecure_channel(
+            f"127.0.0.1:{port}",
+            options=[("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]))
+
     # A client that reads nothing of 100 streams (no BDP probing, 1 KiB lookahead: its 64 KiB
     # stream windows fill): the server cuts each off after write_stall_seconds, so the streams of
     # a second round reuse what the first one held instead of adding to it.
@@ -276,10 +283,7 @@ def main():
                     return int(line.split()[1])
             return 0
 
-        stall_channel = grpc.insecure_channel(
-            f"127.0.0.1:{port}",
-            options=[("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)])
-        stall_stub = pbg.InferenceStub(stall_channel)
+        stall_stub = reads_nothing_stub(port)
         heavy_stream = pb.GenerateRequest(
             token_ids=pb.TokenIds(ids=[1, 50, 60]), max_new_tokens=500,
             sampling=pb.SamplingParams(return_logprobs=True, num_top_logprobs=20))
@@ -308,9 +312,7 @@ def main():
         "--kv-blocks", "8192", "--max-batch", "64", "--port", "0", "--write-stall-seconds", "3600",
         "--shutdown-grace-seconds", "2"], scratch, "shutdown_server")
     try:
-        stall_stub = pbg.InferenceStub(grpc.insecure_channel(
-            f"127.0.0.1:{port}",
-            options=[("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]))
+        stall_stub = reads_nothing_stub(port)
         stalled = [stall_stub.Generate(heavy_stream, timeout=120) for _ in range(32)]
         time.sleep(4)
         t0 = time.time()
