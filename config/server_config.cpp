@@ -182,7 +182,7 @@ Setting StringSetting(std::string key, std::string help, Ref ref,
   return s;
 }
 
-// The names come from a NamedValue table (engine/compression_names.h); the help text lists them.
+// The names come from a NamedValue table (engine/common/named_value.h); the help text lists them.
 template <typename E, size_t N, typename Ref>
 Setting EnumSetting(std::string key, std::string help, Ref ref,
                     const std::array<NamedValue<E>, N>& names) {

@@ -16,8 +16,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "engine/compression_names.h"  // ParseScoreMethod & co. (one table of names)
-#include "engine/request.h"
+#include "engine/compression/params.h"  // the compression settings and their names
 
 namespace dropkv {
 

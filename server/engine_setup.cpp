@@ -73,16 +73,16 @@ absl::StatusOr<ServedEngine> CreateServedEngine(const ServerConfig& config) {
   info.set_max_new_tokens_limit(config.max_new_tokens_limit);
   v1::CompressionSettings* dc = info.mutable_default_compression();
   const CompressionParams& c = config.compression;
-  dc->set_method(std::string(compression::ScoreMethodName(c.method)));
+  dc->set_method(std::string(ScoreMethodName(c.method)));
   if (c.budget_tokens)
     dc->set_budget_tokens(*c.budget_tokens);
   else
     dc->set_keep_ratio(c.keep_ratio);
-  dc->set_allocator(std::string(compression::BudgetAllocatorName(c.allocator)));
+  dc->set_allocator(std::string(BudgetAllocatorName(c.allocator)));
   dc->set_window(c.window);
-  dc->set_pooling(std::string(compression::PoolingTypeName(c.pooling)));
+  dc->set_pooling(std::string(PoolingTypeName(c.pooling)));
   dc->set_pooling_kernel(c.pooling_kernel);
-  dc->set_chunk_policy(std::string(compression::ChunkPolicyName(c.chunk_policy)));
+  dc->set_chunk_policy(std::string(ChunkPolicyName(c.chunk_policy)));
   dc->set_chunk_size(c.chunk_size);
   for (const char* m : {"none", "dropkv", "snapkv", "h2o", "h2o_vl1", "h2o_vl2", "streaming_llm",
                         "knorm", "random"})

@@ -210,7 +210,7 @@ absl::StatusOr<CompressionParams> MapCompression(const v1::CompressionSettings& 
                                                  int64_t max_context_len, int32_t num_layers) {
   CompressionParams p = defaults;
   if (!c.method().empty()) {
-    auto m = CompressionField(compression::ParseScoreMethod(c.method()));
+    auto m = CompressionField(ParseScoreMethod(c.method()));
     if (!m.ok()) return m.status();
     p.method = *m;
   }
@@ -237,19 +237,19 @@ absl::StatusOr<CompressionParams> MapCompression(const v1::CompressionSettings& 
       break;
   }
   if (!c.allocator().empty()) {
-    auto a = CompressionField(compression::ParseBudgetAllocator(c.allocator()));
+    auto a = CompressionField(ParseBudgetAllocator(c.allocator()));
     if (!a.ok()) return a.status();
     p.allocator = *a;
   }
   if (c.has_window()) p.window = c.window();
   if (!c.pooling().empty()) {
-    auto k = CompressionField(compression::ParsePoolingType(c.pooling()));
+    auto k = CompressionField(ParsePoolingType(c.pooling()));
     if (!k.ok()) return k.status();
     p.pooling = *k;
   }
   if (c.has_pooling_kernel()) p.pooling_kernel = c.pooling_kernel();
   if (!c.chunk_policy().empty()) {
-    auto k = CompressionField(compression::ParseChunkPolicy(c.chunk_policy()));
+    auto k = CompressionField(ParseChunkPolicy(c.chunk_policy()));
     if (!k.ok()) return k.status();
     p.chunk_policy = *k;
   }

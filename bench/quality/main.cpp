@@ -172,8 +172,8 @@ int main(int argc, char** argv) {
     for (double keep : keeps) {
       for (const auto& a : allocators) {
         CompressionParams p;
-        p.method = *dropkv::compression::ParseScoreMethod(m);
-        p.allocator = *dropkv::compression::ParseBudgetAllocator(a);
+        p.method = *dropkv::ParseScoreMethod(m);
+        p.allocator = *dropkv::ParseBudgetAllocator(a);
         p.keep_ratio = keep;
         p.profile_path = profile;
         p.window = window;

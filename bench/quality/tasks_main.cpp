@@ -20,7 +20,7 @@
 #include "CLI/CLI.hpp"
 #include "bench/quality/task_eval.h"
 #include "engine/compression/compression.h"
-#include "engine/compression_names.h"
+#include "engine/compression/params.h"
 #include "engine/model/config.h"
 #include "engine/tokenizer/tokenizer.h"
 #include "nlohmann/json.hpp"

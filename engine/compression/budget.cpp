@@ -10,7 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "engine/common/file_util.h"
-#include "engine/compression_names.h"
+#include "engine/compression/params.h"
 #include "nlohmann/json.hpp"
 
 namespace dropkv::compression {

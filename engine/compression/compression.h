@@ -1,6 +1,6 @@
-// What the server and the scheduler need from compression without pulling in tensors: names of
-// the settings, validation of a request's CompressionParams, the canonical budget conversion and
-// the kept-token count per layer (admission control).
+// What the server and the scheduler need from compression without pulling in tensors (the
+// settings and their names are in params.h): validation of a request's CompressionParams, the
+// canonical budget conversion and the kept-token count per layer (admission control).
 #pragma once
 
 #include <cstdint>
@@ -11,21 +11,9 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "engine/compression/budget.h"
-#include "engine/compression_names.h"
 #include "engine/request.h"
 
 namespace dropkv::compression {
-
-// The setting names live in engine/compression_names.h (one table); re-exported here for the
-// callers that spell them compression::ParseScoreMethod etc.
-using ::dropkv::BudgetAllocatorName;
-using ::dropkv::ChunkPolicyName;
-using ::dropkv::ParseBudgetAllocator;
-using ::dropkv::ParseChunkPolicy;
-using ::dropkv::ParsePoolingType;
-using ::dropkv::ParseScoreMethod;
-using ::dropkv::PoolingTypeName;
-using ::dropkv::ScoreMethodName;
 
 // Upper bounds of the integer settings a client may send. They bound the work one request can
 // put on the engine thread: scoring costs window x context per layer and the pooling kernel's

@@ -73,7 +73,7 @@ TEST(CompressionFlags, ParsesEverySetting) {
 TEST(CompressionFlags, BadValuesNameTheFlag) {
   CompressionParams p;
   EXPECT_NE(Parse({"--method", "snap"}, &p).find("snapkv"), std::string::npos);
-  // The flag names the field once, then the accepted names (engine/compression_names.h).
+  // The flag names the field once, then the accepted names (engine/compression/params.h).
   EXPECT_EQ(Parse({"--allocator", "pyr"}, &p),
             "--allocator: expected one of uniform|pyramid|mlp|mga|mlma2|mlma4|mlma6|explicit, "
             "got 'pyr'");

@@ -1,7 +1,7 @@
-// engine/compression_names.h: every name round-trips, parsing is case/whitespace tolerant, and
+// engine/compression/params.h: every name round-trips, parsing is case/whitespace tolerant, and
 // errors name the field and list every accepted name. The expected names are the documented
 // API spellings (docs/api.md, docs/configuration.md), written here independently of the table.
-#include "engine/compression_names.h"
+#include "engine/compression/params.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>

@@ -1,24 +1,58 @@
-// The one table of compression setting names (methods, allocators, pooling, chunk policies) and
-// their parsers. Torch-free and tiny: config, the server's request validation, the CLI flags and
-// the engine all read names here, so a name is spelled exactly once.
+// Compression settings of a request (the methods, budgets and chunk policies of algorithms.md
+// sections 1-5) and the one table of their names. Torch-free and tiny: config, the server's
+// request validation, the CLI flags and the engine all include it, so a setting is declared and
+// spelled exactly once. Validation and the per-request plan are in compression.h / plan.h.
 #pragma once
 
 #include <array>
-#include <cstddef>
+#include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
 
-#include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "engine/request.h"
+#include "engine/common/named_value.h"
 
 namespace dropkv {
 
-template <typename E>
-struct NamedValue {
-  E value;
-  std::string_view name;
+// Which scorer decides what each layer keeps (algorithms.md sections 1-2).
+enum class ScoreMethod {
+  kNone,
+  kDropKV,
+  kSnapKV,
+  kH2O,
+  kH2OVl1,
+  kH2OVl2,
+  kStreamingLLM,
+  kKNorm,
+  kRandom
+};
+// How the global budget is split over layers (algorithms.md section 4).
+enum class BudgetAllocator { kUniform, kPyramid, kMLP, kMGA, kMLMA2, kMLMA4, kMLMA6, kExplicit };
+// When to compress during chunked prefill (algorithms.md section 5).
+enum class ChunkPolicy { kLastChunk, kEveryChunk, kBudget };
+enum class PoolingType { kMax, kAvg, kNone };
+
+// Compression settings of one request. One canonical budget form: keep_ratio (fraction kept);
+// compression ratio and absolute token budgets are converted at the edge.
+struct CompressionParams {
+  ScoreMethod method = ScoreMethod::kNone;
+  double keep_ratio = 1.0;  // (0, 1]
+  // Absolute per-sequence average kept per layer; wins over keep_ratio.
+  std::optional<int64_t> budget_tokens;
+  BudgetAllocator allocator = BudgetAllocator::kUniform;
+  std::vector<double> explicit_layer_prune;  // rho_l per layer for kExplicit
+  std::string profile_path;                  // InfoNCE profile for kMGA / kMLMA*
+  int32_t window = 8;                        // observation window W (>= 1)
+  int32_t pooling_kernel = 11;               // odd, >= 1
+  PoolingType pooling = PoolingType::kMax;
+  bool protect_sinks = false;
+  int32_t num_sinks = 4;
+  ChunkPolicy chunk_policy = ChunkPolicy::kLastChunk;
+  int32_t chunk_size = 0;         // 0 = whole prompt in one pass
+  int64_t budget_cap_tokens = 0;  // for kBudget
+  uint64_t random_seed = 0;       // for kRandom
 };
 
 inline constexpr std::array<NamedValue<ScoreMethod>, 9> kScoreMethodNames{{
@@ -57,48 +91,6 @@ inline constexpr std::array<NamedValue<PoolingType>, 3> kPoolingTypeNames{{
 constexpr bool AllocatorNeedsProfile(BudgetAllocator allocator) {
   return allocator == BudgetAllocator::kMGA || allocator == BudgetAllocator::kMLMA2 ||
          allocator == BudgetAllocator::kMLMA4 || allocator == BudgetAllocator::kMLMA6;
-}
-
-namespace names_internal {
-// Lower case, surrounding ASCII whitespace removed.
-std::string Normalize(std::string_view text);
-// INVALID_ARGUMENT "<field>: expected one of a|b|c, got 'text'" ("expected ..." when field is "").
-absl::Status UnknownName(std::string_view field, std::string_view text,
-                         const std::vector<std::string_view>& accepted);
-}  // namespace names_internal
-
-// The name of `value` in `table`, "unknown" when it has none.
-template <typename E, size_t N>
-std::string_view NameOf(const std::array<NamedValue<E>, N>& table, E value) {
-  for (const NamedValue<E>& nv : table) {
-    if (nv.value == value) return nv.name;
-  }
-  return "unknown";
-}
-
-// "a|b|c": the accepted names, in table order (help texts, errors).
-template <typename E, size_t N>
-std::string JoinNames(const std::array<NamedValue<E>, N>& table) {
-  std::string out;
-  for (const NamedValue<E>& nv : table) {
-    if (!out.empty()) out += '|';
-    out += nv.name;
-  }
-  return out;
-}
-
-// Case-insensitive; surrounding whitespace is ignored. The error starts with `field` (when not
-// empty) and lists every accepted name.
-template <typename E, size_t N>
-absl::StatusOr<E> ParseName(const std::array<NamedValue<E>, N>& table, std::string_view text,
-                            std::string_view field) {
-  std::string t = names_internal::Normalize(text);
-  std::vector<std::string_view> accepted;
-  for (const NamedValue<E>& nv : table) {
-    if (t == nv.name) return nv.value;
-    accepted.push_back(nv.name);
-  }
-  return names_internal::UnknownName(field, text, accepted);
 }
 
 // The four compression settings. `field` defaults to the request/config field name.
