@@ -55,6 +55,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
       so.eos_token_ids.push_back(id);
   }
   so.num_layers = mc.num_layers;
+  so.compression_profile = engine->profile_;
   so.kv_bytes_per_token_per_layer = 2 * mc.kv_size() * elem_bytes;
   ModelRunner* r = engine->runner_.get();
   engine->scheduler_ = std::make_unique<Scheduler>(

@@ -671,7 +671,8 @@ int Run(int argc, char** argv) {
     }
 
     // How many 32K-token sequences fit in the pool (admission's own accounting, 256 decode tokens).
-    const int64_t per_seq = runner.BlocksForPrompt(32768, comp, 256);
+    const int64_t per_seq =
+        compression::BlocksNeeded(comp, 32768, runner.cache_geometry(), 256).value_or(0);
     result["capacity"].push_back(
         {{"keep", keep},
          {"prompt_tokens", 32768},
@@ -684,7 +685,9 @@ int Run(int argc, char** argv) {
       // the compressed prefill would keep. The K/V values are whatever the pool holds (the work
       // per step does not depend on them), so no prefill is needed to fill 100+ GiB.
       BlockPool& pool = runner.pool();
-      const int64_t per = runner.BlocksForPrompt(throughput_context, comp, decode_steps + 4);
+      const int64_t per = compression::BlocksNeeded(comp, throughput_context,
+                                                    runner.cache_geometry(), decode_steps + 4)
+                              .value_or(0);
       const int64_t num_seqs = per > 0 ? pool.num_free_blocks() / per : 0;
       const int64_t kept = comp.method == ScoreMethod::kNone
                                ? throughput_context

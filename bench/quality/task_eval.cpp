@@ -70,8 +70,13 @@ std::vector<int32_t> CutAtEos(const std::vector<int32_t>& ids,
 int64_t BlocksNeeded(const ModelRunner& runner, int64_t prompt_len,
                      const std::vector<CompressionParams>& configs, int32_t max_new_tokens) {
   // The full prefill, one uncompacted copy at a time, and every configuration's cache.
-  int64_t blocks = 2 * runner.BlocksForPrompt(prompt_len, CompressionParams{}, max_new_tokens);
-  for (const auto& c : configs) blocks += runner.BlocksForPrompt(prompt_len, c, max_new_tokens);
+  // (A configuration the plan refuses counts nothing here: its prefill reports why.)
+  auto blocks_of = [&](const CompressionParams& c) {
+    return compression::BlocksNeeded(c, prompt_len, runner.cache_geometry(), max_new_tokens)
+        .value_or(0);
+  };
+  int64_t blocks = 2 * blocks_of(CompressionParams{});
+  for (const auto& c : configs) blocks += blocks_of(c);
   return blocks;
 }
 

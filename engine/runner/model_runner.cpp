@@ -236,35 +236,13 @@ class TorchModelRunner : public ModelRunner {
   void SetKvSelectorFactory(KvSelectorFactory factory) override { factory_ = std::move(factory); }
   void SetCudaGraphs(bool on) override { options_.cuda_graphs = on; }
 
-  int64_t BlocksForPrompt(int64_t prompt_len, const CompressionParams& c,
-                          int64_t decode_reserve_tokens) const override {
-    // Sliding layers hold at most their window, compressed or not.
-    const int64_t sliding = config().num_sliding_layers();
-    const int64_t sliding_blocks =
-        sliding == 0 ? 0
-                     : sliding * pool_->BlocksFor(std::min(prompt_len + decode_reserve_tokens,
-                                                           config().sliding_window));
-    const int64_t num_layers = config().num_global_layers();
-    int64_t peak_per_layer = prompt_len;
-    if (c.method != ScoreMethod::kNone) {
-      int64_t kept =
-          c.budget_tokens
-              ? std::min(*c.budget_tokens, prompt_len)
-              : static_cast<int64_t>(std::ceil(c.keep_ratio * static_cast<double>(prompt_len)));
-      const bool chunked = c.chunk_size > 0 && c.chunk_size < prompt_len;
-      if (!chunked) {
-        peak_per_layer = kept;
-      } else if (c.chunk_policy == ChunkPolicy::kEveryChunk) {
-        peak_per_layer = std::min(prompt_len, kept + c.chunk_size);
-      } else if (c.chunk_policy == ChunkPolicy::kBudget && c.budget_cap_tokens > 0) {
-        peak_per_layer = std::min(prompt_len, std::max(kept, c.budget_cap_tokens) + c.chunk_size);
-      }  // kLastChunk: every chunk is stored in full before the last one compresses
-      // Per-layer budgets (DepthKV) differ around the mean: one block of slack per layer.
-      return sliding_blocks +
-             num_layers *
-                 (pool_->BlocksFor(std::max(peak_per_layer, kept + decode_reserve_tokens)) + 1);
-    }
-    return sliding_blocks + num_layers * pool_->BlocksFor(peak_per_layer + decode_reserve_tokens);
+  compression::KvCacheGeometry cache_geometry() const override {
+    compression::KvCacheGeometry g;
+    g.num_global_layers = config().num_global_layers();
+    g.num_sliding_layers = config().num_sliding_layers();
+    g.sliding_capacity = g.num_sliding_layers > 0 ? config().sliding_window : 0;
+    g.block_size = pool_->block_size();
+    return g;
   }
 
   absl::StatusOr<at::Tensor> Prefill(SequenceId seq, std::span<const int32_t> chunk,

@@ -14,6 +14,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "absl/status/statusor.h"
+#include "engine/compression/plan.h"
 #include "engine/request.h"
 #include "engine/runner/runner_options.h"
 
@@ -53,15 +54,15 @@ class ModelRunner {
   // never free, never a sequence's.
   virtual int64_t num_reserved_blocks() const { return 0; }
 
-  // Blocks a prompt of `prompt_len` tokens will hold after prefill under `compression`, plus
-  // `decode_reserve_tokens` of decode room per layer. Admission control uses it.
-  virtual int64_t BlocksForPrompt(int64_t prompt_len, const CompressionParams& compression,
-                                  int64_t decode_reserve_tokens) const = 0;
+  // The paged cache as compression plans count it (engine/compression/plan.h): the scheduler
+  // admits a prompt and each of its chunks by the plan's blocks.
+  virtual compression::KvCacheGeometry cache_geometry() const = 0;
 
   // Prefill `chunk` (the prompt tokens at positions [logical_len, logical_len + chunk.size()))
   // of sequence `seq` (created on its first chunk). When `is_last_chunk`, returns the fp32 logits
   // [vocab] of the last position; otherwise an undefined tensor. RESOURCE_EXHAUSTED when the pool
-  // has no room: the sequence is then left exactly as before the call.
+  // has no room (the scheduler checks the plan's blocks first, so that is an error): the sequence
+  // is then left exactly as before the call.
   virtual absl::StatusOr<at::Tensor> Prefill(SequenceId seq, std::span<const int32_t> chunk,
                                              bool is_last_chunk,
                                              const CompressionParams& compression) = 0;

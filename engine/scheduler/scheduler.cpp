@@ -12,6 +12,7 @@
 #include <cstdio>
 
 #include "absl/strings/str_cat.h"
+#include "engine/compression/plan.h"
 #include "engine/runner/model_runner.h"
 #include "engine/sampling/sampler.h"
 #include "engine/tokenizer/tokenizer.h"
@@ -45,10 +46,13 @@ struct Sequence {
   bool prefill_done = false;
   std::vector<int32_t> generated;
   int64_t num_generated_fed = 0;  // generated tokens in the cache (the rest are replayed)
-  int64_t blocks_needed = 0;      // BlocksForPrompt at admission
-  // What the runner sees: the request's compression, plus the scheduler's chunking of a long
-  // compressed prompt that has no chunk size (set at the first admission, kept after preemption).
-  std::optional<CompressionParams> prefill_params;
+  // The prefill's chunks, what they take from the pool and the settings the runner sees; made
+  // when the sequence heads the queue (again after a preemption: the replay needs decode room).
+  std::optional<compression::CompressionPlan> plan;
+  size_t num_chunks_done = 0;
+  // The plan's choice to split a long compressed prompt, kept across preemptions: a request sees
+  // the same chunks whatever the load.
+  std::optional<bool> split_long_prompt;
   std::unique_ptr<SamplerState> sampler;  // RNG + history; survives preemption
   // Output state.
   size_t num_tokens_sent = 0;
@@ -255,6 +259,7 @@ struct Scheduler::Impl {
     runner.Release(seq->seq_id);
     seq->seq_id = -1;
     seq->num_prefilled = 0;
+    seq->plan.reset();  // the replay needs decode room: planned again at admission
     seq->prefill_done = false;
     seq->num_generated_fed = 0;
     ++seq->summary.num_preemptions;
@@ -318,15 +323,16 @@ struct Scheduler::Impl {
     int64_t num_promised = 0;
     for (const auto& seq : running) {
       if (seq->prefill_done || seq->seq_id < 0) {
-        if (!seq->prefill_done) num_promised += seq->blocks_needed;
+        if (!seq->prefill_done) num_promised += seq->plan->blocks_needed();
         continue;
       }
-      num_promised +=
-          std::max<int64_t>(0, seq->blocks_needed - runner.CacheInfo(seq->seq_id).num_blocks);
+      num_promised += std::max<int64_t>(
+          0, seq->plan->blocks_needed() - runner.CacheInfo(seq->seq_id).num_blocks);
     }
     int64_t num_available = counts.num_free - num_promised;
     while (static_cast<int32_t>(running.size()) < options.max_batch) {
       std::unique_ptr<Sequence> seq;
+      absl::Status seq_error = absl::OkStatus();
       {
         std::lock_guard<std::mutex> lock(mu);
         if (waiting.empty()) break;
@@ -339,28 +345,29 @@ struct Scheduler::Impl {
             std::min<int64_t>(
                 options.decode_reserve_tokens,
                 std::max<int64_t>(0, head.request.sampling.max_new_tokens - num_replay));
-        if (!head.prefill_params)
-          head.prefill_params = PrefillParams(head.request, counts.num_total, reserve);
-        head.blocks_needed = runner.BlocksForPrompt(
-            static_cast<int64_t>(head.request.prompt_ids.size()), *head.prefill_params, reserve);
-        if (head.blocks_needed > counts.num_total) {
+        absl::Status planned = absl::OkStatus();
+        if (!head.plan) planned = MakePlan(head, counts.num_total, reserve);
+        if (!planned.ok() || head.plan->blocks_needed() > counts.num_total) {
           seq = std::move(waiting.front());
           waiting.pop_front();
           num_waiting_prompt_tokens -= static_cast<int64_t>(seq->request.prompt_ids.size());
-        } else if (head.blocks_needed > num_available) {
+          seq_error =
+              planned.ok()
+                  ? absl::ResourceExhaustedError(absl::StrCat(
+                        "request ", seq->request.request_id, " needs ", seq->plan->blocks_needed(),
+                        " KV blocks; the pool has ", counts.num_total))
+                  : planned;
+        } else if (head.plan->blocks_needed() > num_available) {
           break;  // FCFS: nobody overtakes the head
         } else {
           seq = std::move(waiting.front());
           waiting.pop_front();
           num_waiting_prompt_tokens -= static_cast<int64_t>(seq->request.prompt_ids.size());
-          num_available -= seq->blocks_needed;
+          num_available -= seq->plan->blocks_needed();
         }
       }
-      if (seq->blocks_needed > counts.num_total) {
-        Finish(*seq, FinishReason::kError,
-               absl::ResourceExhaustedError(
-                   absl::StrCat("request ", seq->request.request_id, " needs ", seq->blocks_needed,
-                                " KV blocks; the pool has ", counts.num_total)));
+      if (!seq_error.ok()) {
+        Finish(*seq, FinishReason::kError, std::move(seq_error));
         ++report.num_finished;
         continue;
       }
@@ -376,49 +383,21 @@ struct Scheduler::Impl {
     }
   }
 
-  // A compressed prompt longer than the step budget and without a chunk size would go in one
-  // pass and stall every running decode for its whole prefill (~270 ms for 8K tokens on an H200).
-  // It is prefilled in chunks of the step budget under last_chunk instead, which selects exactly
-  // what one pass selects (algorithms.md section 5: the last chunk's last W queries score every
-  // key). The price: its chunks are stored in full until the last one compresses, so this is
-  // done only when that full prompt fits the pool; otherwise it stays one pass (the tokens that
-  // are evicted are never stored). The choice depends on the request and the pool size, never on
-  // the load (batching invariance).
-  CompressionParams PrefillParams(const GenerationRequest& request, int64_t pool_blocks,
-                                  int64_t reserve) const {
-    CompressionParams c = request.compression;
-    const int64_t prompt_len = static_cast<int64_t>(request.prompt_ids.size());
-    const int64_t step = options.max_prefill_tokens_per_step;
-    if (c.method == ScoreMethod::kNone || c.chunk_size > 0 || prompt_len <= step ||
-        step < c.window || step > std::numeric_limits<int32_t>::max())
-      return c;
-    CompressionParams chunked = c;
-    chunked.chunk_size = static_cast<int32_t>(step);
-    chunked.chunk_policy = ChunkPolicy::kLastChunk;
-    if (runner.BlocksForPrompt(prompt_len, chunked, reserve) > pool_blocks) return c;
-    return chunked;
-  }
-
-  // Chunk boundaries depend on the request alone, never on what else runs this step, so a
-  // request sees the same chunks under any load (batching invariance). A compression chunk size
-  // fixes them (they change what every_chunk keeps); without one an uncompressed prompt goes in
-  // chunks of the step budget, so that a long prompt does not stall every running decode.
-  int64_t NextChunkLen(const Sequence& seq) const {
-    const int64_t prompt_len = static_cast<int64_t>(seq.request.prompt_ids.size());
-    const int64_t remaining = prompt_len - seq.num_prefilled;
-    const CompressionParams& c = *seq.prefill_params;
-    if (c.chunk_size > 0) {
-      int64_t len = std::min<int64_t>(remaining, c.chunk_size);
-      // The scheduler's own chunking of a compressed prompt leaves the last chunk at least W
-      // tokens, so that it holds the whole observation window, as one pass does.
-      if (c.chunk_size != seq.request.compression.chunk_size && remaining > len &&
-          remaining - len < c.window)
-        len = remaining - c.window;
-      return len;
-    }
-    if (c.method == ScoreMethod::kNone)
-      return std::min(remaining, options.max_prefill_tokens_per_step);
-    return remaining;  // compressed, one pass
+  // The sequence's plan for `reserve` tokens of decode room (compression/plan.h: chunks, blocks).
+  absl::Status MakePlan(Sequence& seq, int64_t pool_blocks, int64_t reserve) const {
+    compression::PlanOptions po;
+    po.step_tokens = options.max_prefill_tokens_per_step;
+    po.pool_blocks = pool_blocks;
+    po.decode_reserve_tokens = reserve;
+    po.split_long_prompt = seq.split_long_prompt;
+    absl::StatusOr<compression::CompressionPlan> plan = compression::CompressionPlan::Create(
+        seq.request.compression, static_cast<int64_t>(seq.request.prompt_ids.size()),
+        runner.cache_geometry(), options.compression_profile.get(), po);
+    if (!plan.ok()) return plan.status();
+    seq.split_long_prompt = plan->split_long_prompt();
+    seq.plan = std::move(*plan);
+    seq.num_chunks_done = 0;
+    return absl::OkStatus();
   }
 
   void PrefillChunks(StepReport& report) {
@@ -429,25 +408,29 @@ struct Scheduler::Impl {
         ++i;
         continue;
       }
-      const int64_t prompt_len = static_cast<int64_t>(seq.request.prompt_ids.size());
-      const int64_t chunk_len = NextChunkLen(seq);
+      const compression::PlannedChunk& planned = seq.plan->chunks()[seq.num_chunks_done];
+      const int64_t chunk_len = planned.end - planned.begin;
       // A fixed-size chunk waits for a step with enough budget unless it is the first one this
       // step.
       if (chunk_len > budget && budget < options.max_prefill_tokens_per_step) break;
-      const bool is_last = seq.num_prefilled + chunk_len == prompt_len;
-      std::span<const int32_t> chunk(seq.request.prompt_ids.data() + seq.num_prefilled,
+      // Admission of the chunk: the pool must hold its new blocks before the forward (other
+      // sequences' decode may have used the room admission counted), else the newest sequence
+      // goes back to waiting (it may be this one).
+      if (planned.new_blocks > kv_counts().num_free && running.size() > 1) {
+        const bool self_newest = std::all_of(running.begin(), running.end(), [&](const auto& s) {
+          return s->admission_idx <= seq.admission_idx;
+        });
+        PreemptNewest(report);
+        if (self_newest) break;
+        continue;  // retry this sequence with the freed room
+      }
+      const bool is_last = seq.num_chunks_done + 1 == seq.plan->chunks().size();
+      std::span<const int32_t> chunk(seq.request.prompt_ids.data() + planned.begin,
                                      static_cast<size_t>(chunk_len));
-      auto logits_or = runner.Prefill(seq.seq_id, chunk, is_last, *seq.prefill_params);
+      auto logits_or = runner.Prefill(seq.seq_id, chunk, is_last, seq.plan->params());
       if (!logits_or.ok()) {
-        if (absl::IsResourceExhausted(logits_or.status()) && running.size() > 1) {
-          // Make room: the newest sequence goes back to waiting (it may be this one).
-          const bool self_newest = std::all_of(running.begin(), running.end(), [&](const auto& s) {
-            return s->admission_idx <= seq.admission_idx;
-          });
-          PreemptNewest(report);
-          if (self_newest) break;
-          continue;  // retry this sequence with the freed room
-        }
+        // The plan said the chunk fits: RESOURCE_EXHAUSTED here is a runner or plan error, and
+        // like any other failure it ends this request.
         // spdlog clashes with torch's bundled fmt in this TU; the status reaches the client.
         std::fprintf(stderr, "prefill of request %s failed: %s\n", seq.request.request_id.c_str(),
                      logits_or.status().ToString().c_str());
@@ -457,6 +440,7 @@ struct Scheduler::Impl {
         ++report.num_finished;
         continue;
       }
+      ++seq.num_chunks_done;
       seq.num_prefilled += chunk_len;
       budget -= chunk_len;
       report.num_prefill_tokens += chunk_len;

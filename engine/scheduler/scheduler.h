@@ -3,10 +3,12 @@
 //
 // One Step():
 //   1. reap      - cancelled or past-deadline sequences leave (waiting or running); blocks return.
-//   2. admit     - FCFS from the waiting queue while the pool has room for the head's compressed
-//                  footprint + decode reserve (ModelRunner::BlocksForPrompt) and the batch has a
-//                  slot.
-//   3. prefill   - prompt chunks, oldest first, up to `max_prefill_tokens_per_step` tokens.
+//   2. admit     - FCFS from the waiting queue while the pool has room for the head's peak:
+//                  its compression plan (engine/compression/plan.h: chunks, kept tokens per
+//                  layer) + decode reserve, and the batch has a slot.
+//   3. prefill   - prompt chunks, oldest first, up to `max_prefill_tokens_per_step` tokens; each
+//                  chunk's new blocks are checked against the pool before its forward (out of
+//                  blocks: preempt the newest sequence).
 //   4. decode    - one batched decode step for every sequence whose prefill is done; out of blocks:
 //                  preempt the newest sequence (release, requeue at the front, recompute) and
 //                  retry.
@@ -27,6 +29,10 @@
 #include "absl/status/status.h"
 #include "engine/scheduler/generation.h"
 
+namespace dropkv::compression {
+struct LayerProfile;
+}
+
 namespace dropkv {
 
 class ModelRunner;
@@ -42,6 +48,8 @@ struct SchedulerOptions {
   std::vector<int32_t> eos_token_ids;
   int32_t num_layers = 0;                    // for usage (kv bytes saved)
   int64_t kv_bytes_per_token_per_layer = 0;  // K + V of one token of one layer, all KV heads
+  // The server's MGA / MLMA layer profile (loaded once at start-up), for the compression plans.
+  std::shared_ptr<const compression::LayerProfile> compression_profile;
 };
 
 struct KvBlockCounts {

@@ -12,6 +12,7 @@
 
 #include "allocator/block_pool.h"
 #include "engine/compression/compression.h"
+#include "engine/compression/plan.h"
 #include "engine/compression/press.h"
 #include "engine/model/config.h"
 #include "engine/runner/model_runner.h"
@@ -337,6 +338,64 @@ TEST(RunnerIntegration, H2oAccumulatesAcrossChunksThroughPrefill) {
   runner->Release(1);
   runner->Release(2);
   EXPECT_EQ(runner->pool().num_used_blocks(), 0);
+}
+
+// The plan (engine/compression/plan.h) counts the runner's blocks exactly: after each chunk the
+// sequence holds the plan's blocks_after, and a pool of exactly the plan's peak runs the whole
+// prefill while one block less runs out, for one pass, step chunks, every_chunk, budget and an
+// uncompressed prompt.
+TEST(RunnerIntegration, PlanCountsTheRunnersBlocksExactly) {
+  const int64_t n = 300;
+  const auto prompt = Prompt(n, 9);
+  std::vector<std::pair<std::string, CompressionParams>> cases;
+  cases.push_back({"none", CompressionParams{}});
+  CompressionParams p;
+  p.method = ScoreMethod::kDropKV;
+  p.keep_ratio = 0.2;
+  p.allocator = BudgetAllocator::kPyramid;
+  cases.push_back({"one pass", p});
+  CompressionParams every = p;
+  every.chunk_size = 64;
+  every.chunk_policy = ChunkPolicy::kEveryChunk;
+  cases.push_back({"every_chunk", every});
+  CompressionParams budget = every;
+  budget.method = ScoreMethod::kH2O;
+  budget.chunk_policy = ChunkPolicy::kBudget;
+  budget.budget_cap_tokens = 100;
+  cases.push_back({"budget", budget});
+  for (const auto& [name, params] : cases) {
+    for (const int64_t step : {int64_t{64}, int64_t{1000}}) {
+      SCOPED_TRACE(name + ", step " + std::to_string(step));
+      auto probe = DemoRunner(8);
+      ASSERT_NE(probe, nullptr);
+      PlanOptions o;
+      o.step_tokens = step;
+      o.pool_blocks = 1 << 20;
+      auto plan = CompressionPlan::Create(params, n, probe->cache_geometry(), nullptr, o);
+      ASSERT_TRUE(plan.ok()) << plan.status();
+      for (const int64_t pool_blocks : {plan->blocks_needed(), plan->blocks_needed() - 1}) {
+        auto runner = DemoRunner(pool_blocks);
+        ASSERT_NE(runner, nullptr);
+        absl::Status status = absl::OkStatus();
+        for (size_t i = 0; i < plan->chunks().size() && status.ok(); ++i) {
+          const PlannedChunk& c = plan->chunks()[i];
+          std::span<const int32_t> chunk(prompt.data() + c.begin,
+                                         static_cast<size_t>(c.end - c.begin));
+          status =
+              runner->Prefill(1, chunk, i + 1 == plan->chunks().size(), plan->params()).status();
+          if (status.ok()) {
+            EXPECT_EQ(runner->CacheInfo(1).num_blocks, c.blocks_after) << "chunk " << i;
+          }
+        }
+        if (pool_blocks == plan->blocks_needed()) {
+          EXPECT_TRUE(status.ok()) << status;
+          EXPECT_EQ(runner->CacheInfo(1).stored_len_per_layer, plan->kept_per_layer());
+        } else {
+          EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted) << status;
+        }
+      }
+    }
+  }
 }
 
 }  // namespace

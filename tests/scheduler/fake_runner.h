@@ -16,6 +16,7 @@
 #include <ATen/ATen.h>
 
 #include "allocator/block_pool.h"
+#include "engine/compression/compression.h"
 #include "engine/runner/model_runner.h"
 
 namespace dropkv::testing {
@@ -59,22 +60,20 @@ class FakeRunner : public ModelRunner {
   const ModelConfig& config() const override { std::abort(); }
   BlockPool& pool() override { return *pool_; }
 
-  // Kept tokens per layer: ceil(keep_ratio * len) when a method is set.
-  static int64_t Kept(int64_t len, const CompressionParams& c) {
-    if (c.method == ScoreMethod::kNone) return len;
-    if (c.budget_tokens) return std::min(len, *c.budget_tokens);
-    return std::max<int64_t>(1,
-                             static_cast<int64_t>(c.keep_ratio * static_cast<double>(len) + 0.999));
+  compression::KvCacheGeometry cache_geometry() const override {
+    return {.num_global_layers = kNumLayers, .block_size = pool_->block_size()};
   }
 
-  // Peak per layer as the real runner counts it: last_chunk chunks are stored in full first.
-  int64_t BlocksForPrompt(int64_t prompt_len, const CompressionParams& c,
-                          int64_t decode_reserve_tokens) const override {
-    const bool chunked = c.chunk_size > 0 && c.chunk_size < prompt_len;
-    const int64_t peak =
-        c.method != ScoreMethod::kNone && chunked ? prompt_len : Kept(prompt_len, c);
-    return kNumLayers *
-           pool_->BlocksFor(std::max(peak, Kept(prompt_len, c) + decode_reserve_tokens));
+  // What a layer holding `n` entries (stored + chunk) keeps after a chunk that ends at `seen`
+  // prompt tokens: the press's rule (chunk policy, then the DepthKV budget of `seen`).
+  static int64_t Kept(const CompressionParams& c, int32_t layer, int64_t n, int64_t seen,
+                      bool is_last_chunk) {
+    if (c.method == ScoreMethod::kNone) return n;
+    const bool compresses = c.chunk_policy == ChunkPolicy::kEveryChunk || is_last_chunk ||
+                            (c.chunk_policy == ChunkPolicy::kBudget &&
+                             n + std::max<int64_t>(c.chunk_size, 1) > c.budget_cap_tokens);
+    if (!compresses) return n;
+    return std::min(n, compression::KeptTokensPerLayer(c, kNumLayers, seen).value()[layer]);
   }
 
   absl::StatusOr<at::Tensor> Prefill(SequenceId seq, std::span<const int32_t> chunk,
@@ -89,22 +88,25 @@ class FakeRunner : public ModelRunner {
     const SequenceBlocks before = pool_->Snapshot(seq);
     auto& hist = history_[seq];
     const int64_t new_len = static_cast<int64_t>(hist.size() + chunk.size());
-    // Compressed at the last chunk only (the last_chunk policy).
-    const int64_t stored_after = is_last_chunk ? Kept(new_len, c) : new_len;
+    // As the runner does: an evicting layer writes its kept entries into new blocks and frees
+    // the old ones when the whole chunk committed; the others append the chunk.
+    std::vector<int32_t> deferred_free;
     for (int32_t l = 0; l < kNumLayers; ++l) {
-      const int64_t grow = stored_after - pool_->stored_len(seq, l);
-      absl::Status st = grow >= 0 ? pool_->AppendLayerSlots(seq, l, grow) : absl::OkStatus();
-      if (grow < 0) {
-        std::vector<int32_t> old;
-        st = pool_->ReplaceLayer(seq, l, stored_after, &old);
-        if (st.ok()) pool_->FreeBlocks(old);
-      }
+      const int64_t stored = pool_->stored_len(seq, l);
+      const int64_t seen = stored + static_cast<int64_t>(chunk.size());
+      const int64_t stored_after = Kept(c, l, seen, new_len, is_last_chunk);
+      std::vector<int32_t> old;
+      absl::Status st = stored_after == seen ? pool_->AppendLayerSlots(seq, l, seen - stored)
+                                             : pool_->ReplaceLayer(seq, l, stored_after, &old);
+      deferred_free.insert(deferred_free.end(), old.begin(), old.end());
       if (!st.ok()) {
+        ++num_prefill_failures;
         pool_->Restore(seq, before);
         if (is_new) pool_->FreeSequence(seq);
         return st;
       }
     }
+    pool_->FreeBlocks(deferred_free);
     hist.insert(hist.end(), chunk.begin(), chunk.end());
     pool_->set_logical_len(seq, new_len);
     if (!is_last_chunk) return at::Tensor();
@@ -155,7 +157,8 @@ class FakeRunner : public ModelRunner {
   std::vector<int64_t> prefill_chunk_lens;  // every Prefill call's chunk length, in order
   CompressionParams last_prefill_params;
   int num_decode_calls = 0;
-  int num_decode_failures = 0;  // Decode calls the pool could not hold
+  int num_prefill_failures = 0;  // Prefill calls the pool could not hold
+  int num_decode_failures = 0;   // Decode calls the pool could not hold
   int32_t last_decode_batch = 0;
 
  private:

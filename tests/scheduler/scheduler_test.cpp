@@ -276,7 +276,13 @@ TEST_F(SchedulerTest, BatchedOutputsEqualSingleRequestOutputs) {
     EXPECT_EQ(c.tokens, FakeRunner::Greedy(Prompt(3 + (i * 5) % 29, i), 1 + (i * 7) % 17))
         << "request " << i;
     if (i % 3 == 1) {
-      EXPECT_EQ(c.summary.num_kv_tokens_kept, 2 * ((3 + (i * 5) % 29 + 1) / 2));
+      // What one pass keeps: the DepthKV budgets of the prompt (at least W = 8 a layer).
+      CompressionParams half;
+      half.method = ScoreMethod::kDropKV;
+      half.keep_ratio = 0.5;
+      const std::vector<int64_t> kept =
+          compression::KeptTokensPerLayer(half, FakeRunner::kNumLayers, 3 + (i * 5) % 29).value();
+      EXPECT_EQ(c.summary.num_kv_tokens_kept, kept[0] + kept[1]);
       EXPECT_GE(c.summary.scoring_ms, 0);  // compressed: the runner's selector time is reported
     } else {
       EXPECT_LT(c.summary.scoring_ms, 0);  // uncompressed: not measured
@@ -308,6 +314,40 @@ TEST_F(SchedulerTest, PreemptionKeepsOutputsExact) {
   EXPECT_EQ(runner_->pool().num_free_blocks(), 24);
   // The scheduler preempted before each decode step that would not fit: no forward was refused.
   EXPECT_EQ(runner_->num_decode_failures, 0);
+}
+
+// Decode growth past the admission reserve takes room that prefilling sequences were counted
+// with: each prefill chunk's blocks are checked against the pool before its forward (the
+// compression plan's count), the newest sequence goes back to waiting when they do not fit, and
+// the runner never gets a prefill it cannot hold. Compressed prompts (evicting at their last
+// chunk) and plain ones; outputs stay exact.
+TEST_F(SchedulerTest, PrefillChunksAreAdmittedBeforeTheirForward) {
+  SchedulerOptions o;
+  o.max_batch = 4;
+  o.max_prefill_tokens_per_step = 4;
+  o.decode_reserve_tokens = 0;
+  Make(/*num_blocks=*/20, o, /*block_size=*/4);
+  std::vector<std::shared_ptr<RequestChannel>> channels;
+  for (int i = 0; i < 6; ++i) {
+    GenerationRequest r = MakeRequest(Prompt(6 + 4 * i, i), 10);
+    if (i % 2 == 1) {
+      r.compression.method = ScoreMethod::kSnapKV;
+      r.compression.keep_ratio = 0.5;
+      r.compression.window = 4;
+    }
+    channels.push_back(Submit(std::move(r)));
+  }
+  RunAll();
+  EXPECT_GT(scheduler_->Stats().num_preemptions, 0);
+  EXPECT_EQ(runner_->num_prefill_failures, 0);
+  EXPECT_EQ(runner_->num_decode_failures, 0);
+  for (int i = 0; i < 6; ++i) {
+    Collected c;
+    Drain(*channels[i], c);
+    EXPECT_EQ(c.reason, FinishReason::kLength) << "request " << i << ": " << c.error;
+    EXPECT_EQ(c.tokens, FakeRunner::Greedy(Prompt(6 + 4 * i, i), 10)) << "request " << i;
+  }
+  EXPECT_EQ(runner_->pool().num_free_blocks(), 20);
 }
 
 TEST_F(SchedulerTest, AdmissionWaitsForBlocksFcfs) {
