@@ -55,6 +55,68 @@ __device__ __forceinline__ float FastExp2(float x) {  // ex2.approx: exp2(-inf) 
   return y;
 }
 
+// --- The online softmax (FlashAttention-2), shared by the scoring and the decode kernels -------
+// A partial result over some keys is (m, l, acc): m a reference max of their logits, l = sum p,
+// acc = sum p v with p = exp(s - m). The scoring and prefill kernels use base e; decode works in
+// base 2 (its logits are pre-scaled by log2 e) and exponentiates with ex2.approx.
+enum class ExpBase { kE, k2 };
+
+template <ExpBase B>
+__device__ __forceinline__ float SoftmaxExp(float x) {
+  if constexpr (B == ExpBase::k2) {
+    return FastExp2(x);
+  } else {
+    return __expf(x);
+  }
+}
+
+// The factor that brings a partial with reference `m` to the reference `m_new` >= m: 0 for a
+// partial that has seen no valid key yet (m = -inf; exp(-inf - -inf) would be NaN).
+template <ExpBase B>
+__device__ __forceinline__ float SoftmaxRescale(float m, float m_new) {
+  return m == -INFINITY ? 0.f : SoftmaxExp<B>(m - m_new);
+}
+
+// p of logit `s` against the reference `m_ref`: 0 for a masked key (s = -inf).
+template <ExpBase B>
+__device__ __forceinline__ float SoftmaxProb(float s, float m_ref) {
+  return s == -INFINITY ? 0.f : SoftmaxExp<B>(s - m_ref);
+}
+
+// Lazy rescaling: the reference max moves to `tile_max` only when it beats the reference by more
+// than `margin` (p <= e^margin, or 2^margin, against it), so the accumulator rescales run a few
+// times per split instead of every tile; it always moves on the first valid key. Returns the
+// factor the caller multiplies its accumulators by, 1 when the reference stayed (l is rescaled
+// here).
+template <ExpBase B>
+__device__ __forceinline__ float MoveSoftmaxReference(float& m, float& l, float tile_max,
+                                                      float margin) {
+  if (!(tile_max > m + margin)) return 1.f;
+  const float alpha = SoftmaxRescale<B>(m, tile_max);
+  m = tile_max;
+  l *= alpha;
+  return alpha;
+}
+
+// Merges kParts partials of one row stored `stride` floats apart as [acc (D floats), m, l]:
+// returns the merged (m, l) and column c of the merged acc. Partials with m = -inf weigh 0.
+template <ExpBase B, int kParts, int D>
+__device__ __forceinline__ void MergePartialRows(const float* rows, int stride, int c, float& m,
+                                                 float& l, float& a) {
+  m = -INFINITY;
+#pragma unroll
+  for (int w = 0; w < kParts; ++w) m = fmaxf(m, rows[w * stride + D]);
+  l = 0.f;
+  a = 0.f;
+#pragma unroll
+  for (int w = 0; w < kParts; ++w) {
+    const float* row = rows + w * stride;
+    const float f = SoftmaxRescale<B>(row[D], m);
+    l = fmaf(row[D + 1], f, l);
+    a = fmaf(row[c], f, a);
+  }
+}
+
 // Loads a [kKeyTile, D] tile of rows `row_ptr(j)` into fp32 shared memory with row stride
 // `stride` (D + 1 pads away bank conflicts when lanes read different rows). Keys outside
 // [0, num_valid) are zero-filled: p is 0 there, and 0 * garbage could be NaN.
@@ -255,7 +317,7 @@ __global__ void __launch_bounds__(kThreads) PartialAttnKernel(const PartialAttnP
       const float m_old = m_s[r];
       const float m_new = fmaxf(m_old, WarpMax(s));
       const float prob = valid ? __expf(s - m_new) : 0.f;
-      const float alpha = m_old == -INFINITY ? 0.f : __expf(m_old - m_new);
+      const float alpha = SoftmaxRescale<ExpBase::kE>(m_old, m_new);
       const float prob_sum = WarpSum(prob);
       p_s[r * kKeyTile + lane] = prob;
       if (lane == 0) {

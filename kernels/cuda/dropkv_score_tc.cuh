@@ -232,14 +232,14 @@ __global__ void __launch_bounds__(kAttnTcThreads, D <= 128 ? 2 : 1)
 #pragma unroll
       for (int o = 4; o > 0; o >>= 1)
         tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, o));
-      const float m_old = m_s[r];
       // Move the reference only on a large increase (always on the first valid key).
-      const bool bump = tile_max > m_old + kLazyRescale;
-      const float m_ref = bump ? tile_max : m_old;
+      float m_ref = m_s[r];
+      float l_run = l_s[r];
+      const float alpha = MoveSoftmaxReference<ExpBase::kE>(m_ref, l_run, tile_max, kLazyRescale);
       float sum = 0.f;
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
-        const float prob = s[e] == -INFINITY ? 0.f : __expf(s[e] - m_ref);
+        const float prob = SoftmaxProb<ExpBase::kE>(s[e], m_ref);
         const T prob_t = FromFloat<T>(prob);
         p_s[r * kLdP + part * 8 + e] = prob_t;
         sum += ToFloat(prob_t);  // l sums the rounded p that P V uses
@@ -248,9 +248,8 @@ __global__ void __launch_bounds__(kAttnTcThreads, D <= 128 ? 2 : 1)
       for (int o = 4; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
       __syncwarp();
       if (part == 0) {
-        const float alpha = !bump ? 1.f : (m_old == -INFINITY ? 0.f : __expf(m_old - m_ref));
         m_s[r] = m_ref;
-        l_s[r] = l_s[r] * alpha + sum;
+        l_s[r] = l_run + sum;
         alpha_s[r] = alpha;
       }
     }

@@ -476,26 +476,23 @@ __global__ void __launch_bounds__(kScoreWarpThreads, 2)
         }
         tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
         tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-        const float m_old = m_row[mt][half];
-        const bool bump = tile_max > m_old + kLazyRescale;  // quad-uniform
-        const float m_ref = bump ? tile_max : m_old;
-        if (bump) {
-          const float alpha = m_old == -INFINITY ? 0.f : __expf(m_old - m_ref);
+        const float alpha = MoveSoftmaxReference<ExpBase::kE>(m_row[mt][half], l_part[mt][half],
+                                                              tile_max, kLazyRescale);
+        if (alpha != 1.f) {  // quad-uniform
 #pragma unroll
           for (int nd = 0; nd < kNd; ++nd) {
             acc[mt][nd][half * 2] *= alpha;
             acc[mt][nd][half * 2 + 1] *= alpha;
           }
-          l_part[mt][half] *= alpha;
-          m_row[mt][half] = m_ref;
         }
+        const float m_ref = m_row[mt][half];
         float sum = 0.f;
         T pt[2][2];
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const float prob = sv[nt][e] == -INFINITY ? 0.f : __expf(sv[nt][e] - m_ref);
+            const float prob = SoftmaxProb<ExpBase::kE>(sv[nt][e], m_ref);
             pt[nt][e] = FromFloat<T>(prob);
             sum += ToFloat(pt[nt][e]);  // l sums the rounded p that P V uses
           }
@@ -547,18 +544,9 @@ __global__ void __launch_bounds__(kScoreWarpThreads, 2)
   const int64_t part_row0 = (static_cast<int64_t>(bh) * p.num_splits + split) * p.rows_pad;
   for (int idx = tid; idx < kRows * D; idx += kScoreWarpThreads) {
     const int r = idx / D, c = idx % D;
-    float m_max = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < kScoreWarpWarps; ++w)
-      m_max = fmaxf(m_max, merge_s[(w * kAttnWarpMaxRows + r) * (D + 2) + D]);
-    float l = 0.f, a = 0.f;
-#pragma unroll
-    for (int w = 0; w < kScoreWarpWarps; ++w) {
-      const float* row = merge_s + (w * kAttnWarpMaxRows + r) * (D + 2);
-      const float f = row[D] == -INFINITY ? 0.f : __expf(row[D] - m_max);
-      l = fmaf(row[D + 1], f, l);
-      a = fmaf(row[c], f, a);
-    }
+    float m_max, l, a;
+    MergePartialRows<ExpBase::kE, kScoreWarpWarps, D>(merge_s + r * (D + 2),
+                                                      kAttnWarpMaxRows * (D + 2), c, m_max, l, a);
     if (r < p.rows_pad) {
       p.part_acc[(part_row0 + r) * D + c] = a;
       if (c == 0) {

@@ -158,7 +158,7 @@ __device__ __forceinline__ void MergeSplitsIfLast(const PagedDecodeParams<T>& p,
       float m_new = m_run;
 #pragma unroll
       for (int i = 0; i < kChunk; ++i) m_new = fmaxf(m_new, m[i]);
-      const float alpha = m_run == -INFINITY ? 0.f : FastExp2(m_run - m_new);
+      const float alpha = SoftmaxRescale<ExpBase::k2>(m_run, m_new);
       l_run *= alpha;
       a_run.x *= alpha;
       a_run.y *= alpha;
@@ -166,7 +166,7 @@ __device__ __forceinline__ void MergeSplitsIfLast(const PagedDecodeParams<T>& p,
       a_run.w *= alpha;
 #pragma unroll
       for (int i = 0; i < kChunk; ++i) {
-        const float f = m[i] == -INFINITY ? 0.f : FastExp2(m[i] - m_new);
+        const float f = SoftmaxRescale<ExpBase::k2>(m[i], m_new);
         l_run = fmaf(l[i], f, l_run);
         a_run.x = fmaf(v[i].x, f, a_run.x);
         a_run.y = fmaf(v[i].y, f, a_run.y);
@@ -381,10 +381,8 @@ __global__ void __launch_bounds__(kDecThreads, RC <= 4 ? 4 : 2)
       // Lazy rescaling: m is a reference max that moves only when a key beats it by more than
       // kDecLazyRescale (base 2): p <= 2^8 against it, and the RC x kElems rescale multiplies
       // run a few times per split instead of every stage. Always moves on the first key.
-      if (m_new > m[r] + kDecLazyRescale) {
-        const float alpha = m[r] == -INFINITY ? 0.f : FastExp2(m[r] - m_new);
-        m[r] = m_new;
-        l[r] *= alpha;
+      if (const float alpha = MoveSoftmaxReference<ExpBase::k2>(m[r], l[r], m_new, kDecLazyRescale);
+          alpha != 1.f) {
 #pragma unroll
         for (int e = 0; e < kElems; ++e) acc[r][e] *= alpha;
       }
@@ -422,8 +420,8 @@ __global__ void __launch_bounds__(kDecThreads, RC <= 4 ? 4 : 2)
       const float m_o = __shfl_xor_sync(0xffffffffu, m[r], o);
       const float l_o = __shfl_xor_sync(0xffffffffu, l[r], o);
       const float m_new = fmaxf(m[r], m_o);
-      const float a_self = m[r] == -INFINITY ? 0.f : FastExp2(m[r] - m_new);
-      const float a_o = m_o == -INFINITY ? 0.f : FastExp2(m_o - m_new);
+      const float a_self = SoftmaxRescale<ExpBase::k2>(m[r], m_new);
+      const float a_o = SoftmaxRescale<ExpBase::k2>(m_o, m_new);
       l[r] = l[r] * a_self + l_o * a_o;
 #pragma unroll
       for (int e = 0; e < kElems; ++e) {
@@ -453,17 +451,9 @@ __global__ void __launch_bounds__(kDecThreads, RC <= 4 ? 4 : 2)
   [[maybe_unused]] const int num_active = ActiveSplits(n, p.split_len, p.num_splits);
   for (int idx = tid; idx < RC * D; idx += kDecThreads) {
     const int r = idx / D, c = idx % D;
-    float m_max = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < kDecWarps; ++w) m_max = fmaxf(m_max, comb[(w * RC + r) * (D + 2) + D]);
-    float a = 0.f, l_sum = 0.f;
-#pragma unroll
-    for (int w = 0; w < kDecWarps; ++w) {
-      const float* row = comb + (w * RC + r) * (D + 2);
-      const float f = row[D] == -INFINITY ? 0.f : FastExp2(row[D] - m_max);
-      a = fmaf(row[c], f, a);
-      l_sum = fmaf(row[D + 1], f, l_sum);
-    }
+    float m_max, l_sum, a;
+    MergePartialRows<ExpBase::k2, kDecWarps, D>(comb + r * (D + 2), RC * (D + 2), c, m_max, l_sum,
+                                                a);
     if (r < rows) {
       if (num_active == 1) {  // the whole sequence in this CTA: the output directly
         p.out[(static_cast<int64_t>(bh) * p.group + row0 + r) * D + c] =
@@ -692,15 +682,14 @@ __global__ void __launch_bounds__(kDecMmaThreads, 3)
       tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
       // Lazy rescaling (quad-uniform): the reference max moves only when a key beats it by more
       // than kDecLazyRescale; always on the first slab (every slab holds a valid key).
-      if (tile_max > m_row[half] + kDecLazyRescale) {
-        const float alpha = m_row[half] == -INFINITY ? 0.f : FastExp2(m_row[half] - tile_max);
+      if (const float alpha = MoveSoftmaxReference<ExpBase::k2>(m_row[half], l_part[half], tile_max,
+                                                                kDecLazyRescale);
+          alpha != 1.f) {
 #pragma unroll
         for (int nd = 0; nd < kNd; ++nd) {
           acc[nd][half * 2] *= alpha;
           acc[nd][half * 2 + 1] *= alpha;
         }
-        l_part[half] *= alpha;
-        m_row[half] = tile_max;
       }
       float sum = 0.f;
       T pt[2][2];
@@ -708,7 +697,7 @@ __global__ void __launch_bounds__(kDecMmaThreads, 3)
       for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const float prob = sv[nt][e] == -INFINITY ? 0.f : FastExp2(sv[nt][e] - m_row[half]);
+          const float prob = SoftmaxProb<ExpBase::k2>(sv[nt][e], m_row[half]);
           pt[nt][e] = FromFloat<T>(prob);
           sum += ToFloat(pt[nt][e]);  // l sums the rounded p that P V uses
         }
@@ -755,17 +744,8 @@ __global__ void __launch_bounds__(kDecMmaThreads, 3)
   const int64_t part_row0 = (static_cast<int64_t>(bh) * p.num_splits + split) * p.rows_pad;
   for (int idx = tid; idx < g * D; idx += kThreads) {
     const int r = idx / D, c = idx % D;
-    float m_max = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) m_max = fmaxf(m_max, merge_s[(w * 16 + r) * (D + 2) + D]);
-    float l = 0.f, a = 0.f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      const float* row = merge_s + (w * 16 + r) * (D + 2);
-      const float f = row[D] == -INFINITY ? 0.f : FastExp2(row[D] - m_max);
-      l = fmaf(row[D + 1], f, l);
-      a = fmaf(row[c], f, a);
-    }
+    float m_max, l, a;
+    MergePartialRows<ExpBase::k2, kWarps, D>(merge_s + r * (D + 2), 16 * (D + 2), c, m_max, l, a);
     if (num_active == 1) {  // the whole sequence in this CTA: the output directly
       p.out[(static_cast<int64_t>(bh) * g + r) * D + c] = FromFloat<T>(l > 0.f ? a / l : 0.f);
     } else {
