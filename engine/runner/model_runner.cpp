@@ -13,6 +13,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <numeric>
+#include <optional>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -135,15 +137,19 @@ class DecodeBackend : public AttentionBackend {
  public:
   // use_kernel: kernels::PagedDecodeAttention (on CUDA the split-K kernel, on the CPU the CPU
   // kernel); else the ATen reference on the device (CUDA geometries the kernel lacks).
+  // model_stores_kv: the model stores each row's K/V fused with RoPE (kv_slots); off in a mixed
+  // step, whose forward also carries prefill rows: Attend stores them.
   DecodeBackend(BlockPool& pool, const ModelConfig& config, DecodeInputs in, int32_t max_seq_len,
-                bool use_kernel)
+                bool use_kernel, bool model_stores_kv = true)
       : pool_(pool),
         config_(config),
         in_(std::move(in)),
         max_seq_len_(max_seq_len),
-        use_kernel_(use_kernel) {}
+        use_kernel_(use_kernel),
+        model_stores_kv_(model_stores_kv) {}
   bool wants_contiguous() const override { return false; }
   std::optional<KvSlots> kv_slots(int32_t layer_idx) override {
+    if (!model_stores_kv_) return std::nullopt;
     return KvSlots{pool_.key_cache(), pool_.value_cache(), in_.slots[layer_idx]};
   }
   absl::StatusOr<at::Tensor> Attend(int32_t layer_idx, const at::Tensor& q, const at::Tensor& k,
@@ -185,6 +191,35 @@ class DecodeBackend : public AttentionBackend {
   DecodeInputs in_;
   int32_t max_seq_len_;
   bool use_kernel_;
+  bool model_stores_kv_;
+};
+
+// Attention of a mixed step (ModelRunner::Step): rows [0, num_decode) are decode rows, then each
+// prefill chunk's rows in order; each part goes to its own backend, so a step's linear layers read
+// the weights once for every sequence in it.
+class MixedBackend : public AttentionBackend {
+ public:
+  struct Segment {
+    AttentionBackend* backend;
+    int64_t num_rows;
+  };
+  explicit MixedBackend(std::vector<Segment> segments) : segments_(std::move(segments)) {}
+  absl::StatusOr<at::Tensor> Attend(int32_t layer_idx, const at::Tensor& q, const at::Tensor& k,
+                                    const at::Tensor& v) override {
+    std::vector<at::Tensor> outs;
+    int64_t row = 0;
+    for (const Segment& s : segments_) {
+      ASSIGN_OR_RETURN(at::Tensor out, s.backend->Attend(layer_idx, q.narrow(0, row, s.num_rows),
+                                                         k.narrow(0, row, s.num_rows),
+                                                         v.narrow(0, row, s.num_rows)));
+      outs.push_back(std::move(out));
+      row += s.num_rows;
+    }
+    return outs.size() == 1 ? outs[0] : at::cat(outs, 0);
+  }
+
+ private:
+  std::vector<Segment> segments_;
 };
 
 // Graph buckets. Batch: powers of two to 8, then multiples of 16 to 64, then of 64 (a decode
@@ -248,65 +283,36 @@ class TorchModelRunner : public ModelRunner {
   absl::StatusOr<at::Tensor> Prefill(SequenceId seq, std::span<const int32_t> chunk,
                                      bool is_last_chunk,
                                      const CompressionParams& compression) override {
-    if (compression.method == ScoreMethod::kNone) {
-      return PrefillWithSelector(seq, chunk, is_last_chunk, nullptr);
-    }
-    if (!factory_) {
-      return absl::FailedPreconditionError(
-          "compression requested but no KvSelector factory is registered");
-    }
-    // One selector per sequence from its first chunk to its last: scorers that accumulate over
-    // the prompt (H2O's column sums) keep their state across chunks.
-    auto& selector = selectors_[seq];
-    if (!selector) {
-      auto created = factory_(compression, config());
-      if (!created.ok()) {
-        selectors_.erase(seq);
-        return created.status();
-      }
-      selector = std::move(*created);
-    }
-    auto logits = PrefillWithSelector(seq, chunk, is_last_chunk, selector.get());
-    if (logits.ok() && is_last_chunk) selectors_.erase(seq);
-    return logits;
+    const PrefillChunk c{seq, chunk, is_last_chunk, &compression};
+    ASSIGN_OR_RETURN(at::Tensor logits, Step({}, {}, std::span<const PrefillChunk>(&c, 1)));
+    return is_last_chunk ? logits.squeeze(0) : at::Tensor();  // fp32 [vocab]
   }
 
   absl::StatusOr<at::Tensor> PrefillWithSelector(SequenceId seq, std::span<const int32_t> chunk,
                                                  bool is_last_chunk,
                                                  KvSelector* selector) override {
-    if (chunk.empty()) return absl::InvalidArgumentError("prefill chunk is empty");
-    RETURN_IF_ERROR(CheckTokens(chunk));
-    c10::InferenceMode guard;
-    const bool created = !pool_->HasSequence(seq);
-    if (created) RETURN_IF_ERROR(pool_->AddSequence(seq));
-    const SequenceBlocks snapshot = pool_->Snapshot(seq);
-    const auto positions_snapshot = positions_[seq];
-    const int64_t start = pool_->logical_len(seq);
-    const int64_t n = static_cast<int64_t>(chunk.size());
-    PrefillBackend backend(*this, seq, start, is_last_chunk, selector);
-    auto fail = [&](absl::Status st) -> absl::Status {
-      pool_->Restore(seq, snapshot);
-      positions_[seq] = positions_snapshot;
-      if (created) {
-        pool_->FreeSequence(seq);
-        positions_.erase(seq);
-      }
-      return st;
-    };
-    try {
-      auto tokens = TokensTensor(chunk);
-      auto positions = at::arange(start, start + n,
-                                  at::TensorOptions().dtype(at::kLong).device(model_->device()));
-      auto hidden = model_->Forward(tokens, positions, start + n - 1, backend);
-      if (!hidden.ok()) return fail(hidden.status());
-      pool_->FreeBlocks(backend.deferred_free());  // commit
-      pool_->set_logical_len(seq, start + n);
-      if (selector != nullptr) compression_seconds_[seq] += backend.selection_seconds();
-      if (!is_last_chunk) return at::Tensor();
-      return model_->Logits(hidden->narrow(0, n - 1, 1)).squeeze(0);  // fp32 [vocab]
-    } catch (const std::exception& e) {
-      return fail(absl::InternalError(absl::StrCat("prefill failed: ", e.what())));
+    const ChunkWork c{seq, chunk, is_last_chunk, selector};
+    ASSIGN_OR_RETURN(at::Tensor logits, Forward({}, {}, std::span<const ChunkWork>(&c, 1)));
+    return is_last_chunk ? logits.squeeze(0) : at::Tensor();  // fp32 [vocab]
+  }
+
+  absl::StatusOr<at::Tensor> Step(std::span<const SequenceId> decode_seqs,
+                                  std::span<const int32_t> decode_tokens,
+                                  std::span<const PrefillChunk> chunks) override {
+    if (chunks.empty()) return Decode(decode_seqs, decode_tokens);
+    std::vector<ChunkWork> work;
+    for (const PrefillChunk& c : chunks) {
+      ASSIGN_OR_RETURN(KvSelector * selector, SelectorFor(c.seq, *c.compression));
+      work.push_back({c.seq, c.tokens, c.is_last_chunk, selector});
     }
+    const std::vector<int64_t> ids(decode_seqs.begin(), decode_seqs.end());
+    auto logits = Forward(ids, decode_tokens, work);
+    // A press lives from a sequence's first chunk to its last (H2O sums over every chunk).
+    if (logits.ok()) {
+      for (const PrefillChunk& c : chunks)
+        if (c.is_last_chunk) selectors_.erase(c.seq);
+    }
+    return logits;
   }
 
   absl::StatusOr<at::Tensor> Decode(std::span<const SequenceId> seqs,
@@ -371,6 +377,157 @@ class TorchModelRunner : public ModelRunner {
   }
 
   DecodeHostTimes last_decode_host_times() const override { return host_times_; }
+
+  // One prefill chunk of a forward, with its press (nullptr: keep everything).
+  struct ChunkWork {
+    SequenceId seq;
+    std::span<const int32_t> tokens;
+    bool is_last_chunk;
+    KvSelector* selector;
+  };
+
+  // The press of `seq` for `compression` (nullptr for none), created at its first chunk.
+  absl::StatusOr<KvSelector*> SelectorFor(SequenceId seq, const CompressionParams& compression) {
+    if (compression.method == ScoreMethod::kNone) return nullptr;
+    if (!factory_) {
+      return absl::FailedPreconditionError(
+          "compression requested but no KvSelector factory is registered");
+    }
+    auto& selector = selectors_[seq];
+    if (!selector) {
+      auto created = factory_(compression, config());
+      if (!created.ok()) {
+        selectors_.erase(seq);
+        return created.status();
+      }
+      selector = std::move(*created);
+    }
+    return selector.get();
+  }
+
+  // One forward over decode rows (one token each, appended at each sequence's next position) and
+  // prefill chunks (positions continuing from each sequence's logical length; a sequence is
+  // created at its first chunk). Returns fp32 logits for the decode rows, then one row per last
+  // chunk (undefined when there are none). All-or-nothing: on any failure every sequence is left
+  // as before the call.
+  absl::StatusOr<at::Tensor> Forward(std::span<const int64_t> decode_ids,
+                                     std::span<const int32_t> decode_tokens,
+                                     std::span<const ChunkWork> chunks) {
+    if (decode_ids.size() != decode_tokens.size()) {
+      return absl::InvalidArgumentError(absl::StrCat("step: ", decode_ids.size(), " sequences but ",
+                                                     decode_tokens.size(), " decode tokens"));
+    }
+    RETURN_IF_ERROR(CheckTokens(decode_tokens));
+    std::unordered_set<int64_t> seen;
+    for (int64_t s : decode_ids) {
+      if (!pool_->HasSequence(s))
+        return absl::NotFoundError(absl::StrCat("decode: unknown sequence ", s));
+      if (!seen.insert(s).second)
+        return absl::InvalidArgumentError(absl::StrCat("step: sequence ", s, " appears twice"));
+    }
+    for (const ChunkWork& c : chunks) {
+      if (c.tokens.empty()) return absl::InvalidArgumentError("prefill chunk is empty");
+      RETURN_IF_ERROR(CheckTokens(c.tokens));
+      if (!seen.insert(c.seq).second)
+        return absl::InvalidArgumentError(absl::StrCat("step: sequence ", c.seq, " appears twice"));
+    }
+    c10::InferenceMode guard;
+    struct Undo {
+      SequenceId seq;
+      bool created;
+      SequenceBlocks blocks;
+      std::vector<at::Tensor> positions;
+    };
+    std::vector<Undo> undo;
+    bool decode_appended = false;
+    auto fail = [&](absl::Status st) -> absl::Status {
+      for (Undo& u : undo) {
+        pool_->Restore(u.seq, std::move(u.blocks));
+        positions_[u.seq] = std::move(u.positions);
+        if (u.created) {
+          pool_->FreeSequence(u.seq);
+          positions_.erase(u.seq);
+        }
+      }
+      if (decode_appended) pool_->UndoAppendSlots(decode_ids, 1);
+      return st;
+    };
+    try {
+      const auto dev = model_->device();
+      const auto long_opts = at::TensorOptions().dtype(at::kLong).device(dev);
+      const int64_t num_decode = static_cast<int64_t>(decode_ids.size());
+      std::vector<at::Tensor> tokens, positions;
+      std::vector<MixedBackend::Segment> segments;
+      std::optional<DecodeBackend> decode;
+      int64_t max_pos = 0;
+      if (num_decode > 0) {
+        RETURN_IF_ERROR(pool_->AppendSlots(decode_ids, 1));  // all-or-nothing
+        decode_appended = true;
+        int64_t max_blocks = 1, max_len = 1;
+        for (int64_t s : decode_ids) {
+          const SequenceBlocks& seq = pool_->sequence(s);
+          max_pos = std::max(max_pos, seq.logical_len);
+          for (const auto& t : seq.layers) {
+            max_blocks = std::max<int64_t>(max_blocks, t.block_ids.size());
+            max_len = std::max(max_len, t.stored_len);
+          }
+        }
+        const DecodeLayout lay{num_decode, config().num_layers, max_blocks};
+        auto host = at::empty({lay.num_bytes()}, at::kByte);
+        FillDecodeInputs(host.data_ptr<uint8_t>(), lay, decode_ids, decode_tokens);
+        DecodeInputs in = DecodeInputs::View(ToDeviceAsync(host, dev), lay);
+        tokens.push_back(in.tokens);
+        positions.push_back(in.positions);
+        decode.emplace(*pool_, config(), in, static_cast<int32_t>(max_len), UseDecodeKernel(),
+                       /*model_stores_kv=*/false);
+        segments.push_back({&*decode, num_decode});
+      }
+      std::vector<std::unique_ptr<PrefillBackend>> prefills;
+      std::vector<int64_t> starts;
+      for (const ChunkWork& c : chunks) {
+        const bool created = !pool_->HasSequence(c.seq);
+        if (created) {
+          if (absl::Status st = pool_->AddSequence(c.seq); !st.ok()) return fail(st);
+        }
+        undo.push_back({c.seq, created, pool_->Snapshot(c.seq), positions_[c.seq]});
+        const int64_t start = pool_->logical_len(c.seq);
+        const int64_t n = static_cast<int64_t>(c.tokens.size());
+        tokens.push_back(TokensTensor(c.tokens));
+        positions.push_back(at::arange(start, start + n, long_opts));
+        max_pos = std::max(max_pos, start + n - 1);
+        starts.push_back(start);
+        prefills.push_back(
+            std::make_unique<PrefillBackend>(*this, c.seq, start, c.is_last_chunk, c.selector));
+        segments.push_back({prefills.back().get(), n});
+      }
+      MixedBackend mixed(segments);
+      AttentionBackend& backend =
+          segments.size() == 1 ? *segments[0].backend : static_cast<AttentionBackend&>(mixed);
+      auto hidden = model_->Forward(tokens.size() == 1 ? tokens[0] : at::cat(tokens),
+                                    positions.size() == 1 ? positions[0] : at::cat(positions),
+                                    max_pos, backend);
+      if (!hidden.ok()) return fail(hidden.status());
+      // Commit: the old blocks of compacted layers go, lengths move on.
+      std::vector<int64_t> rows(decode_ids.size());
+      std::iota(rows.begin(), rows.end(), int64_t{0});
+      int64_t row_end = num_decode;
+      for (size_t i = 0; i < chunks.size(); ++i) {
+        const int64_t n = static_cast<int64_t>(chunks[i].tokens.size());
+        pool_->FreeBlocks(prefills[i]->deferred_free());
+        pool_->set_logical_len(chunks[i].seq, starts[i] + n);
+        if (chunks[i].selector != nullptr)
+          compression_seconds_[chunks[i].seq] += prefills[i]->selection_seconds();
+        row_end += n;
+        if (chunks[i].is_last_chunk) rows.push_back(row_end - 1);
+      }
+      for (int64_t s : decode_ids) pool_->set_logical_len(s, pool_->logical_len(s) + 1);
+      if (rows.empty()) return at::Tensor();
+      if (static_cast<int64_t>(rows.size()) == hidden->size(0)) return model_->Logits(*hidden);
+      return model_->Logits(hidden->index_select(0, at::tensor(rows, at::kLong).to(dev)));
+    } catch (const std::exception& e) {
+      return fail(absl::InternalError(absl::StrCat("step failed: ", e.what())));
+    }
+  }
 
   SequenceCacheInfo CacheInfo(SequenceId seq) const override {
     SequenceCacheInfo info;

@@ -43,6 +43,16 @@ struct SequenceCacheInfo {
 using KvSelectorFactory = std::function<absl::StatusOr<std::unique_ptr<KvSelector>>(
     const CompressionParams& compression, const ModelConfig& config)>;
 
+// One prefill chunk of a Step: prompt tokens at positions [logical_len, logical_len + size) of
+// `seq` (created on its first chunk), compressed by `compression` (not null) where its policy
+// says so.
+struct PrefillChunk {
+  SequenceId seq = -1;
+  std::span<const int32_t> tokens;
+  bool is_last_chunk = false;
+  const CompressionParams* compression = nullptr;
+};
+
 class ModelRunner {
  public:
   static absl::StatusOr<std::unique_ptr<ModelRunner>> Create(const RunnerOptions& options);
@@ -66,6 +76,16 @@ class ModelRunner {
   virtual absl::StatusOr<at::Tensor> Prefill(SequenceId seq, std::span<const int32_t> chunk,
                                              bool is_last_chunk,
                                              const CompressionParams& compression) = 0;
+
+  // One forward step over a ragged batch: one decode token for each of `decode_seqs` (as
+  // Decode) and the prefill `chunks` (as Prefill; each sequence at most once in the step), so the
+  // linear layers read the weights once for all of them. Returns fp32 logits: the decode rows in
+  // order, then one row per chunk that is its sequence's last, in order; undefined when there are
+  // none. All-or-nothing: a failure leaves every sequence as before the call. Without chunks it
+  // is Decode (CUDA graphs); compression runs inside, per chunk, as in Prefill.
+  virtual absl::StatusOr<at::Tensor> Step(std::span<const SequenceId> decode_seqs,
+                                          std::span<const int32_t> decode_tokens,
+                                          std::span<const PrefillChunk> chunks) = 0;
 
   // Blocks the next Decode of `seqs` takes from the pool (each grows by one token in every
   // layer): the scheduler asks before the step and preempts until it fits.

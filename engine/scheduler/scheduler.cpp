@@ -400,133 +400,167 @@ struct Scheduler::Impl {
     return absl::OkStatus();
   }
 
-  void PrefillChunks(StepReport& report) {
-    int64_t budget = options.max_prefill_tokens_per_step;
-    for (size_t i = 0; i < running.size() && budget > 0;) {
-      Sequence& seq = *running[i];
-      if (seq.prefill_done) {
-        ++i;
-        continue;
+  // --- the step's one forward ------------------------------------------------------------------
+  // What one forward runs: a decode row for every running sequence whose prefill is done, and the
+  // next chunk of prefilling ones, oldest first, up to the step's prompt-token budget (one chunk
+  // per sequence).
+  struct Batch {
+    std::vector<Sequence*> decode;
+    std::vector<Sequence*> prefill;
+    size_t num_parts() const { return (decode.empty() ? 0 : 1) + prefill.size(); }
+  };
+
+  const compression::PlannedChunk& NextChunk(const Sequence& seq) const {
+    return seq.plan->chunks()[seq.num_chunks_done];
+  }
+
+  // The step's batch, admitted against the pool before the forward: the decode rows' blocks
+  // first, then each chunk's (its plan's count); when they do not fit, the newest sequence goes
+  // back to waiting and the batch is made again. A lone sequence runs anyway: its forward says
+  // whether the pool holds it.
+  Batch MakeBatch(StepReport& report) {
+    while (true) {
+      Batch batch;
+      std::vector<SequenceId> ids;
+      for (auto& seq : running) {
+        if (!seq->prefill_done) continue;
+        batch.decode.push_back(seq.get());
+        ids.push_back(seq->seq_id);
       }
-      const compression::PlannedChunk& planned = seq.plan->chunks()[seq.num_chunks_done];
-      const int64_t chunk_len = planned.end - planned.begin;
-      // A fixed-size chunk waits for a step with enough budget unless it is the first one this
-      // step.
-      if (chunk_len > budget && budget < options.max_prefill_tokens_per_step) break;
-      // Admission of the chunk: the pool must hold its new blocks before the forward (other
-      // sequences' decode may have used the room admission counted), else the newest sequence
-      // goes back to waiting (it may be this one).
-      if (planned.new_blocks > kv_counts().num_free && running.size() > 1) {
-        const bool self_newest = std::all_of(running.begin(), running.end(), [&](const auto& s) {
-          return s->admission_idx <= seq.admission_idx;
-        });
-        PreemptNewest(report);
-        if (self_newest) break;
-        continue;  // retry this sequence with the freed room
+      int64_t num_free = kv_counts().num_free;
+      if (!ids.empty()) {
+        const int64_t needed = runner.BlocksToDecode(ids);
+        if (needed > num_free && running.size() > 1) {
+          PreemptNewest(report);
+          continue;
+        }
+        num_free -= needed;
       }
-      const bool is_last = seq.num_chunks_done + 1 == seq.plan->chunks().size();
-      std::span<const int32_t> chunk(seq.request.prompt_ids.data() + planned.begin,
-                                     static_cast<size_t>(chunk_len));
-      auto logits_or = runner.Prefill(seq.seq_id, chunk, is_last, seq.plan->params());
-      if (!logits_or.ok()) {
-        // The plan said the chunk fits: RESOURCE_EXHAUSTED here is a runner or plan error, and
-        // like any other failure it ends this request.
-        // spdlog clashes with torch's bundled fmt in this TU; the status reaches the client.
-        std::fprintf(stderr, "prefill of request %s failed: %s\n", seq.request.request_id.c_str(),
-                     logits_or.status().ToString().c_str());
-        runner.Release(seq.seq_id);
-        Finish(seq, FinishReason::kError, logits_or.status());
-        running.erase(running.begin() + static_cast<std::ptrdiff_t>(i));
-        ++report.num_finished;
-        continue;
+      int64_t budget = options.max_prefill_tokens_per_step;
+      bool preempted = false;
+      for (auto& seq : running) {
+        if (seq->prefill_done) continue;
+        const compression::PlannedChunk& chunk = NextChunk(*seq);
+        const int64_t len = chunk.end - chunk.begin;
+        // A chunk larger than what is left of the budget waits for a step it is the first of.
+        if (len > budget && !batch.prefill.empty()) break;
+        if (chunk.new_blocks > num_free && running.size() > 1) {
+          PreemptNewest(report);  // the newest may be this one, or a decoding one
+          preempted = true;
+          break;
+        }
+        batch.prefill.push_back(seq.get());
+        num_free -= chunk.new_blocks;
+        budget -= len;
+        if (budget <= 0) break;
       }
-      ++seq.num_chunks_done;
-      seq.num_prefilled += chunk_len;
-      budget -= chunk_len;
-      report.num_prefill_tokens += chunk_len;
-      if (!is_last) continue;  // the same sequence gets its next chunk if the budget allows
-      RecordPrefillDone(seq);
-      if (!seq.generated.empty()) {  // recompute after preemption: replay through decode
-        ++i;
-        continue;
-      }
-      // [vocab] -> [1, vocab]
-      if (!SampleAndEmit(logits_or->reshape({1, -1}), {&seq}).empty()) {
-        runner.Release(seq.seq_id);
-        running.erase(running.begin() + static_cast<std::ptrdiff_t>(i));
-        ++report.num_finished;
-        continue;
-      }
-      ++i;
+      if (!preempted) return batch;
     }
   }
 
-  void DecodeBatch(StepReport& report) {
-    while (true) {
-      std::vector<Sequence*> batch;
-      for (auto& seq : running)
-        if (seq->prefill_done) batch.push_back(seq.get());
-      if (batch.empty()) return;
-      std::vector<SequenceId> seq_ids;
-      std::vector<int32_t> tokens;
-      for (Sequence* seq : batch) {
-        seq_ids.push_back(seq->seq_id);
-        tokens.push_back(seq->generated[seq->num_generated_fed]);
+  // Runs `batch` as one forward, then samples and sends what it produced. A failed forward
+  // changed nothing: its status is returned.
+  absl::Status Execute(const Batch& batch, StepReport& report) {
+    std::vector<SequenceId> decode_ids;
+    std::vector<int32_t> decode_tokens;
+    for (Sequence* seq : batch.decode) {
+      decode_ids.push_back(seq->seq_id);
+      decode_tokens.push_back(seq->generated[seq->num_generated_fed]);
+    }
+    std::vector<PrefillChunk> chunks;
+    for (Sequence* seq : batch.prefill) {
+      const compression::PlannedChunk& c = NextChunk(*seq);
+      chunks.push_back({.seq = seq->seq_id,
+                        .tokens = std::span<const int32_t>(seq->request.prompt_ids.data() + c.begin,
+                                                           c.end - c.begin),
+                        .is_last_chunk = seq->num_chunks_done + 1 == seq->plan->chunks().size(),
+                        .compression = &seq->plan->params()});
+    }
+    const SteadyTime start = Clock::now();
+    absl::StatusOr<at::Tensor> logits = runner.Step(decode_ids, decode_tokens, chunks);
+    if (!logits.ok()) return logits.status();
+    // Rows: the decode rows, then one per last chunk. Replayed rows (a recompute after a
+    // preemption feeding its generated tokens again) and non-last chunks are not sampled.
+    std::vector<Sequence*> to_sample;
+    std::vector<int64_t> rows;
+    int64_t row = 0;
+    for (Sequence* seq : batch.decode) {
+      ++seq->num_generated_fed;
+      if (seq->num_generated_fed == static_cast<int64_t>(seq->generated.size())) {
+        to_sample.push_back(seq);
+        rows.push_back(row);
       }
-      // Admission of the step: the pool must hold every sequence's next token, else the newest
-      // sequence goes back to waiting, before any forward.
-      const bool fits = runner.BlocksToDecode(seq_ids) <= kv_counts().num_free;
-      if (!fits && running.size() > 1) {
-        PreemptNewest(report);
-        continue;
-      }
-      const SteadyTime start = Clock::now();
-      absl::StatusOr<at::Tensor> logits_or =
-          fits ? runner.Decode(seq_ids, tokens)
-               : absl::ResourceExhaustedError(
-                     "the KV pool cannot hold the next token of the only running sequence");
-      if (!logits_or.ok()) {
-        // A lone sequence that cannot grow, or a runner failure (RESOURCE_EXHAUSTED from the
-        // forward itself is one: the check above said it fits): these sequences end with an
-        // error.
-        std::fprintf(stderr, "decode failed: %s\n", logits_or.status().ToString().c_str());
-        for (Sequence* seq : batch) {
-          runner.Release(seq->seq_id);
-          Finish(*seq, FinishReason::kError, logits_or.status());
-        }
-        std::erase_if(running, [](const auto& s) { return s->prefill_done; });
-        report.num_finished += static_cast<int32_t>(batch.size());
-        return;
-      }
-      report.num_decoded += static_cast<int32_t>(batch.size());
+      ++row;
+    }
+    for (size_t i = 0; i < batch.prefill.size(); ++i) {
+      Sequence& seq = *batch.prefill[i];
+      const int64_t len = static_cast<int64_t>(chunks[i].tokens.size());
+      seq.num_prefilled += len;
+      ++seq.num_chunks_done;
+      report.num_prefill_tokens += len;
+      if (!chunks[i].is_last_chunk) continue;
+      const int64_t chunk_row = row++;
+      RecordPrefillDone(seq);
+      if (!seq.generated.empty()) continue;  // recompute: replays its tokens through decode rows
+      to_sample.push_back(&seq);
+      rows.push_back(chunk_row);
+    }
+    report.num_decoded += static_cast<int32_t>(batch.decode.size());
+    if (chunks.empty()) {
       const ModelRunner::DecodeHostTimes host = runner.last_decode_host_times();
       report.decode_host_seconds =
           (host.prepare_us + host.fill_us + host.upload_us + host.launch_us) * 1e-6;
-      // Rows of sequences that are replaying after a preemption are not sampled.
-      std::vector<Sequence*> to_sample;
-      std::vector<int64_t> rows;
-      for (size_t row = 0; row < batch.size(); ++row) {
-        Sequence& seq = *batch[row];
-        ++seq.num_generated_fed;
-        if (seq.num_generated_fed < static_cast<int64_t>(seq.generated.size())) continue;  // replay
-        to_sample.push_back(&seq);
-        rows.push_back(static_cast<int64_t>(row));
-      }
-      std::vector<Sequence*> finished;
-      if (!to_sample.empty()) {
-        at::Tensor logits =
-            rows.size() == batch.size()
-                ? *logits_or
-                : logits_or->index_select(0, at::tensor(rows, at::kLong).to(logits_or->device()));
-        finished = SampleAndEmit(logits, to_sample);  // logits [n, vocab]
-      }
-      report.decode_seconds = MsBetween(start, Clock::now()) / 1e3;
-      for (Sequence* seq : finished) runner.Release(seq->seq_id);
-      std::erase_if(running, [&](const auto& s) {
-        return std::find(finished.begin(), finished.end(), s.get()) != finished.end();
-      });
-      report.num_finished += static_cast<int32_t>(finished.size());
+    }
+    std::vector<Sequence*> finished;
+    if (!to_sample.empty()) {
+      at::Tensor sampled_rows =
+          static_cast<int64_t>(rows.size()) == logits->size(0)
+              ? *logits
+              : logits->index_select(0, at::tensor(rows, at::kLong).to(logits->device()));
+      finished = SampleAndEmit(sampled_rows, to_sample);  // [n, vocab]
+    }
+    if (!batch.decode.empty()) report.decode_seconds = MsBetween(start, Clock::now()) / 1e3;
+    for (Sequence* seq : finished) runner.Release(seq->seq_id);
+    std::erase_if(running, [&](const auto& s) {
+      return std::find(finished.begin(), finished.end(), s.get()) != finished.end();
+    });
+    report.num_finished += static_cast<int32_t>(finished.size());
+    return absl::OkStatus();
+  }
+
+  // The sequences of a forward that failed on its own end with its error.
+  void FailBatch(const Batch& batch, const absl::Status& error, StepReport& report) {
+    std::vector<Sequence*> failed = batch.decode;
+    failed.insert(failed.end(), batch.prefill.begin(), batch.prefill.end());
+    for (Sequence* seq : failed) {
+      // spdlog clashes with torch's bundled fmt in this TU; the status reaches the client.
+      std::fprintf(stderr, "step failed for request %s: %s\n", seq->request.request_id.c_str(),
+                   error.ToString().c_str());
+      runner.Release(seq->seq_id);
+      Finish(*seq, FinishReason::kError, error);
+    }
+    std::erase_if(running, [&](const auto& s) {
+      return std::find(failed.begin(), failed.end(), s.get()) != failed.end();
+    });
+    report.num_finished += static_cast<int32_t>(failed.size());
+  }
+
+  void RunStep(StepReport& report) {
+    const Batch batch = MakeBatch(report);
+    if (batch.num_parts() == 0) return;
+    const absl::Status status = Execute(batch, report);
+    if (status.ok()) return;
+    if (batch.num_parts() == 1) {
+      FailBatch(batch, status, report);
       return;
+    }
+    // Which part failed: each alone (the failed forward changed nothing), so that one bad
+    // sequence does not end the others.
+    std::vector<Batch> parts;
+    if (!batch.decode.empty()) parts.push_back({.decode = batch.decode, .prefill = {}});
+    for (Sequence* seq : batch.prefill) parts.push_back({.decode = {}, .prefill = {seq}});
+    for (const Batch& part : parts) {
+      if (absl::Status st = Execute(part, report); !st.ok()) FailBatch(part, st, report);
     }
   }
 
@@ -534,8 +568,7 @@ struct Scheduler::Impl {
     StepReport report;
     Reap(report);
     Admit(report);
-    PrefillChunks(report);
-    DecodeBatch(report);
+    RunStep(report);
     const KvBlockCounts counts = kv_counts();
     std::lock_guard<std::mutex> lock(mu);
     stats.num_waiting = static_cast<int32_t>(waiting.size());

@@ -6,14 +6,19 @@
 //   2. admit     - FCFS from the waiting queue while the pool has room for the head's peak:
 //                  its compression plan (engine/compression/plan.h: chunks, kept tokens per
 //                  layer) + decode reserve, and the batch has a slot.
-//   3. prefill   - prompt chunks, oldest first, up to `max_prefill_tokens_per_step` tokens; each
-//                  chunk's new blocks are checked against the pool before its forward (out of
-//                  blocks: preempt the newest sequence).
-//   4. decode    - one batched decode step for every sequence whose prefill is done; out of blocks:
-//                  preempt the newest sequence (release, requeue at the front, recompute) and
-//                  retry.
-//   5. sample    - one token per row; stop checks (EOS, stop ids, stop strings, max_new_tokens,
-//                  context); one event per sequence pushed to its channel.
+//   3. forward   - ONE forward (ModelRunner::Step) over a ragged batch: a decode row for every
+//                  sequence whose prefill is done, then the next prompt chunk of prefilling
+//                  sequences, oldest first, up to `max_prefill_tokens_per_step` prompt tokens
+//                  (one chunk per sequence), so decode rows ride on the prefill's weight reads
+//                  and no chunk stalls the running decodes by a forward of its own. The batch's
+//                  blocks (decode rows, then each chunk's per its compression plan) are checked
+//                  against the pool first: out of blocks, the newest sequence goes back to
+//                  waiting (recomputed later) and the batch is made again. Pure-decode steps keep
+//                  CUDA graphs. A failed forward changed nothing; its parts are retried alone so
+//                  that only the failing sequence ends with the error.
+//   4. sample    - one token per decode row and per finished prompt; stop checks (EOS, stop
+//                  ids, stop strings, max_new_tokens, context); one event per sequence pushed to
+//                  its channel.
 // A preempted sequence is recomputed by prefilling its prompt again and replaying its generated
 // tokens through decode steps (teacher forcing), so its output is what it would have been.
 #pragma once

@@ -159,6 +159,83 @@ TEST(ModelRunnerTest, ExhaustionLeavesSequencesUnchanged) {
             absl::StatusCode::kNotFound);
 }
 
+// One forward over decode rows and prefill chunks of other sequences (ModelRunner::Step) gives
+// each row what the same work gives alone: decode rows, a middle chunk and a last chunk, then a
+// step that finishes the chunked prompt while the others decode.
+TEST(ModelRunnerTest, MixedStepEqualsEachPartAlone) {
+  auto mixed = MakeRunner();
+  auto alone = MakeRunner();
+  for (ModelRunner* r : {mixed.get(), alone.get()}) {
+    ASSERT_TRUE(r->Prefill(1, Tokens(9, 1), true, {}).ok());
+    ASSERT_TRUE(r->Prefill(2, Tokens(14, 2), true, {}).ok());
+  }
+  const CompressionParams none;
+  const auto long_prompt = Tokens(19, 3);
+  const auto short_prompt = Tokens(10, 4);
+  const std::vector<SequenceId> decode_seqs = {1, 2};
+  const std::vector<int32_t> decode_tokens = {42, 43};
+  const std::vector<PrefillChunk> chunks = {
+      {3, std::span(long_prompt).first(12), false, &none},
+      {4, short_prompt, true, &none},
+  };
+  auto step = mixed->Step(decode_seqs, decode_tokens, chunks);
+  ASSERT_TRUE(step.ok()) << step.status();
+  ASSERT_EQ(step->size(0), 3);  // two decode rows, one last chunk
+  auto d = alone->Decode(decode_seqs, decode_tokens);
+  ASSERT_TRUE(d.ok());
+  ASSERT_TRUE(alone->Prefill(3, std::span(long_prompt).first(12), false, {}).ok());
+  auto p4 = alone->Prefill(4, short_prompt, true, {});
+  ASSERT_TRUE(p4.ok());
+  // Attention runs per sequence; the shared GEMMs may pick other kernels for other row counts.
+  EXPECT_LT(((*step).narrow(0, 0, 2) - *d).abs().max().item<double>(), 1e-5);
+  EXPECT_LT(((*step)[2] - *p4).abs().max().item<double>(), 1e-5);
+
+  const std::vector<SequenceId> decode2 = {1, 2, 4};
+  const std::vector<int32_t> tokens2 = {7, 8, 9};
+  const std::vector<PrefillChunk> last = {{3, std::span(long_prompt).subspan(12), true, &none}};
+  step = mixed->Step(decode2, tokens2, last);
+  ASSERT_TRUE(step.ok()) << step.status();
+  d = alone->Decode(decode2, tokens2);
+  ASSERT_TRUE(d.ok());
+  auto p3 = alone->Prefill(3, std::span(long_prompt).subspan(12), true, {});
+  ASSERT_TRUE(p3.ok());
+  EXPECT_LT(((*step).narrow(0, 0, 3) - *d).abs().max().item<double>(), 1e-5);
+  EXPECT_LT(((*step)[3] - *p3).abs().max().item<double>(), 1e-5);
+  for (SequenceId s : {1, 2, 3, 4}) {
+    EXPECT_EQ(mixed->CacheInfo(s).logical_len, alone->CacheInfo(s).logical_len) << s;
+    EXPECT_EQ(mixed->CacheInfo(s).num_blocks, alone->CacheInfo(s).num_blocks) << s;
+  }
+  // A step of chunks only that ends no prompt returns no rows.
+  auto none_done = mixed->Step({}, {}, std::vector<PrefillChunk>{{5, short_prompt, false, &none}});
+  ASSERT_TRUE(none_done.ok()) << none_done.status();
+  EXPECT_FALSE(none_done->defined());
+}
+
+// A mixed step is all-or-nothing: a chunk that does not fit the pool, a bad token in a chunk or a
+// sequence named twice leaves every sequence, decode rows included, as it was.
+TEST(ModelRunnerTest, FailedMixedStepChangesNothing) {
+  auto runner = MakeRunner(/*num_blocks=*/14, /*block_size=*/4);  // 4 layers
+  ASSERT_TRUE(runner->Prefill(1, Tokens(7, 0), true, {}).ok());   // 8 blocks; the next token fits
+  const CompressionParams none;
+  const auto prompt = Tokens(9, 5);  // 12 blocks: does not fit after the decode rows
+  const SequenceId seq = 1;
+  const int32_t tok = 3;
+  const int32_t bad = 9999;
+  for (const std::vector<PrefillChunk>& chunks :
+       {std::vector<PrefillChunk>{{2, prompt, true, &none}},
+        std::vector<PrefillChunk>{{2, std::span(&bad, 1), true, &none}},
+        std::vector<PrefillChunk>{{1, prompt, true, &none}}}) {
+    const auto step = runner->Step(std::span(&seq, 1), std::span(&tok, 1), chunks);
+    EXPECT_FALSE(step.ok());
+    EXPECT_FALSE(runner->pool().HasSequence(2));
+    EXPECT_EQ(runner->CacheInfo(1).logical_len, 7);
+    EXPECT_EQ(runner->pool().num_free_blocks(), 6);
+  }
+  // The decode row alone still runs.
+  EXPECT_TRUE(runner->Step(std::span(&seq, 1), std::span(&tok, 1), {}).ok());
+  EXPECT_EQ(runner->CacheInfo(1).logical_len, 8);
+}
+
 // Keeps, per KV head, the last `keep` entries shifted by the head index (heads keep different
 // positions), and records what it saw.
 class ShiftSelector : public KvSelector {

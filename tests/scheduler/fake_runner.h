@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <map>
 #include <memory>
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -113,6 +114,46 @@ class FakeRunner : public ModelRunner {
     return LogitsFor(hist);
   }
 
+  // Decode, then each chunk's Prefill, undone together when any part fails (as the runner's one
+  // forward is all-or-nothing).
+  absl::StatusOr<at::Tensor> Step(std::span<const SequenceId> decode_seqs,
+                                  std::span<const int32_t> decode_tokens,
+                                  std::span<const PrefillChunk> chunks) override {
+    ++num_step_calls;
+    if (chunks.empty()) return Decode(decode_seqs, decode_tokens);
+    if (!decode_seqs.empty()) ++num_mixed_steps;
+    std::map<SequenceId, std::optional<SequenceBlocks>> before;
+    for (SequenceId s : decode_seqs) before[s] = pool_->Snapshot(s);
+    for (const PrefillChunk& c : chunks) {
+      before[c.seq] =
+          pool_->HasSequence(c.seq) ? std::optional(pool_->Snapshot(c.seq)) : std::nullopt;
+    }
+    const auto history_before = history_;
+    auto undo = [&](absl::Status st) -> absl::Status {
+      for (auto& [seq, blocks] : before) {
+        if (blocks) {
+          pool_->Restore(seq, *blocks);
+        } else if (pool_->HasSequence(seq)) {
+          pool_->FreeSequence(seq);
+        }
+      }
+      history_ = history_before;
+      return st;
+    };
+    std::vector<at::Tensor> rows;
+    if (!decode_seqs.empty()) {
+      auto logits = Decode(decode_seqs, decode_tokens);
+      if (!logits.ok()) return logits.status();  // Decode changed nothing
+      rows.push_back(*logits);
+    }
+    for (const PrefillChunk& c : chunks) {
+      auto logits = Prefill(c.seq, c.tokens, c.is_last_chunk, *c.compression);
+      if (!logits.ok()) return undo(logits.status());
+      if (c.is_last_chunk) rows.push_back(logits->unsqueeze(0));
+    }
+    return rows.empty() ? at::Tensor() : at::cat(rows);
+  }
+
   int64_t BlocksToDecode(std::span<const SequenceId> seqs) const override {
     const std::vector<int64_t> ids(seqs.begin(), seqs.end());
     return pool_->BlocksToAppend(ids, 1);
@@ -158,6 +199,8 @@ class FakeRunner : public ModelRunner {
   CompressionParams last_prefill_params;
   int num_decode_calls = 0;
   int num_prefill_failures = 0;  // Prefill calls the pool could not hold
+  int num_step_calls = 0;        // forwards the scheduler asked for (Step)
+  int num_mixed_steps = 0;       // of which with decode rows and prefill chunks together
   int num_decode_failures = 0;   // Decode calls the pool could not hold
   int32_t last_decode_batch = 0;
 

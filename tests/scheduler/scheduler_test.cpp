@@ -187,6 +187,8 @@ TEST_F(SchedulerTest, LongPromptsDoNotStallDecodes) {
     EXPECT_GE(step.num_decoded, 1);  // the running sequence got a token in the same step
   }
   EXPECT_EQ(runner_->prefill_chunk_lens, (std::vector<int64_t>{8, 8, 4}));
+  // Each of those steps was one forward: the chunk and the running decode row together.
+  EXPECT_EQ(runner_->num_mixed_steps, 3);
 
   GenerationRequest compressed = MakeRequest(Prompt(20, 7), 2);
   compressed.compression.method = ScoreMethod::kDropKV;

@@ -1,0 +1,155 @@
+// The scheduler on the real runner and a trained model (SmolLM2-135M-Instruct as set-up converts
+// it, fp32 on the CPU): requests that run together, with their prefill chunks in the same
+// forwards as each other's decode rows, produce the tokens each produces alone. Compressed
+// (DropKV at 25%, SnapKV under every_chunk with its own chunk size) and uncompressed prompts,
+// chunked by the step budget and whole; once with room for all, once in a pool small enough to
+// preempt, once with a request cancelled midway. The pool is all free after each run.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <map>
+#include <string>
+
+#include "allocator/block_pool.h"
+#include "engine/compression/press.h"
+#include "engine/runner/model_runner.h"
+#include "engine/scheduler/scheduler.h"
+#include "engine/tokenizer/tokenizer.h"
+#include "tests/common/test_env.h"
+
+namespace dropkv {
+namespace {
+
+constexpr int kNewTokens = 8;
+
+std::string ModelDir() {
+  return (testing::ModelsDir() / "smollm2-135m-instruct").string();
+}
+
+struct Case {
+  std::string text;
+  CompressionParams compression;
+};
+
+std::vector<Case> Cases() {
+  const std::string story =
+      "The lighthouse keeper counted the ships every evening and wrote their names in a green "
+      "book. ";
+  std::vector<Case> cases;
+  auto add = [&](int repeats, std::string tail, CompressionParams c) {
+    std::string text;
+    for (int i = 0; i < repeats; ++i) text += story;
+    cases.push_back({text + tail, c});
+  };
+  CompressionParams dropkv;
+  dropkv.method = ScoreMethod::kDropKV;
+  dropkv.keep_ratio = 0.25;
+  CompressionParams snap_every;
+  snap_every.method = ScoreMethod::kSnapKV;
+  snap_every.keep_ratio = 0.5;
+  snap_every.chunk_size = 48;
+  snap_every.chunk_policy = ChunkPolicy::kEveryChunk;
+  add(1, "The capital of France is", {});
+  add(6, "In the green book, the keeper wrote", {});        // chunked by the step
+  add(6, "Every evening the keeper", dropkv);               // split under last_chunk
+  add(2, "What did the keeper count? He counted", dropkv);  // one pass
+  add(5, "The book was", snap_every);                       // its own chunks
+  add(3, "Write a short poem about the sea:\n", {});
+  return cases;
+}
+
+class MixedStepTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!std::filesystem::exists(ModelDir() + "/config.json"))
+      GTEST_SKIP() << "no " << ModelDir() << " (scripts/setup.sh converts it)";
+    auto tok = Tokenizer::FromDirectory(ModelDir());
+    ASSERT_TRUE(tok.ok()) << tok.status();
+    tokenizer_ = std::move(*tok);
+  }
+
+  // Runs `cases` (all, or only `only`) through one scheduler over a pool of `num_blocks`;
+  // returns each request's tokens; `cancel_after_steps` > 0 cancels request 1 then.
+  std::map<int, std::vector<int32_t>> Run(int64_t num_blocks, int only = -1,
+                                          int cancel_after_steps = 0) {
+    RunnerOptions ro;
+    ro.model_dir = ModelDir();
+    ro.device = "cpu";
+    ro.dtype = "float32";
+    ro.num_kv_blocks = num_blocks;
+    ro.block_size = 16;
+    auto runner = ModelRunner::Create(ro);
+    EXPECT_TRUE(runner.ok()) << runner.status();
+    if (!runner.ok()) return {};
+    (*runner)->SetKvSelectorFactory(&compression::CreateKvSelectorForModel);
+    ModelRunner* r = runner->get();
+    SchedulerOptions so;
+    so.max_batch = 8;
+    so.max_prefill_tokens_per_step = 64;
+    so.decode_reserve_tokens = 2;
+    Scheduler scheduler(
+        *r, nullptr,
+        [r] {
+          return KvBlockCounts{r->pool().num_blocks(), r->pool().num_free_blocks()};
+        },
+        so);
+    const std::vector<Case> cases = Cases();
+    std::map<int, std::shared_ptr<RequestChannel>> channels;
+    for (int i = 0; i < static_cast<int>(cases.size()); ++i) {
+      if (only >= 0 && i != only) continue;
+      GenerationRequest req;
+      req.request_id = std::to_string(i);
+      req.prompt_ids = *tokenizer_->Encode(cases[i].text);
+      req.sampling.max_new_tokens = kNewTokens;
+      req.sampling.ignore_eos = true;
+      req.compression = cases[i].compression;
+      channels[i] = std::make_shared<RequestChannel>();
+      EXPECT_TRUE(scheduler.Submit(std::move(req), channels[i]).ok());
+    }
+    int steps = 0;
+    while (scheduler.HasWork() && steps < 2000) {
+      scheduler.Step();
+      if (++steps == cancel_after_steps) channels[1]->Cancel();
+    }
+    EXPECT_FALSE(scheduler.HasWork());
+    num_preemptions_ = scheduler.Stats().num_preemptions;
+    EXPECT_EQ(r->pool().num_free_blocks(), r->pool().num_blocks()) << "KV blocks leaked";
+    std::map<int, std::vector<int32_t>> out;
+    for (auto& [i, ch] : channels) {
+      while (auto event = ch->Pop()) {
+        EXPECT_TRUE(event->error.ok()) << "request " << i << ": " << event->error;
+        out[i].insert(out[i].end(), event->token_ids.begin(), event->token_ids.end());
+      }
+    }
+    return out;
+  }
+
+  std::unique_ptr<Tokenizer> tokenizer_;
+  int64_t num_preemptions_ = 0;
+};
+
+TEST_F(MixedStepTest, TogetherEqualsAlone) {
+  std::map<int, std::vector<int32_t>> alone;
+  for (int i = 0; i < static_cast<int>(Cases().size()); ++i) alone[i] = Run(2048, i).at(i);
+  for (auto& [i, tokens] : alone) ASSERT_EQ(tokens.size(), size_t{kNewTokens}) << i;
+
+  const auto together = Run(2048);
+  EXPECT_EQ(num_preemptions_, 0);
+  for (auto& [i, tokens] : alone) EXPECT_EQ(together.at(i), tokens) << "request " << i;
+
+  // A pool that holds about two of them at a time (30 layers, 16-token blocks): preemptions,
+  // recomputed exactly.
+  const auto tight = Run(600);
+  EXPECT_GT(num_preemptions_, 0);
+  for (auto& [i, tokens] : alone) EXPECT_EQ(tight.at(i), tokens) << "request " << i;
+
+  // Request 1 cancelled while the others run: theirs are unchanged.
+  const auto cancelled = Run(2048, -1, /*cancel_after_steps=*/3);
+  for (auto& [i, tokens] : alone) {
+    if (i != 1) EXPECT_EQ(cancelled.at(i), tokens) << "request " << i;
+  }
+  EXPECT_LT(cancelled.count(1) ? cancelled.at(1).size() : 0, size_t{kNewTokens});
+}
+
+}  // namespace
+}  // namespace dropkv
