@@ -9,7 +9,10 @@
 # requests completing in it) and cancels what is in flight; the warm-up grows with the
 # concurrency, because the first wave of 8K prefills takes ~0.3 s per stream.
 # Env: POINTS (default "1:10:20 16:15:25 64:30:30 256:90:45", CONCURRENCY:WARMUP_S:WINDOW_S),
-# KV_MEMORY (100GiB), PROMPT_LEN (fixed:8192), OUTPUT_LEN (fixed:256), MODES ("none dropkv:0.1").
+# KV_MEMORY (100GiB), PROMPT_LEN (fixed:8192), OUTPUT_LEN (fixed:256), MODES ("none dropkv:0.1"),
+# SERVERS (default "dropkv-server"): server executables on PATH swept one after the other in the
+# same call (an A/B of two builds: pack the other as e.g. bin/dropkv-server-prev); each one's
+# reports go to $OUT/<server>/ and get a table of their own.
 set -uo pipefail
 OUT=${OUT:-$PWD/.gpu/out}
 mkdir -p "$OUT"
@@ -20,19 +23,22 @@ dropkv-bench-e2e --geometry llama-3.1-8b --write-config "$geo" --prefill 16 --de
   --keep 1.0 --repeats 1 --kv-gib 1 > /dev/null 2> "$OUT/geometry.log" || { tail "$OUT/geometry.log"; exit 1; }
 for f in tokenizer.json tokenizer_config.json; do zcat ".gpu-pack/tok/$f.gz" > "$geo/$f"; done
 
-dropkv-server --model "$geo" --random-weights --device cuda --port 50051 --metrics-port 9400 \
-  --kv-memory "${KV_MEMORY:-100GiB}" --max-batch 256 --max-queue-requests 4096 \
-  --max-queue-prompt-tokens 0 --max-prompt-tokens 16384 > "$OUT/server.log" 2>&1 &
-server=$!
-for _ in $(seq 240); do
-  grep -q "listening on" "$OUT/server.log" && break
-  kill -0 "$server" 2> /dev/null || break
-  sleep 0.5
-done
-grep -q "listening on" "$OUT/server.log" || { echo "server did not start"; tail -20 "$OUT/server.log"; exit 1; }
-grep -E "KV pool|listening" "$OUT/server.log"
-
 metrics() { python3 -c 'import urllib.request as u; print(u.urlopen("http://127.0.0.1:9400/metrics").read().decode())'; }
+for server_bin in ${SERVERS:-dropkv-server}; do
+  out="$OUT/$server_bin"
+  mkdir -p "$out"
+  "$server_bin" --model "$geo" --random-weights --device cuda --port 50051 --metrics-port 9400 \
+    --kv-memory "${KV_MEMORY:-100GiB}" --max-batch 256 --max-queue-requests 4096 \
+    --max-queue-prompt-tokens 0 --max-prompt-tokens 16384 > "$out/server.log" 2>&1 &
+  server=$!
+  for _ in $(seq 240); do
+    grep -q "listening on" "$out/server.log" && break
+    kill -0 "$server" 2> /dev/null || break
+    sleep 0.5
+done
+grep -q "listening on" "$out/server.log" || { echo "server did not start"; tail -20 "$out/server.log"; exit 1; }
+grep -E "KV pool|listening" "$out/server.log"
+
 for mode in ${MODES:-none dropkv:0.1}; do
   name=${mode//[:.]/_}
   for point in ${POINTS:-1:10:20 16:15:25 64:30:30 256:90:45}; do
@@ -41,7 +47,7 @@ for mode in ${MODES:-none dropkv:0.1}; do
       --warmup "$warmup" --duration "$window" --timeout 600 \
       --prompt-len "${PROMPT_LEN:-fixed:8192}" --output-len "${OUTPUT_LEN:-fixed:256}" \
       --compression "$mode" --metrics-url http://127.0.0.1:9400/metrics --no-progress \
-      --json > "$OUT/load_${name}_c$conc.json" 2>> "$OUT/loadgen_$name.log"
+      --json > "$out/load_${name}_c$conc.json" 2>> "$out/loadgen_$name.log"
     echo "loadgen $mode concurrency $conc: rc=$? ($(date +%T))"
     # The cancelled streams leave the server before the next point starts.
     for _ in $(seq 60); do
@@ -54,5 +60,8 @@ done
 metrics | grep -E '^dropkv_(kv_blocks_(used|total)|requests_(running|waiting)|preemptions_total)[{ ]'
 kill -TERM "$server"
 wait "$server"
-echo "==================== dropkv-loadgen steady state (H200, Llama-3.1-8B geometry) ===================="
-python3 bench/loadgen/steady_table.py "$OUT"/load_*_c*.json
+done
+for server_bin in ${SERVERS:-dropkv-server}; do
+  echo "==================== $server_bin: dropkv-loadgen steady state (H200, Llama-3.1-8B geometry) ===================="
+  python3 bench/loadgen/steady_table.py "$OUT/$server_bin"/load_*_c*.json
+done
