@@ -242,6 +242,7 @@ TEST_F(SchedulerTest, CompressedPromptStaysOnePassWhenItsFullCacheWouldNotFit) {
   own.compression.method = ScoreMethod::kDropKV;
   own.compression.keep_ratio = 0.5;
   own.compression.chunk_size = 6;
+  own.compression.window = 4;  // a chunk size below the window is refused (ValidateCompression)
   own.compression.chunk_policy = ChunkPolicy::kEveryChunk;
   auto own_ch = Submit(std::move(own));
   RunAll();
