@@ -26,6 +26,7 @@ struct GenerationRequest {
   std::vector<int32_t> prompt_ids;
   SamplingParams sampling;
   CompressionParams compression;
+  int32_t priority = 0;  // higher is admitted first; FCFS within a priority
   std::optional<SteadyTime> deadline;  // gRPC deadline; the sequence leaves at the next step after
   SteadyTime arrival_time = std::chrono::steady_clock::now();
 };

@@ -248,12 +248,25 @@ struct Scheduler::Impl {
     }
   }
 
-  // --- preemption ----------------------------------------------------------------------------
-  // Releases the newest running sequence and puts it at the front of the waiting queue.
-  void PreemptNewest(StepReport& report) {
-    auto newest = std::max_element(
-        running.begin(), running.end(),
-        [](const auto& a, const auto& b) { return a->admission_idx < b->admission_idx; });
+  // --- queue order and preemption -------------------------------------------------------------
+  // Where a sequence of `priority` joins the waiting queue: behind every sequence of higher
+  // priority and, unless `ahead_of_equals`, of the same priority (FCFS within a priority).
+  std::deque<std::unique_ptr<Sequence>>::iterator WaitingSlot(int32_t priority,
+                                                              bool ahead_of_equals) {
+    return std::find_if(waiting.begin(), waiting.end(), [&](const auto& s) {
+      return ahead_of_equals ? s->request.priority <= priority : s->request.priority < priority;
+    });
+  }
+
+  // Releases the running sequence of lowest priority, the newest among them, and puts it back at
+  // the head of its priority in the waiting queue (it was admitted before those).
+  void PreemptLastInOrder(StepReport& report) {
+    auto newest =
+        std::max_element(running.begin(), running.end(), [](const auto& a, const auto& b) {
+          if (a->request.priority != b->request.priority)
+            return a->request.priority > b->request.priority;
+          return a->admission_idx < b->admission_idx;
+        });
     std::unique_ptr<Sequence> seq = std::move(*newest);
     running.erase(newest);
     runner.Release(seq->seq_id);
@@ -267,7 +280,8 @@ struct Scheduler::Impl {
     std::lock_guard<std::mutex> lock(mu);
     num_waiting_prompt_tokens += static_cast<int64_t>(seq->request.prompt_ids.size());
     ++stats.num_preemptions;
-    waiting.push_front(std::move(seq));
+    const int32_t priority = seq->request.priority;
+    waiting.insert(WaitingSlot(priority, /*ahead_of_equals=*/true), std::move(seq));
   }
 
   // --- the step ------------------------------------------------------------------------------
@@ -415,8 +429,9 @@ struct Scheduler::Impl {
   }
 
   // The step's batch, admitted against the pool before the forward: the decode rows' blocks
-  // first, then each chunk's (its plan's count); when they do not fit, the newest sequence goes
-  // back to waiting and the batch is made again. A lone sequence runs anyway: its forward says
+  // first, then each chunk's (its plan's count); when they do not fit, the last running sequence
+  // in scheduling order (lowest priority, newest) goes back to waiting and the batch is made
+  // again. A lone sequence runs anyway: its forward says
   // whether the pool holds it.
   Batch MakeBatch(StepReport& report) {
     while (true) {
@@ -431,7 +446,7 @@ struct Scheduler::Impl {
       if (!ids.empty()) {
         const int64_t needed = runner.BlocksToDecode(ids);
         if (needed > num_free && running.size() > 1) {
-          PreemptNewest(report);
+          PreemptLastInOrder(report);
           continue;
         }
         num_free -= needed;
@@ -445,7 +460,7 @@ struct Scheduler::Impl {
         // A chunk larger than what is left of the budget waits for a step it is the first of.
         if (len > budget && !batch.prefill.empty()) break;
         if (chunk.new_blocks > num_free && running.size() > 1) {
-          PreemptNewest(report);  // the newest may be this one, or a decoding one
+          PreemptLastInOrder(report);  // that may be this one, or a decoding one
           preempted = true;
           break;
         }
@@ -650,7 +665,8 @@ absl::Status Scheduler::Submit(GenerationRequest request, std::shared_ptr<Reques
           prompt_len, " > limit ", o.max_waiting_prompt_tokens));
     }
     impl_->num_waiting_prompt_tokens += prompt_len;
-    impl_->waiting.push_back(std::move(seq));
+    const int32_t priority = seq->request.priority;
+    impl_->waiting.insert(impl_->WaitingSlot(priority, /*ahead_of_equals=*/false), std::move(seq));
     impl_->stats.num_waiting = static_cast<int32_t>(impl_->waiting.size());
     impl_->stats.num_waiting_prompt_tokens = impl_->num_waiting_prompt_tokens;
   }

@@ -3,7 +3,8 @@
 //
 // One Step():
 //   1. reap      - cancelled or past-deadline sequences leave (waiting or running); blocks return.
-//   2. admit     - FCFS from the waiting queue while the pool has room for the head's peak:
+//   2. admit     - in queue order (higher `priority` first, FCFS within a priority) while the
+//                  pool has room for the head's peak:
 //                  its compression plan (engine/compression/plan.h: chunks, kept tokens per
 //                  layer) + decode reserve, and the batch has a slot.
 //   3. forward   - ONE forward (ModelRunner::Step) over a ragged batch: a decode row for every
@@ -12,8 +13,9 @@
 //                  (one chunk per sequence), so decode rows ride on the prefill's weight reads
 //                  and no chunk stalls the running decodes by a forward of its own. The batch's
 //                  blocks (decode rows, then each chunk's per its compression plan) are checked
-//                  against the pool first: out of blocks, the newest sequence goes back to
-//                  waiting (recomputed later) and the batch is made again. Pure-decode steps keep
+//                  against the pool first: out of blocks, the last running sequence in that
+//                  order (lowest priority, newest) goes back to waiting (recomputed later) and
+//                  the batch is made again. Pure-decode steps keep
 //                  CUDA graphs. A failed forward changed nothing; its parts are retried alone so
 //                  that only the failing sequence ends with the error.
 //   4. sample    - one token per decode row and per finished prompt; stop checks (EOS, stop

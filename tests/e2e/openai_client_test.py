@@ -237,6 +237,13 @@ def test_default_model(args, pb, pb_grpc, grpc):
                      400, "kv_compression.bogus", "unknown compression field")
         expect_error(lambda: cc(model=model, prompt="x", extra_body={"kv_compression": {"pooling_kernel": 4}}),
                      400, "kv_compression.pooling_kernel", "even pooling kernel")
+        expect_error(lambda: cc(model=model, prompt="x", extra_body={"priority": 2**31}), 400,
+                     "priority", "priority beyond int32")
+        expect_error(lambda: cc(model=model, prompt="x", extra_body={"priority": "high"}), 400,
+                     "priority", "priority not an integer")
+        got = cc(model=model, prompt="The capital of France is", max_tokens=2, temperature=0,
+                 extra_body={"priority": 7})
+        check(got.choices[0].text != "", "a request with a priority is served")
         expect_error(lambda: ch(model=model, messages=[{"role": "robot", "content": "hi"}]), 400,
                      "messages[0].role", "unknown role")
         expect_error(lambda: ch(model=model, messages=[]), 400, "messages", "no messages")

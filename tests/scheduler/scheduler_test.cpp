@@ -242,6 +242,7 @@ TEST_F(SchedulerTest, CompressedPromptStaysOnePassWhenItsFullCacheWouldNotFit) {
   own.compression.method = ScoreMethod::kDropKV;
   own.compression.keep_ratio = 0.5;
   own.compression.chunk_size = 6;
+  own.compression.window = 4;  // a chunk size below the window is refused (ValidateCompression)
   own.compression.chunk_policy = ChunkPolicy::kEveryChunk;
   auto own_ch = Submit(std::move(own));
   RunAll();
@@ -350,6 +351,54 @@ TEST_F(SchedulerTest, PrefillChunksAreAdmittedBeforeTheirForward) {
     EXPECT_EQ(c.tokens, FakeRunner::Greedy(Prompt(6 + 4 * i, i), 10)) << "request " << i;
   }
   EXPECT_EQ(runner_->pool().num_free_blocks(), 20);
+}
+
+// Higher priority is admitted first, FCFS within a priority.
+TEST_F(SchedulerTest, PriorityOrdersAdmission) {
+  SchedulerOptions o;
+  o.max_batch = 1;  // one at a time: the finish order is the admission order
+  Make(64, o);
+  std::vector<std::shared_ptr<RequestChannel>> channels;
+  for (int32_t priority : {0, 5, 5, -1, 1}) {
+    GenerationRequest r = MakeRequest(Prompt(4, priority + 10), 2);
+    r.priority = priority;
+    channels.push_back(Submit(std::move(r)));
+  }
+  std::vector<Collected> collected(channels.size());
+  std::vector<int> finish_order;
+  while (scheduler_->HasWork()) {
+    scheduler_->Step();
+    for (size_t i = 0; i < channels.size(); ++i) {
+      const bool was_finished = collected[i].finished;
+      Drain(*channels[i], collected[i]);
+      if (!was_finished && collected[i].finished) finish_order.push_back(static_cast<int>(i));
+    }
+  }
+  EXPECT_EQ(finish_order, (std::vector<int>{1, 2, 4, 0, 3}));
+}
+
+// Preemption takes the lowest priority first, even when it is the oldest sequence; outputs stay
+// exact.
+TEST_F(SchedulerTest, PreemptionTakesTheLowestPriority) {
+  SchedulerOptions o;
+  o.max_batch = 2;
+  o.decode_reserve_tokens = 0;
+  Make(/*num_blocks=*/10, o, /*block_size=*/4);  // 2 layers: 16 tokens each need 8 blocks
+  GenerationRequest low = MakeRequest(Prompt(4, 1), 12);
+  auto low_ch = Submit(std::move(low));
+  scheduler_->Step();  // admitted and prefilled first
+  GenerationRequest high = MakeRequest(Prompt(4, 2), 12);
+  high.priority = 1;
+  auto high_ch = Submit(std::move(high));
+  RunAll();
+  Collected l, h;
+  Drain(*low_ch, l);
+  Drain(*high_ch, h);
+  EXPECT_EQ(l.tokens, FakeRunner::Greedy(Prompt(4, 1), 12));
+  EXPECT_EQ(h.tokens, FakeRunner::Greedy(Prompt(4, 2), 12));
+  EXPECT_GT(l.summary.num_preemptions, 0);
+  EXPECT_EQ(h.summary.num_preemptions, 0);
+  EXPECT_EQ(runner_->pool().num_free_blocks(), 10);
 }
 
 TEST_F(SchedulerTest, AdmissionWaitsForBlocksFcfs) {
