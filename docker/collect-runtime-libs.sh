@@ -14,5 +14,11 @@ done | sort -u | while read -r lib; do
     libcuda.so.*|libnvidia-*) ;;
     *) cp -L "$lib" "$dest/" ;;
   esac
+  # Libraries that these load with dlopen, which ldd does not list: cuDNN's engine and op
+  # libraries beside libcudnn.so.9, NVRTC's builtins beside libnvrtc.so (torch's fused kernels).
+  case "$(basename "$lib")" in
+    libcudnn.so.*) for extra in "$(dirname "$lib")"/libcudnn_*.so.*; do cp -L "$extra" "$dest/"; done ;;
+    libnvrtc.so.*) for extra in "$(dirname "$lib")"/libnvrtc-builtins.so.*; do cp -L "$extra" "$dest/"; done ;;
+  esac
 done
 echo "collected $(ls "$dest" | wc -l) libraries into $dest"
