@@ -164,15 +164,24 @@ build_image() {  # flavour (cpu|cuda); sets build_seconds
   local base_args=(--build-arg DEBIAN_TAG="$debian_tag")
   [[ $flavour == cuda ]] && base_args=(--build-arg BUILD_IMAGE="debian:$debian_tag"
                                        --build-arg RUNTIME_IMAGE="debian:$debian_tag-slim")
+  local old_ids=()
+  old_ids+=("$(podman image inspect --format '{{.Id}}' "$name:$flavour" 2>/dev/null || true)")
+  old_ids+=("$(podman image inspect --format '{{.Id}}' "$name:$flavour-build" 2>/dev/null || true)")
   mkdir -p "$ccache"
   say "building $name:$flavour from docker/Dockerfile.$flavour ($jobs compile jobs; log $log)"
-  local start; start=$(date +%s)
+  local start created; start=$(date +%s)
+  created=$(date -u +%Y-%m-%dT%H:%M:%SZ)
+  # Buildah reuses a cached LABEL step whatever its ARG values are: --label sets the OCI labels
+  # that change on every build (the Dockerfile's LABEL is for `docker build`).
   # --format docker: OCI image configs have no HEALTHCHECK. Layers are cached between runs.
   if ! nice -n 19 podman build --isolation=chroot --pull=never --layers --format docker \
       -f "$root/docker/Dockerfile.$flavour" --ignorefile "$root/docker/Dockerfile.$flavour.dockerignore" \
       "${base_args[@]}" --build-arg BUILD_JOBS="$jobs" \
       --build-arg VERSION="$version" --build-arg REVISION="$revision" \
-      --build-arg CREATED="$(date -u +%Y-%m-%dT%H:%M:%SZ)" \
+      --build-arg CREATED="$created" \
+      --label org.opencontainers.image.version="$version" \
+      --label org.opencontainers.image.revision="$revision" \
+      --label org.opencontainers.image.created="$created" \
       -v "$ccache:/ccache" "${ca_args[@]}" \
       -t "$name:$flavour" "$root" >"$log" 2>&1; then
     tail -30 "$log" >&2
@@ -180,6 +189,21 @@ build_image() {  # flavour (cpu|cuda); sets build_seconds
   fi
   build_seconds=$(($(date +%s) - start))
   say "built $name:$flavour in ${build_seconds} s"
+  # Keep the build stage's layers (the apt and pip layers are the next build's cache) under a tag,
+  # and drop what earlier builds left behind: each rebuild of the compile layer leaves GBs.
+  nice -n 19 podman build --isolation=chroot --pull=never --layers --format docker --target build \
+    -f "$root/docker/Dockerfile.$flavour" --ignorefile "$root/docker/Dockerfile.$flavour.dockerignore" \
+    "${base_args[@]}" --build-arg BUILD_JOBS="$jobs" -v "$ccache:/ccache" "${ca_args[@]}" \
+    -t "$name:$flavour-build" "$root" >>"$log" 2>&1 || die "tagging the build stage failed; see $log"
+  # The previous image and build stage, now untagged (podman rmi also removes their untagged
+  # parent layers that nothing else uses). Only this script's own images are touched.
+  local old
+  for old in "${old_ids[@]}"; do
+    [[ -n "$old" ]] || continue
+    if [[ -z "$(podman image inspect --format '{{join .RepoTags ","}}' "$old" 2>/dev/null)" ]]; then
+      podman rmi "$old" >/dev/null 2>&1 || true
+    fi
+  done
 }
 
 # The image's size and its largest layers (podman history, sizes in bytes).
