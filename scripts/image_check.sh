@@ -356,7 +356,16 @@ check_binaries_load() {  # rootfs flavour
     in_image "$dir" "$flavour" "/opt/dropkv/bin/$b" --help >/dev/null ||
       die "$b --help failed in a chroot of $name:$flavour"
   done
-  say "dropkv-server --help and dropkv-cli --help run in a chroot of $name:$flavour (libraries load)"
+  # Every collected library (also those only loaded with dlopen) resolves inside the image; only
+  # the driver's libcuda.so.1 may be missing (the NVIDIA container toolkit mounts it).
+  local missing_libs n
+  # shellcheck disable=SC2016 # expanded by the image's shell
+  missing_libs=$(in_image "$dir" "$flavour" /bin/sh -c \
+    'for l in /opt/dropkv/lib/*; do ldd "$l" | sed -n "s|^[[:space:]]*\([^ ]*\) => not found|$l: \1|p"; done' |
+    grep -v ': libcuda\.so\.1$' || true)
+  [[ -z "$missing_libs" ]] || die "libraries in $name:$flavour do not resolve:"$'\n'"$missing_libs"
+  n=$(find "$dir/opt/dropkv/lib" -maxdepth 1 -type f | wc -l)
+  say "dropkv-server --help and dropkv-cli --help run in a chroot of $name:$flavour; its $n libraries in /opt/dropkv/lib all resolve (ldd)"
 }
 
 cpu_seconds="" cuda_seconds=""
