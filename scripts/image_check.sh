@@ -7,12 +7,14 @@
 #      mounted at /ccache so that a second build recompiles only what changed;
 #   4. exports the image's filesystem and, in a chroot of it (as the image's user, with its
 #      environment), starts `dropkv-server` on the default model (SmolLM2-135M-Instruct, bind-mounted
-#      read-only at /models as the volume would be) on loopback ports; checks the HEALTHCHECK
+#      read-only at /models as the volume would be, or copied in when its files are root-only) on
+#      loopback ports; checks that every library resolves, the HEALTHCHECK
 #      command, a completion over the OpenAI HTTP API, a generation over gRPC (dropkv-cli) and
 #      /metrics; stops it with SIGTERM (exit 0 expected);
-#   5. prints the image size and its largest layers (podman history);
-#   6. with --cuda, the same build for docker/Dockerfile.cuda (large), and its binaries are checked
-#      to load in a chroot of it (--help); no GPU is used.
+#   5. prints the build times, image sizes, largest layers (podman history) and largest files;
+#   6. with --cuda, the same build for docker/Dockerfile.cuda (3.7 GB; ~30 min cold on 2 cores),
+#      whose binaries must run --help and whose libraries must resolve in a chroot; no GPU is used.
+# Measured numbers and what this cannot check: docs/deployment.md, "Building and checking the images".
 # `podman run` is not used: it fails in this sandbox (rlimits, cgroups); a chroot of the exported
 # filesystem runs the same files. Idempotent: the base, the image layers and the compiler cache
 # are reused. Run as root (podman's root storage, chroot, bind mounts).
@@ -31,14 +33,16 @@ default model, send requests, check /metrics, print the image size and largest l
 
 Options:
   --cuda        also build docker/Dockerfile.cuda (Debian base, the torch wheel's CUDA libraries;
-                large and slow) and check its binaries load (--help)
+                3.7 GB, ~30 min cold on 2 cores, minutes with its ccache) and check that its
+                binaries run --help and its libraries resolve in a chroot (no GPU needed)
   --cuda-only   build and check only the CUDA image
   --no-run      build the CPU image but do not start its server
   --tag PREFIX  image name (default dropkv-server): PREFIX:cpu and PREFIX:cuda
   -h, --help    this help
 
 Environment: DROPKV_CACHE, DROPKV_MODELS, DROPKV_JOBS (compile jobs, default 2).
-Needs root. Installs podman and debootstrap with apt when missing.
+Needs root. Installs podman, debootstrap and curl with apt when missing. Cached between runs
+under $DROPKV_CACHE/images (base, compiler caches) and in podman's storage (layers).
 EOF
 }
 
