@@ -6,8 +6,9 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 "$root/scripts/setup.sh"
 "$root/scripts/build.sh"
 build=${BUILD_DIR:-$root/build}
-# Label `image` (scripts/image_check.sh: container images built with podman, ~40 min cold) does
-# not fit CI's time; it runs only when asked for by label, e.g. scripts/test.sh -L image.
+# Label `image` (scripts/image_check.sh: the container images built with podman; ~15 min cold,
+# root, ~650 MB of downloads) is not part of CI; it runs only when asked for by label, e.g.
+# scripts/test.sh -L image (docs/deployment.md).
 skip_image=(-LE '^image$')
 for a in "$@"; do [[ "$a" == *image* ]] && skip_image=(); done
 ctest --test-dir "$build" --output-on-failure --timeout 1800 -j "${DROPKV_TEST_JOBS:-2}" \
