@@ -36,15 +36,22 @@ if(NOT DROPKV_PYTHON)
     set(DROPKV_PYTHON "${_py3}" CACHE FILEPATH "" FORCE)
   endif()
 endif()
+# The torch package's folder, found without importing it: `import torch` loads libtorch_cuda, cuDNN,
+# cuBLAS, ..., which a CPU-only install (the wheel with --no-deps, as in docker/Dockerfile.cpu)
+# does not have. Its share/cmake is torch.utils.cmake_prefix_path.
+execute_process(
+  COMMAND "${DROPKV_PYTHON}" -c
+          "import importlib.util, os; print(os.path.dirname(importlib.util.find_spec('torch').origin))"
+  OUTPUT_VARIABLE _torch_root OUTPUT_STRIP_TRAILING_WHITESPACE RESULT_VARIABLE _rc ERROR_QUIET)
+if(NOT _rc EQUAL 0 OR NOT EXISTS "${_torch_root}/version.py")
+  set(_torch_root "")
+endif()
 if(NOT Torch_DIR)
-  execute_process(
-    COMMAND "${DROPKV_PYTHON}" -c "import torch; print(torch.utils.cmake_prefix_path)"
-    OUTPUT_VARIABLE _torch_prefix OUTPUT_STRIP_TRAILING_WHITESPACE RESULT_VARIABLE _rc)
-  if(NOT _rc EQUAL 0)
-    message(FATAL_ERROR "LibTorch not found: '${DROPKV_PYTHON} -c import torch' failed. "
+  if(NOT _torch_root)
+    message(FATAL_ERROR "LibTorch not found: no torch package for '${DROPKV_PYTHON}'. "
                         "Run scripts/setup.sh, or pass -DTorch_DIR=... / -DDROPKV_PYTHON=...")
   endif()
-  list(APPEND CMAKE_PREFIX_PATH "${_torch_prefix}")
+  list(APPEND CMAKE_PREFIX_PATH "${_torch_root}/share/cmake")
 endif()
 if(NOT DROPKV_KVPRESS_PYTHON)
   get_filename_component(_venv_dir "${DROPKV_PYTHON}" DIRECTORY)
@@ -74,18 +81,15 @@ endif()
 
 add_library(dropkv_torch INTERFACE)
 if(_torch_cpu_only)
-  execute_process(
-    COMMAND "${DROPKV_PYTHON}" -c
-            "import os, torch; print(os.path.dirname(torch.__file__)); print(torch.__version__.split('+')[0]); print(int(torch.compiled_with_cxx11_abi()))"
-    OUTPUT_VARIABLE _torch_info OUTPUT_STRIP_TRAILING_WHITESPACE RESULT_VARIABLE _rc)
-  if(NOT _rc EQUAL 0)
-    message(FATAL_ERROR "LibTorch not found: '${DROPKV_PYTHON} -c import torch' failed")
+  if(NOT _torch_root)
+    message(FATAL_ERROR "LibTorch not found: no torch package for '${DROPKV_PYTHON}'")
   endif()
-  string(REPLACE "\n" ";" _torch_info "${_torch_info}")
-  list(GET _torch_info 0 _torch_root)
-  list(GET _torch_info 1 Torch_VERSION)
-  list(GET _torch_info 2 _torch_abi)
-  set(TORCH_CXX_FLAGS "-D_GLIBCXX_USE_CXX11_ABI=${_torch_abi}")
+  # torch/version.py holds __version__ = '2.11.0+cu130'.
+  file(STRINGS "${_torch_root}/version.py" _torch_version_line REGEX "^__version__ *=")
+  string(REGEX REPLACE "^__version__ *= *'([0-9.]+).*$" "\\1" Torch_VERSION "${_torch_version_line}")
+  # Every PyPI wheel since torch 2.7 is built with the C++11 ABI (torch.compiled_with_cxx11_abi()
+  # returns a constant True in 2.11); the version pin below keeps this true.
+  set(TORCH_CXX_FLAGS "-D_GLIBCXX_USE_CXX11_ABI=1")
   target_include_directories(dropkv_torch SYSTEM INTERFACE "${_torch_root}/include"
                                                            "${_torch_root}/include/torch/csrc/api/include")
   # --no-as-needed: libtorch_cpu registers its operators in static initialisers.
