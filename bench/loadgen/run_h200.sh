@@ -12,7 +12,8 @@
 # KV_MEMORY (100GiB), PROMPT_LEN (fixed:8192), OUTPUT_LEN (fixed:256), MODES ("none dropkv:0.1"),
 # SERVERS (default "dropkv-server"): server executables on PATH swept one after the other in the
 # same call (an A/B of two builds: pack the other as e.g. bin/dropkv-server-prev); each one's
-# reports go to $OUT/<server>/ and get a table of their own.
+# reports go to $OUT/<server>/ and get a table of their own. SERVER_ARGS: more server flags
+# (e.g. "--prefill-tokens-per-step 512").
 set -uo pipefail
 OUT=${OUT:-$PWD/.gpu/out}
 mkdir -p "$OUT"
@@ -29,7 +30,7 @@ for server_bin in ${SERVERS:-dropkv-server}; do
   mkdir -p "$out"
   "$server_bin" --model "$geo" --random-weights --device cuda --port 50051 --metrics-port 9400 \
     --kv-memory "${KV_MEMORY:-100GiB}" --max-batch 256 --max-queue-requests 4096 \
-    --max-queue-prompt-tokens 0 --max-prompt-tokens 16384 > "$out/server.log" 2>&1 &
+    --max-queue-prompt-tokens 0 --max-prompt-tokens 16384 ${SERVER_ARGS:-} > "$out/server.log" 2>&1 &
   server=$!
   for _ in $(seq 240); do
     grep -q "listening on" "$out/server.log" && break

@@ -3,7 +3,7 @@
 // forwards as each other's decode rows, produce the tokens each produces alone. Compressed
 // (DropKV at 25%, SnapKV under every_chunk with its own chunk size) and uncompressed prompts,
 // chunked by the step budget and whole; once with room for all, once in a pool small enough to
-// preempt, once with a request cancelled midway. The pool is all free after each run.
+// preempt with a request cancelled midway. The pool is all free after each run.
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -11,6 +11,7 @@
 #include <string>
 
 #include "allocator/block_pool.h"
+#include "engine/compression/plan.h"
 #include "engine/compression/press.h"
 #include "engine/runner/model_runner.h"
 #include "engine/scheduler/scheduler.h"
@@ -20,7 +21,8 @@
 namespace dropkv {
 namespace {
 
-constexpr int kNewTokens = 8;
+constexpr int kNewTokens = 17;  // more than a 16-token block: every sequence grows by one
+constexpr int kCancelled = 2;   // the request the last run cancels midway
 
 std::string ModelDir() {
   return (testing::ModelsDir() / "smollm2-135m-instruct").string();
@@ -68,10 +70,11 @@ class MixedStepTest : public ::testing::Test {
     tokenizer_ = std::move(*tok);
   }
 
-  // Runs `cases` (all, or only `only`) through one scheduler over a pool of `num_blocks`;
-  // returns each request's tokens; `cancel_after_steps` > 0 cancels request 1 then.
+  // Runs `cases` (all, or only `only`) through one scheduler over a pool of `num_blocks` with
+  // `decode_reserve` tokens of decode room per layer at admission; returns each request's
+  // tokens; `cancel_after_steps` > 0 cancels request kCancelled then.
   std::map<int, std::vector<int32_t>> Run(int64_t num_blocks, int only = -1,
-                                          int cancel_after_steps = 0) {
+                                          int cancel_after_steps = 0, int64_t decode_reserve = 2) {
     RunnerOptions ro;
     ro.model_dir = ModelDir();
     ro.device = "cpu";
@@ -86,7 +89,7 @@ class MixedStepTest : public ::testing::Test {
     SchedulerOptions so;
     so.max_batch = 8;
     so.max_prefill_tokens_per_step = 64;
-    so.decode_reserve_tokens = 2;
+    so.decode_reserve_tokens = decode_reserve;
     Scheduler scheduler(
         *r, nullptr,
         [r] {
@@ -109,7 +112,7 @@ class MixedStepTest : public ::testing::Test {
     int steps = 0;
     while (scheduler.HasWork() && steps < 2000) {
       scheduler.Step();
-      if (++steps == cancel_after_steps) channels[1]->Cancel();
+      if (++steps == cancel_after_steps) channels[kCancelled]->Cancel();
     }
     EXPECT_FALSE(scheduler.HasWork());
     num_preemptions_ = scheduler.Stats().num_preemptions;
@@ -137,18 +140,23 @@ TEST_F(MixedStepTest, TogetherEqualsAlone) {
   EXPECT_EQ(num_preemptions_, 0);
   for (auto& [i, tokens] : alone) EXPECT_EQ(together.at(i), tokens) << "request " << i;
 
-  // A pool that holds about two of them at a time (30 layers, 16-token blocks): preemptions,
-  // recomputed exactly.
-  const auto tight = Run(600);
-  EXPECT_GT(num_preemptions_, 0);
-  for (auto& [i, tokens] : alone) EXPECT_EQ(tight.at(i), tokens) << "request " << i;
-
-  // Request 1 cancelled while the others run: theirs are unchanged.
-  const auto cancelled = Run(2048, -1, /*cancel_after_steps=*/3);
-  for (auto& [i, tokens] : alone) {
-    if (i != 1) EXPECT_EQ(cancelled.at(i), tokens) << "request " << i;
+  // A pool that holds exactly the first two prompts (SmolLM2: 30 layers; 16-token blocks) and no
+  // decode room at admission: their decode growth preempts, the preempted are recomputed
+  // exactly; request 2 is cancelled midway (after the first two finished and it was admitted),
+  // the others' tokens are unchanged.
+  const compression::KvCacheGeometry geometry{.num_global_layers = 30, .block_size = 16};
+  int64_t first_two = 0;
+  for (int i : {0, 1}) {
+    first_two += *compression::BlocksNeeded(
+        {}, static_cast<int64_t>(tokenizer_->Encode(Cases()[i].text)->size()), geometry, 0);
   }
-  EXPECT_LT(cancelled.count(1) ? cancelled.at(1).size() : 0, size_t{kNewTokens});
+  const auto tight = Run(first_two, -1, /*cancel_after_steps=*/30, /*decode_reserve=*/0);
+  EXPECT_GT(num_preemptions_, 0);
+  for (auto& [i, tokens] : alone) {
+    if (i == kCancelled) continue;
+    EXPECT_EQ(tight.at(i), tokens) << "request " << i;
+  }
+  EXPECT_LT(tight.count(kCancelled) ? tight.at(kCancelled).size() : 0, size_t{kNewTokens});
 }
 
 }  // namespace
