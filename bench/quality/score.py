@@ -6,8 +6,9 @@ task, length, idx, format, answers, match, text, score}. A prompt's score is RUL
 (answer_score below; dropkv-quality-tasks computes the same in C++, task_eval.cpp, and this script
 checks that the two agree on every line it reads). Prints, per (task, length, format), accuracy
 as mean +- standard error with n for every (engine, method, keep), and the paired difference of
-each configuration against ours DropKV at the same keep (prompts matched by idx), with its
-standard error; |diff| > 2 s.e. is marked.
+each configuration against ours DropKV (uniform allocator) at the same keep (prompts matched by
+idx), with its standard error; |diff| > 2 s.e. is marked. A DepthKV allocator other than uniform
+is named in brackets after the method.
 
   python3 bench/quality/score.py ours.jsonl kvpress.jsonl [--reference dropkv]
 """
@@ -68,14 +69,15 @@ def main():
         print(f"| method | keep | accuracy | n | paired vs our {args.reference} |")
         print("|---|---|---|---|---|")
         order = sorted(runs, key=lambda k: (k[2] if k[1] not in ("full", "none") else 2.0,
-                                             k[0] != "dropkv", k[1]))
+                                             k[0] != "dropkv", k[1], k[3] != "uniform", k[3]))
         for key in order:
             engine, method, keep, alloc = key
             scores = runs[key]
             m, se = mean_se(list(scores.values()))
-            ref = runs.get(("dropkv", args.reference, keep, alloc))
+            # Paired against the reference under the uniform allocator (DepthKV rows included).
+            ref = runs.get(("dropkv", args.reference, keep, "uniform"))
             paired = ""
-            if ref is not None and key[:2] != ("dropkv", args.reference):
+            if ref is not None and key != ("dropkv", args.reference, keep, "uniform"):
                 common = sorted(set(ref) & set(scores))
                 d = [scores[i] - ref[i] for i in common]
                 if d:
@@ -83,6 +85,8 @@ def main():
                     mark = " *" if abs(dm) > 2 * dse and dse > 0 else ""
                     paired = f"{dm:+.3f} ({dse:.3f}){mark}"
             name = method if engine == "dropkv" else f"kvpress {method}"
+            if alloc not in ("uniform", "-"):
+                name += f" [{alloc}]"
             keep_s = "1.00" if method in ("full", "none") else f"{keep:.2f}"
             print(f"| {name} | {keep_s} | {m:.3f} ± {se:.3f} | {len(scores)} | {paired} |")
 
