@@ -16,8 +16,10 @@
 //                  against the pool first: out of blocks, the last running sequence in that
 //                  order (lowest priority, newest) goes back to waiting (recomputed later) and
 //                  the batch is made again. Pure-decode steps keep
-//                  CUDA graphs. A failed forward changed nothing; its parts are retried alone so
-//                  that only the failing sequence ends with the error.
+//                  CUDA graphs. A compressed prompt's chunks run in a forward of their own
+//                  (its press selects among exact score ties: a shared GEMM's last-bit
+//                  differences would change what it keeps under load). A failed forward changed
+//                  nothing; its parts are retried alone so that only the failing sequence ends.
 //   4. sample    - one token per decode row and per finished prompt; stop checks (EOS, stop
 //                  ids, stop strings, max_new_tokens, context); one event per sequence pushed to
 //                  its channel.
