@@ -25,9 +25,9 @@ absl::StatusOr<std::unique_ptr<BlockPool>> BlockPool::Create(const BlockPoolOpti
   if (!options.layer_capacity.empty() &&
       (static_cast<int64_t>(options.layer_capacity.size()) != options.num_layers ||
        *std::min_element(options.layer_capacity.begin(), options.layer_capacity.end()) < 0)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("layer_capacity must list num_layers (", options.num_layers,
-                     ") capacities >= 0, got ", options.layer_capacity.size()));
+    return absl::InvalidArgumentError(absl::StrCat("layer_capacity must list num_layers (",
+                                                   options.num_layers, ") capacities >= 0, got ",
+                                                   options.layer_capacity.size()));
   }
   if (options.allocate_storage && (options.num_kv_heads <= 0 || options.head_dim <= 0)) {
     return absl::InvalidArgumentError(absl::StrCat("num_kv_heads and head_dim must be > 0, got ",
@@ -35,7 +35,8 @@ absl::StatusOr<std::unique_ptr<BlockPool>> BlockPool::Create(const BlockPoolOpti
                                                    options.head_dim));
   }
   std::unique_ptr<BlockPool> pool(new BlockPool(options));
-  pool->in_use_.assign(options.num_blocks, 0);
+  pool->ref_count_.assign(options.num_blocks, 0);
+  pool->cached_.assign(options.num_blocks, 0);
   pool->free_list_.resize(options.num_blocks);
   // Pop from the back: block 0 is handed out first.
   for (int64_t i = 0; i < options.num_blocks; ++i) {
@@ -67,21 +68,58 @@ absl::StatusOr<std::vector<int32_t>> BlockPool::AllocateBlocks(int64_t num_block
                                                      num_free_blocks(), " free of ",
                                                      this->num_blocks()));
   }
+  const int64_t missing = num_blocks - static_cast<int64_t>(free_list_.size());
+  if (missing > 0 && reclaimer_) reclaimer_(missing);
+  if (static_cast<int64_t>(free_list_.size()) < num_blocks) {
+    return absl::InternalError(absl::StrCat("KV pool: the prefix cache released too few blocks (",
+                                            free_list_.size(), " free, need ", num_blocks, ")"));
+  }
   std::vector<int32_t> out(num_blocks);
   for (int64_t i = 0; i < num_blocks; ++i) {
     out[i] = free_list_.back();
     free_list_.pop_back();
-    in_use_[out[i]] = 1;
+    ref_count_[out[i]] = 1;
   }
   return out;
 }
 
 void BlockPool::FreeBlocks(std::span<const int32_t> block_ids) {
   for (int32_t b : block_ids) {
-    if (b < 0 || b >= num_blocks() || !in_use_[b])
+    if (b < 0 || b >= num_blocks() || ref_count_[b] == 0)
       continue;  // double free: ignore, keep list sound
-    in_use_[b] = 0;
-    free_list_.push_back(b);
+    CountReclaimable(b, -1);
+    if (--ref_count_[b] == 0) {
+      free_list_.push_back(b);
+    } else {
+      CountReclaimable(b, +1);
+    }
+  }
+}
+
+void BlockPool::RetainBlocks(std::span<const int32_t> block_ids) {
+  for (int32_t b : block_ids) {
+    CountReclaimable(b, -1);
+    ++ref_count_[b];
+  }
+}
+
+void BlockPool::PinForCache(std::span<const int32_t> block_ids) {
+  for (int32_t b : block_ids) {
+    if (cached_[b]) continue;
+    ++ref_count_[b];
+    cached_[b] = 1;
+    ++num_cached_;
+    CountReclaimable(b, +1);
+  }
+}
+
+void BlockPool::UnpinFromCache(std::span<const int32_t> block_ids) {
+  for (int32_t b : block_ids) {
+    if (!cached_[b]) continue;
+    CountReclaimable(b, -1);
+    cached_[b] = 0;
+    --num_cached_;
+    if (--ref_count_[b] == 0) free_list_.push_back(b);
   }
 }
 
@@ -89,6 +127,37 @@ absl::Status BlockPool::AddSequence(int64_t seq) {
   if (HasSequence(seq)) return absl::AlreadyExistsError(absl::StrCat("sequence ", seq, " exists"));
   SequenceBlocks s;
   s.layers.resize(options_.num_layers);
+  seqs_.emplace(seq, std::move(s));
+  return absl::OkStatus();
+}
+
+absl::Status BlockPool::AddSequenceSharing(int64_t seq, int64_t num_tokens,
+                                           std::span<const std::vector<int32_t>> layer_blocks) {
+  if (HasSequence(seq)) return absl::AlreadyExistsError(absl::StrCat("sequence ", seq, " exists"));
+  if (static_cast<int32_t>(layer_blocks.size()) != num_layers() || num_tokens % block_size() != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "shared prefix: ", layer_blocks.size(), " layers and ", num_tokens,
+        " tokens; the pool has ", num_layers(), " layers of ", block_size(), "-token blocks"));
+  }
+  const auto n = static_cast<size_t>(num_tokens / block_size());
+  for (int32_t l = 0; l < num_layers(); ++l) {
+    if (layer_blocks[l].size() != n || capacity(l) > 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("shared prefix: layer ", l, " is bounded or holds another block count"));
+    }
+    for (int32_t b : layer_blocks[l]) {
+      if (b < 0 || b >= num_blocks() || ref_count_[b] == 0)
+        return absl::InvalidArgumentError(absl::StrCat("shared prefix: block ", b, " is free"));
+    }
+  }
+  SequenceBlocks s;
+  s.logical_len = num_tokens;
+  s.layers.resize(num_layers());
+  for (int32_t l = 0; l < num_layers(); ++l) {
+    RetainBlocks(layer_blocks[l]);
+    s.layers[l].block_ids = layer_blocks[l];
+    s.layers[l].stored_len = s.logical_len;
+  }
   seqs_.emplace(seq, std::move(s));
   return absl::OkStatus();
 }
@@ -132,8 +201,8 @@ int64_t BlockPool::Grown(const LayerBlockTable& t, int32_t layer_idx, int64_t nu
 
 int64_t BlockPool::ExtraBlocks(const LayerBlockTable& t, int32_t layer_idx,
                                int64_t num_tokens) const {
-  return std::max<int64_t>(0, BlocksFor(Grown(t, layer_idx, num_tokens)) -
-                                  static_cast<int64_t>(t.block_ids.size()));
+  return std::max<int64_t>(
+      0, BlocksFor(Grown(t, layer_idx, num_tokens)) - static_cast<int64_t>(t.block_ids.size()));
 }
 
 int64_t BlockPool::BlocksToAppend(std::span<const int64_t> seqs, int64_t num_tokens) const {

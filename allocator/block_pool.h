@@ -5,9 +5,16 @@
 //
 // Failure is a value: every allocating call is all-or-nothing and returns RESOURCE_EXHAUSTED with
 // the state unchanged when the free list is too short (ask CanAllocate first, then commit).
+//
+// Blocks are reference counted: a sequence's table holds one reference per block, and a block
+// may be shared (a cached prompt prefix, allocator/prefix_cache.h). Shared blocks are full and
+// never written again: appends go to new blocks. A block the prefix cache pins and nobody else
+// holds is "reclaimable": it counts as free, and an allocation that finds the free list short
+// asks the reclaimer (the cache) to unpin some first.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <unordered_map>
 #include <vector>
@@ -57,8 +64,14 @@ class BlockPool {
   int32_t block_size() const { return options_.block_size; }
   int32_t num_layers() const { return options_.num_layers; }
   int64_t num_blocks() const { return options_.num_blocks; }
-  int64_t num_free_blocks() const { return static_cast<int64_t>(free_list_.size()); }
+  // Blocks an allocation can take: the free list and the reclaimable cached blocks.
+  int64_t num_free_blocks() const {
+    return static_cast<int64_t>(free_list_.size()) + num_reclaimable_;
+  }
   int64_t num_used_blocks() const { return num_blocks() - num_free_blocks(); }
+  // Blocks the prefix cache pins (held by sequences too, or reclaimable).
+  int64_t num_cached_blocks() const { return num_cached_; }
+  int64_t num_reclaimable_blocks() const { return num_reclaimable_; }
   bool CanAllocate(int64_t num_blocks) const { return num_blocks <= num_free_blocks(); }
   // Blocks needed to hold `num_tokens` slots.
   int64_t BlocksFor(int64_t num_tokens) const;
@@ -72,16 +85,37 @@ class BlockPool {
   const at::Tensor& value_cache() const { return value_cache_; }
 
   // --- raw blocks -------------------------------------------------------------------------------
-  // `num_blocks` free blocks, or RESOURCE_EXHAUSTED with nothing taken.
+  // `num_blocks` free blocks (one reference each), or RESOURCE_EXHAUSTED with nothing taken.
   absl::StatusOr<std::vector<int32_t>> AllocateBlocks(int64_t num_blocks);
-  // Returns blocks to the free list. Precondition: each is allocated and owned by no table.
+  // Drops one reference of each block; a block nobody holds returns to the free list.
+  // Precondition: the caller holds those references (no table does). Unallocated ids are ignored.
   void FreeBlocks(std::span<const int32_t> block_ids);
+  // One more reference to each (allocated) block.
+  void RetainBlocks(std::span<const int32_t> block_ids);
+  int32_t ref_count(int32_t block_id) const { return ref_count_[block_id]; }
+  bool is_cached(int32_t block_id) const { return cached_[block_id] != 0; }
+
+  // --- the prefix cache's pins -------------------------------------------------------------------
+  // Pin: the cache takes a reference and marks the block cached; Unpin drops both. A block is
+  // pinned at most once.
+  void PinForCache(std::span<const int32_t> block_ids);
+  void UnpinFromCache(std::span<const int32_t> block_ids);
+  // Called with the number of blocks missing when an allocation finds the free list short (it
+  // never asks for more than num_reclaimable_blocks()); it must unpin at least that many
+  // reclaimable blocks. Empty: none.
+  using Reclaimer = std::function<void(int64_t num_blocks)>;
+  void set_reclaimer(Reclaimer reclaimer) { reclaimer_ = std::move(reclaimer); }
 
   // --- sequences -------------------------------------------------------------------------------
   bool HasSequence(int64_t seq) const { return seqs_.contains(seq); }
   // Registers `seq` with empty tables; ALREADY_EXISTS when known.
   absl::Status AddSequence(int64_t seq);
-  // Frees every block of `seq` and forgets it; unknown ids are ignored.
+  // Registers `seq` holding `num_tokens` tokens (stored and logical) in the full blocks
+  // `layer_blocks[l]` of each layer l (a reference is taken to each): a shared prefix, so every
+  // layer unbounded with num_tokens / block_size blocks. ALREADY_EXISTS / INVALID_ARGUMENT.
+  absl::Status AddSequenceSharing(int64_t seq, int64_t num_tokens,
+                                  std::span<const std::vector<int32_t>> layer_blocks);
+  // Drops `seq`'s reference to each of its blocks and forgets it; unknown ids are ignored.
   void FreeSequence(int64_t seq);
   int64_t num_sequences() const { return static_cast<int64_t>(seqs_.size()); }
 
@@ -129,10 +163,18 @@ class BlockPool {
   // stored_len of layer `layer_idx`'s table `t` after appending num_tokens.
   int64_t Grown(const LayerBlockTable& t, int32_t layer_idx, int64_t num_tokens) const;
   int64_t ExtraBlocks(const LayerBlockTable& t, int32_t layer_idx, int64_t num_tokens) const;
+  // num_reclaimable_ += delta when block b is pinned and held by the cache alone.
+  void CountReclaimable(int32_t b, int64_t delta) {
+    if (cached_[b] && ref_count_[b] == 1) num_reclaimable_ += delta;
+  }
 
   BlockPoolOptions options_;
   std::vector<int32_t> free_list_;  // LIFO: recently freed blocks are reused first
-  std::vector<uint8_t> in_use_;     // [num_blocks]
+  std::vector<int32_t> ref_count_;  // [num_blocks]; 0 = free
+  std::vector<uint8_t> cached_;     // [num_blocks]; pinned by the prefix cache
+  int64_t num_cached_ = 0;
+  int64_t num_reclaimable_ = 0;
+  Reclaimer reclaimer_;
   std::unordered_map<int64_t, SequenceBlocks> seqs_;
   at::Tensor key_cache_;
   at::Tensor value_cache_;

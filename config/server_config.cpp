@@ -351,6 +351,11 @@ std::vector<Setting> MakeSettings() {
   v.push_back(IntSetting<int32_t>(
       "prefill_tokens_per_step", "prefill tokens per scheduler step",
       [](C& c) -> int32_t& { return c.prefill_tokens_per_step; }, 1, 1 << 24));
+  v.push_back(BoolSetting(
+      "prefix_cache",
+      "reuse the KV blocks of uncompressed prompts' cached prefixes (off for models with "
+      "sliding-window layers)",
+      [](C& c) -> bool& { return c.prefix_cache; }));
   v.push_back(
       BoolSetting("random_weights",
                   "benchmark only: draw the weights (normal, std 0.02) instead of reading them",

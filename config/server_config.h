@@ -65,6 +65,9 @@ struct ServerConfig {
   int32_t max_new_tokens_limit = 4096;        // largest max_new_tokens a request may ask for
   int32_t max_prompt_tokens = 0;              // longest prompt accepted; 0 = the model's context
   int32_t prefill_tokens_per_step = 2048;     // prefill token budget of one scheduler step
+  // Keep uncompressed prompts' KV blocks for later prompts with the same prefix (off by itself
+  // for models with sliding-window layers).
+  bool prefix_cache = true;
   // Benchmarks at real geometry with nothing downloaded: weights drawn from normal(0, 0.02)
   // (seeded) instead of read; the model folder then needs config.json and a tokenizer only.
   bool random_weights = false;

@@ -306,6 +306,7 @@ void FillFinal(const GenerationEvent& event, v1::GenerateResponse* response) {
   for (int64_t n : s.kv_tokens_kept_per_layer) usage->add_kv_tokens_kept_per_layer(n);
   usage->set_kv_bytes_saved(s.kv_bytes_saved);
   usage->set_num_preemptions(s.num_preemptions);
+  usage->set_cached_prompt_tokens(s.num_cached_prompt_tokens);
   v1::Timings* t = response->mutable_timings();
   t->set_queue_ms(s.queue_ms);
   t->set_prefill_ms(s.prefill_ms);

@@ -15,16 +15,18 @@ namespace {
 // step's chunks when the plan split it, whose last chunk keeps at least W tokens so that it holds
 // the whole observation window, as one pass does.
 std::vector<std::pair<int64_t, int64_t>> ChunkBounds(const CompressionParams& c, int64_t prompt_len,
-                                                     int64_t step_tokens, bool split) {
+                                                     int64_t step_tokens, bool split,
+                                                     int64_t first) {
   std::vector<std::pair<int64_t, int64_t>> bounds;
-  for (int64_t begin = 0; begin < prompt_len;) {
+  for (int64_t begin = first; begin < prompt_len;) {
     const int64_t remaining = prompt_len - begin;
     int64_t len = remaining;
     if (c.chunk_size > 0) {
       len = std::min<int64_t>(remaining, c.chunk_size);
       if (split && remaining > len && remaining - len < c.window) len = remaining - c.window;
     } else if (c.method == ScoreMethod::kNone) {
-      len = std::min(remaining, std::max<int64_t>(1, step_tokens));
+      const int64_t step = std::max<int64_t>(1, step_tokens);
+      len = std::min(remaining, step - begin % step);  // back on the grid after a cached prefix
     }
     bounds.emplace_back(begin, begin + len);
     begin += len;
@@ -54,12 +56,14 @@ struct Simulation {
 
 absl::StatusOr<Simulation> Simulate(const CompressionParams& c, int64_t prompt_len,
                                     const KvCacheGeometry& g, const LayerProfile* profile,
-                                    int64_t step_tokens, bool split) {
+                                    int64_t step_tokens, bool split, int64_t cached) {
   Simulation sim;
-  sim.stored.assign(g.num_global_layers, 0);
+  sim.stored.assign(g.num_global_layers, cached);
   const int64_t layers = g.num_global_layers;
-  int64_t held = 0;  // blocks of the sequence between chunks
-  for (const auto& [begin, end] : ChunkBounds(c, prompt_len, step_tokens, split)) {
+  // Blocks of the sequence between chunks.
+  int64_t held = layers * g.BlocksFor(cached) +
+                 g.num_sliding_layers * g.BlocksFor(std::min(cached, g.sliding_capacity));
+  for (const auto& [begin, end] : ChunkBounds(c, prompt_len, step_tokens, split, cached)) {
     PlannedChunk chunk{.begin = begin, .end = end};
     const int64_t t_len = end - begin;
     const bool is_last = end == prompt_len;
@@ -134,6 +138,13 @@ absl::StatusOr<CompressionPlan> CompressionPlan::Create(const CompressionParams&
       return s;
   }
   const int64_t reserve = std::max<int64_t>(0, options.decode_reserve_tokens);
+  const int64_t cached = options.cached_prefix_tokens;
+  if (cached < 0 || cached >= prompt_len ||
+      (cached > 0 && (params.method != ScoreMethod::kNone || cached % geometry.block_size != 0))) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cached prefix of ", cached, " tokens: must be whole blocks of an uncompressed prompt of ",
+        prompt_len, " tokens, leaving one to prefill"));
+  }
   auto finish = [&](const CompressionParams& c, bool split, Simulation sim) -> CompressionPlan {
     CompressionPlan plan;
     plan.params_ = c;
@@ -159,13 +170,15 @@ absl::StatusOr<CompressionPlan> CompressionPlan::Create(const CompressionParams&
     CompressionParams chunked = params;
     chunked.chunk_size = static_cast<int32_t>(step);
     chunked.chunk_policy = ChunkPolicy::kLastChunk;
-    absl::StatusOr<Simulation> sim = Simulate(chunked, prompt_len, geometry, profile, step, true);
+    absl::StatusOr<Simulation> sim =
+        Simulate(chunked, prompt_len, geometry, profile, step, true, /*cached=*/0);
     if (!sim.ok()) return sim.status();
     CompressionPlan plan = finish(chunked, true, std::move(*sim));
     if (options.split_long_prompt.has_value() || plan.blocks_needed_ <= options.pool_blocks)
       return plan;
   }
-  absl::StatusOr<Simulation> sim = Simulate(params, prompt_len, geometry, profile, step, false);
+  absl::StatusOr<Simulation> sim =
+      Simulate(params, prompt_len, geometry, profile, step, false, cached);
   if (!sim.ok()) return sim.status();
   return finish(params, false, std::move(*sim));
 }

@@ -41,6 +41,10 @@ struct PlanOptions {
   // A previous plan's choice for the same request (kept across preemptions, so that a request
   // sees the same chunks whatever the load); unset: decided here.
   std::optional<bool> split_long_prompt;
+  // Prompt tokens already in the cache when the prefill starts (a prefix-cache hit, uncompressed
+  // prompts only): the chunks cover the rest, on the grid of `step_tokens` chunks a prefill from
+  // position 0 uses, and the blocks counted include the cached ones.
+  int64_t cached_prefix_tokens = 0;
 };
 
 // One prefill chunk: prompt positions [begin, end).

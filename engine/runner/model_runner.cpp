@@ -529,6 +529,12 @@ class TorchModelRunner : public ModelRunner {
     }
   }
 
+  absl::Status AdoptPrefix(SequenceId seq, std::span<const int32_t> tokens,
+                           std::span<const std::vector<int32_t>> layer_blocks) override {
+    RETURN_IF_ERROR(CheckTokens(tokens));
+    return pool_->AddSequenceSharing(seq, static_cast<int64_t>(tokens.size()), layer_blocks);
+  }
+
   SequenceCacheInfo CacheInfo(SequenceId seq) const override {
     SequenceCacheInfo info;
     if (!pool_->HasSequence(seq)) return info;

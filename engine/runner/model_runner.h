@@ -107,8 +107,15 @@ class ModelRunner {
   };
   virtual DecodeHostTimes last_decode_host_times() const { return {}; }
 
+  // Starts `seq` from a cached prefix (allocator/prefix_cache.h): `tokens`, whole blocks, whose
+  // K/V every layer l holds in the pool blocks `layer_blocks[l]` (shared: a reference is taken).
+  // Its first prefill chunk then continues at position tokens.size(). ALREADY_EXISTS when `seq`
+  // is known, INVALID_ARGUMENT when the blocks do not hold `tokens`.
+  virtual absl::Status AdoptPrefix(SequenceId seq, std::span<const int32_t> tokens,
+                                   std::span<const std::vector<int32_t>> layer_blocks) = 0;
+
   virtual SequenceCacheInfo CacheInfo(SequenceId seq) const = 0;
-  // Frees every block of `seq`; unknown ids are ignored.
+  // Drops `seq` and its references to its blocks; unknown ids are ignored.
   virtual void Release(SequenceId seq) = 0;
 
   // --- extensions (issue 3); defaults keep test doubles of this interface compiling ------------

@@ -26,7 +26,7 @@ struct GenerationRequest {
   std::vector<int32_t> prompt_ids;
   SamplingParams sampling;
   CompressionParams compression;
-  int32_t priority = 0;  // higher is admitted first; FCFS within a priority
+  int32_t priority = 0;                // higher is admitted first; FCFS within a priority
   std::optional<SteadyTime> deadline;  // gRPC deadline; the sequence leaves at the next step after
   SteadyTime arrival_time = std::chrono::steady_clock::now();
 };
@@ -46,7 +46,8 @@ struct TokenLogprobInfo {
 struct GenerationSummary {
   int32_t num_prompt_tokens = 0;
   int32_t num_completion_tokens = 0;
-  int64_t num_kv_tokens_kept = 0;  // over all layers, right after prefill
+  int32_t num_cached_prompt_tokens = 0;  // prompt tokens found in the prefix cache (last admission)
+  int64_t num_kv_tokens_kept = 0;        // over all layers, right after prefill
   std::vector<int64_t> kv_tokens_kept_per_layer;
   int64_t kv_bytes_saved = 0;
   int32_t num_preemptions = 0;

@@ -12,6 +12,9 @@
 #include <cstdio>
 
 #include "absl/strings/str_cat.h"
+#include "allocator/block_pool.h"
+#include "allocator/prefix_cache.h"
+#include "engine/common/status_macros.h"
 #include "engine/compression/plan.h"
 #include "engine/runner/model_runner.h"
 #include "engine/sampling/sampler.h"
@@ -44,6 +47,8 @@ struct Sequence {
   int64_t admission_idx = -1;
   int64_t num_prefilled = 0;  // prompt tokens in the cache
   bool prefill_done = false;
+  // How far the prefix cache registered this admission's blocks.
+  PrefixCache::Cursor cache_cursor;
   std::vector<int32_t> generated;
   int64_t num_generated_fed = 0;  // generated tokens in the cache (the rest are replayed)
   // The prefill's chunks, what they take from the pool and the settings the runner sees; made
@@ -90,8 +95,39 @@ struct Scheduler::Impl {
   std::thread engine_thread;
   std::atomic<bool> stop{false};
 
+  std::unique_ptr<PrefixCache> prefix_cache;  // null: off
+
   Impl(ModelRunner& r, const Tokenizer* t, KvBlockCountsFn k, SchedulerOptions o)
-      : runner(r), tokenizer(t), kv_counts(std::move(k)), options(std::move(o)) {}
+      : runner(r), tokenizer(t), kv_counts(std::move(k)), options(std::move(o)) {
+    BlockPool& pool = runner.pool();
+    bool rings = false;
+    for (int32_t l = 0; l < pool.num_layers(); ++l) rings = rings || pool.capacity(l) > 0;
+    // A sliding-window layer rewrites its ring's blocks in place: nothing there can be shared.
+    if (options.prefix_cache && !rings)
+      prefix_cache = std::make_unique<PrefixCache>(pool, options.prefix_cache_salt);
+  }
+
+  bool UsesPrefixCache(const Sequence& seq) const {
+    return prefix_cache != nullptr && seq.request.compression.method == ScoreMethod::kNone;
+  }
+
+  // Registers what `seq` holds with the prefix cache (its prompt chunks so far, or the prompt
+  // and the generated tokens fed), then releases it.
+  void ReleaseSequence(Sequence& seq) {
+    if (UsesPrefixCache(seq) && seq.seq_id >= 0) {
+      const std::vector<int32_t>& prompt = seq.request.prompt_ids;
+      if (!seq.prefill_done || seq.num_generated_fed == 0) {
+        prefix_cache->Insert(seq.seq_id, std::span(prompt.data(), seq.num_prefilled),
+                             seq.cache_cursor);
+      } else {
+        std::vector<int32_t> tokens = prompt;
+        tokens.insert(tokens.end(), seq.generated.begin(),
+                      seq.generated.begin() + seq.num_generated_fed);
+        prefix_cache->Insert(seq.seq_id, tokens, seq.cache_cursor);
+      }
+    }
+    runner.Release(seq.seq_id);
+  }
 
   // --- finishing -----------------------------------------------------------------------------
   void Finish(Sequence& seq, FinishReason reason, absl::Status error = absl::OkStatus()) {
@@ -269,9 +305,10 @@ struct Scheduler::Impl {
         });
     std::unique_ptr<Sequence> seq = std::move(*newest);
     running.erase(newest);
-    runner.Release(seq->seq_id);
+    ReleaseSequence(*seq);  // its prompt stays cached for the recompute, unless evicted
     seq->seq_id = -1;
     seq->num_prefilled = 0;
+    seq->cache_cursor = {};
     seq->plan.reset();  // the replay needs decode room: planned again at admission
     seq->prefill_done = false;
     seq->num_generated_fed = 0;
@@ -313,7 +350,7 @@ struct Scheduler::Impl {
     }
     for (auto it = running.begin(); it != running.end();) {
       if (expired(**it)) {
-        runner.Release((*it)->seq_id);
+        ReleaseSequence(**it);
         gone.push_back(std::move(*it));
         it = running.erase(it);
       } else {
@@ -347,6 +384,7 @@ struct Scheduler::Impl {
     while (static_cast<int32_t>(running.size()) < options.max_batch) {
       std::unique_ptr<Sequence> seq;
       absl::Status seq_error = absl::OkStatus();
+      PrefixMatch match;  // the head's cached prefix (none without the cache)
       {
         std::lock_guard<std::mutex> lock(mu);
         if (waiting.empty()) break;
@@ -359,8 +397,22 @@ struct Scheduler::Impl {
             std::min<int64_t>(
                 options.decode_reserve_tokens,
                 std::max<int64_t>(0, head.request.sampling.max_new_tokens - num_replay));
+        const int64_t prompt_len = static_cast<int64_t>(head.request.prompt_ids.size());
+        // What the cache holds changes while the head waits: look again, plan again on change.
+        if (UsesPrefixCache(head) && prompt_len > 1) {
+          match = prefix_cache->Match(head.request.prompt_ids, prompt_len - 1);
+          if (head.plan && head.plan->chunks().front().begin != match.num_tokens) head.plan.reset();
+        }
         absl::Status planned = absl::OkStatus();
-        if (!head.plan) planned = MakePlan(head, counts.num_total, reserve);
+        if (!head.plan) planned = MakePlan(head, counts.num_total, reserve, match.num_tokens);
+        // The matched blocks are the sequence's without being taken from the free list, except
+        // those only the cache holds (they counted as free).
+        const int64_t num_new_blocks =
+            planned.ok()
+                ? head.plan->blocks_needed() -
+                      static_cast<int64_t>(match.layer_blocks.size() * match.entries.size()) +
+                      (match.num_tokens > 0 ? prefix_cache->ReclaimableBlocksOf(match) : 0)
+                : 0;
         if (!planned.ok() || head.plan->blocks_needed() > counts.num_total) {
           seq = std::move(waiting.front());
           waiting.pop_front();
@@ -371,21 +423,21 @@ struct Scheduler::Impl {
                         "request ", seq->request.request_id, " needs ", seq->plan->blocks_needed(),
                         " KV blocks; the pool has ", counts.num_total))
                   : planned;
-        } else if (head.plan->blocks_needed() > num_available) {
+        } else if (num_new_blocks > num_available) {
           break;  // FCFS: nobody overtakes the head
         } else {
           seq = std::move(waiting.front());
           waiting.pop_front();
           num_waiting_prompt_tokens -= static_cast<int64_t>(seq->request.prompt_ids.size());
-          num_available -= seq->plan->blocks_needed();
+          num_available -= num_new_blocks;
         }
       }
+      if (seq_error.ok()) seq_error = StartFromPrefix(*seq, match, next_seq_id++, report);
       if (!seq_error.ok()) {
         Finish(*seq, FinishReason::kError, std::move(seq_error));
         ++report.num_finished;
         continue;
       }
-      seq->seq_id = next_seq_id++;
       seq->admit_time = Clock::now();
       if (!seq->admitted_once) {
         seq->admitted_once = true;
@@ -397,12 +449,31 @@ struct Scheduler::Impl {
     }
   }
 
-  // The sequence's plan for `reserve` tokens of decode room (compression/plan.h: chunks, blocks).
-  absl::Status MakePlan(Sequence& seq, int64_t pool_blocks, int64_t reserve) const {
+  // Gives an admitted sequence its runner id and, on a prefix-cache hit, the cached blocks.
+  absl::Status StartFromPrefix(Sequence& seq, const PrefixMatch& match, SequenceId seq_id,
+                               StepReport& report) {
+    seq.seq_id = seq_id;
+    if (!UsesPrefixCache(seq)) return absl::OkStatus();
+    const int64_t prompt_len = static_cast<int64_t>(seq.request.prompt_ids.size());
+    prefix_cache->RecordLookup(prompt_len, match.num_tokens);
+    seq.summary.num_cached_prompt_tokens = static_cast<int32_t>(match.num_tokens);
+    if (match.num_tokens == 0) return absl::OkStatus();
+    RETURN_IF_ERROR(runner.AdoptPrefix(
+        seq_id, std::span(seq.request.prompt_ids.data(), match.num_tokens), match.layer_blocks));
+    seq.num_prefilled = match.num_tokens;
+    seq.cache_cursor = PrefixCache::CursorAfter(match);
+    report.num_cached_prompt_tokens += match.num_tokens;
+    return absl::OkStatus();
+  }
+
+  // The sequence's plan for `reserve` tokens of decode room (compression/plan.h: chunks, blocks),
+  // its prompt's first `cached` tokens already in the cache.
+  absl::Status MakePlan(Sequence& seq, int64_t pool_blocks, int64_t reserve, int64_t cached) const {
     compression::PlanOptions po;
     po.step_tokens = options.max_prefill_tokens_per_step;
     po.pool_blocks = pool_blocks;
     po.decode_reserve_tokens = reserve;
+    po.cached_prefix_tokens = cached;
     po.split_long_prompt = seq.split_long_prompt;
     absl::StatusOr<compression::CompressionPlan> plan = compression::CompressionPlan::Create(
         seq.request.compression, static_cast<int64_t>(seq.request.prompt_ids.size()),
@@ -513,6 +584,11 @@ struct Scheduler::Impl {
       seq.num_prefilled += len;
       ++seq.num_chunks_done;
       report.num_prefill_tokens += len;
+      if (UsesPrefixCache(seq)) {
+        prefix_cache->Insert(seq.seq_id,
+                             std::span(seq.request.prompt_ids.data(), seq.num_prefilled),
+                             seq.cache_cursor);
+      }
       if (!chunks[i].is_last_chunk) continue;
       const int64_t chunk_row = row++;
       RecordPrefillDone(seq);
@@ -535,7 +611,7 @@ struct Scheduler::Impl {
       finished = SampleAndEmit(sampled_rows, to_sample);  // [n, vocab]
     }
     if (!batch.decode.empty()) report.decode_seconds = MsBetween(start, Clock::now()) / 1e3;
-    for (Sequence* seq : finished) runner.Release(seq->seq_id);
+    for (Sequence* seq : finished) ReleaseSequence(*seq);
     std::erase_if(running, [&](const auto& s) {
       return std::find(finished.begin(), finished.end(), s.get()) != finished.end();
     });
@@ -607,6 +683,14 @@ struct Scheduler::Impl {
     stats.kv_blocks_total = counts.num_total;
     stats.kv_blocks_free = counts.num_free;
     stats.num_finished += report.num_finished;
+    if (prefix_cache) {
+      const PrefixCacheStats& pc = prefix_cache->stats();
+      stats.prefix_cache_enabled = true;
+      stats.prefix_cache_query_tokens = pc.num_query_tokens;
+      stats.prefix_cache_hit_tokens = pc.num_hit_tokens;
+      stats.prefix_cache_blocks = runner.pool().num_cached_blocks();
+      stats.prefix_cache_evicted_entries = pc.num_evicted_entries;
+    }
     if (report.num_decoded > 0) {
       ++stats.num_decode_steps;
       stats.num_decode_rows += report.num_decoded;

@@ -23,6 +23,11 @@
 //   4. sample    - one token per decode row and per finished prompt; stop checks (EOS, stop
 //                  ids, stop strings, max_new_tokens, context); one event per sequence pushed to
 //                  its channel.
+// Prefix cache (allocator/prefix_cache.h, on unless a layer is a sliding-window ring): an
+// uncompressed prompt starts from the longest cached prefix of whole blocks (at least one token
+// is left to prefill, for the first token's logits) and prefills only the rest; its blocks are
+// registered as each chunk commits and, with the generated tokens, when it finishes or is
+// preempted. Cached blocks nobody holds count as free and are evicted LRU when a step needs them.
 // A preempted sequence is recomputed by prefilling its prompt again and replaying its generated
 // tokens through decode steps (teacher forcing), so its output is what it would have been.
 #pragma once
@@ -32,6 +37,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -59,6 +65,9 @@ struct SchedulerOptions {
   int64_t kv_bytes_per_token_per_layer = 0;  // K + V of one token of one layer, all KV heads
   // The server's MGA / MLMA layer profile (loaded once at start-up), for the compression plans.
   std::shared_ptr<const compression::LayerProfile> compression_profile;
+  // Reuse the KV blocks of uncompressed prompts' prefixes (ignored when a layer is a ring).
+  bool prefix_cache = true;
+  std::string prefix_cache_salt;  // the model and its dtype: part of every cache key
 };
 
 struct KvBlockCounts {
@@ -86,6 +95,13 @@ struct SchedulerStats {
   int64_t num_decode_rows = 0;
   double decode_seconds = 0;
   double decode_host_seconds = 0;
+  // Prefix cache (all zero without one): prompt tokens looked up at admission and found cached
+  // (cumulative), blocks it pins now, entries it evicted (cumulative).
+  bool prefix_cache_enabled = false;
+  int64_t prefix_cache_query_tokens = 0;
+  int64_t prefix_cache_hit_tokens = 0;
+  int64_t prefix_cache_blocks = 0;
+  int64_t prefix_cache_evicted_entries = 0;
 };
 
 // What one Step() did (tests script iterations against it).
@@ -93,9 +109,10 @@ struct StepReport {
   int32_t num_reaped = 0;
   int32_t num_admitted = 0;
   int64_t num_prefill_tokens = 0;
-  int32_t num_decoded = 0;         // rows of the decode batch
-  double decode_seconds = 0;       // the decode step's engine-thread time (SchedulerStats)
-  double decode_host_seconds = 0;  // of which the runner's host work before its kernels
+  int64_t num_cached_prompt_tokens = 0;  // of the sequences admitted, found in the prefix cache
+  int32_t num_decoded = 0;               // rows of the decode batch
+  double decode_seconds = 0;             // the decode step's engine-thread time (SchedulerStats)
+  double decode_host_seconds = 0;        // of which the runner's host work before its kernels
   int32_t num_preempted = 0;
   int32_t num_finished = 0;
   int32_t num_running_after = 0;

@@ -393,6 +393,8 @@ json UsageJson(const UsageTotals& u) {
   return {{"prompt_tokens", u.prompt_tokens},
           {"completion_tokens", u.completion_tokens},
           {"total_tokens", u.prompt_tokens + u.completion_tokens},
+          // OpenAI's field: prompt tokens served from the prefix cache.
+          {"prompt_tokens_details", {{"cached_tokens", u.cached_prompt_tokens}}},
           // Extension: the KV cache kept after compression (the gRPC Usage fields).
           {"kv_tokens_kept", u.kv_tokens_kept},
           {"kv_tokens_kept_per_layer", u.kv_tokens_kept_per_layer},
@@ -620,6 +622,7 @@ void UsageTotals::Add(const GenerationSummary& s, bool count_prompt) {
     kv_tokens_kept_per_layer[l] += s.kv_tokens_kept_per_layer[l];
   kv_bytes_saved += s.kv_bytes_saved;
   num_preemptions += s.num_preemptions;
+  if (count_prompt) cached_prompt_tokens += s.num_cached_prompt_tokens;
 }
 
 std::string ResponseJson(const ParsedRequest& request, const ResponseMeta& meta,

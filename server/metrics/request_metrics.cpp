@@ -170,6 +170,15 @@ void SchedulerStatsPoller::PollOnce() {
                             s.decode_host_seconds - decode_seen_.decode_host_seconds);
     decode_seen_ = s;
   }
+  metrics_->SetPrefixCacheBlocks(s.prefix_cache_blocks);
+  if (s.prefix_cache_query_tokens > prefix_seen_.prefix_cache_query_tokens ||
+      s.prefix_cache_evicted_entries > prefix_seen_.prefix_cache_evicted_entries) {
+    metrics_->OnPrefixCache(
+        s.prefix_cache_query_tokens - prefix_seen_.prefix_cache_query_tokens,
+        s.prefix_cache_hit_tokens - prefix_seen_.prefix_cache_hit_tokens,
+        s.prefix_cache_evicted_entries - prefix_seen_.prefix_cache_evicted_entries);
+    prefix_seen_ = s;
+  }
 }
 
 }  // namespace dropkv

@@ -82,6 +82,7 @@ class SchedulerStatsPoller {
   std::chrono::milliseconds interval_;
   int64_t num_preemptions_seen_ = 0;
   SchedulerStats decode_seen_;  // the decode counters last passed on
+  SchedulerStats prefix_seen_;  // the prefix-cache counters last passed on
   std::mutex mu_;
   std::condition_variable cv_;
   bool stop_ = false;

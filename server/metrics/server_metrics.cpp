@@ -130,6 +130,10 @@ struct ServerMetrics::Impl {
   Counter* decode_rows = nullptr;
   Counter* decode_seconds = nullptr;
   Counter* decode_host_seconds = nullptr;
+  Counter* prefix_query_tokens = nullptr;
+  Counter* prefix_hit_tokens = nullptr;
+  Counter* prefix_evictions = nullptr;
+  Gauge* prefix_blocks = nullptr;
   Counter* kv_tokens_evicted = nullptr;
   Counter* kv_tokens_kept = nullptr;
   Histogram* compression_ratio = nullptr;
@@ -202,6 +206,17 @@ ServerMetrics::ServerMetrics(std::string model_name, int32_t max_layer_labels)
       counter("dropkv_decode_host_seconds_total",
               "Of the decode time, the runner's host work before a step's kernels were queued "
               "(the device waits for it; 0 where not measured).");
+  m.prefix_query_tokens = counter("dropkv_prefix_cache_query_tokens_total",
+                                  "Prompt tokens of uncompressed requests looked up in the prefix "
+                                  "cache at admission.");
+  m.prefix_hit_tokens = counter("dropkv_prefix_cache_hit_tokens_total",
+                                "Of those, tokens found cached and not prefilled again (rate over "
+                                "the query rate: hit rate).");
+  m.prefix_evictions = counter("dropkv_prefix_cache_evictions_total",
+                               "Prefix-cache entries (one block per layer) evicted for room.");
+  m.prefix_blocks = gauge("dropkv_prefix_cache_blocks",
+                          "KV blocks the prefix cache holds (shared with running requests, or "
+                          "free to evict).");
   m.kv_tokens_evicted = counter("dropkv_kv_tokens_evicted_total",
                                 "KV entries (token x layer) dropped by compression at prefill.");
   m.kv_tokens_kept = counter("dropkv_kv_tokens_kept_total",
@@ -261,6 +276,18 @@ void ServerMetrics::OnDecodeSteps(int64_t num_steps, int64_t num_rows, double se
   impl_->decode_rows->Increment(static_cast<double>(std::max<int64_t>(0, num_rows)));
   impl_->decode_seconds->Increment(std::max(0.0, seconds));
   impl_->decode_host_seconds->Increment(std::max(0.0, host_seconds));
+}
+
+void ServerMetrics::OnPrefixCache(int64_t num_query_tokens, int64_t num_hit_tokens,
+                                  int64_t num_evicted_entries) {
+  impl_->prefix_query_tokens->Increment(
+      static_cast<double>(std::max<int64_t>(0, num_query_tokens)));
+  impl_->prefix_hit_tokens->Increment(static_cast<double>(std::max<int64_t>(0, num_hit_tokens)));
+  impl_->prefix_evictions->Increment(
+      static_cast<double>(std::max<int64_t>(0, num_evicted_entries)));
+}
+void ServerMetrics::SetPrefixCacheBlocks(int64_t num_blocks) {
+  impl_->prefix_blocks->Set(static_cast<double>(num_blocks));
 }
 
 void ServerMetrics::OnPrefillCompressed(const std::vector<int64_t>& num_kept_per_layer,

@@ -47,6 +47,10 @@ class ServerMetrics {
   // Decode steps (SchedulerStats' num_decode_steps and the rest, as deltas): their count, batch
   // rows, engine-thread seconds and the runner's host seconds before the kernels were queued.
   void OnDecodeSteps(int64_t num_steps, int64_t num_rows, double seconds, double host_seconds);
+  // Prefix cache (SchedulerStats' prefix_cache_* counters as deltas, and the pinned blocks now):
+  // prompt tokens looked up at admission, of them found cached, entries evicted for room.
+  void OnPrefixCache(int64_t num_query_tokens, int64_t num_hit_tokens, int64_t num_evicted_entries);
+  void SetPrefixCacheBlocks(int64_t num_blocks);
 
   // --- KV compression at prefill: one call per compressed sequence ---
   // num_kept_per_layer[l] = tokens layer l kept of num_prompt_tokens; scoring_seconds = time spent

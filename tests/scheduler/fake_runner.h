@@ -17,6 +17,7 @@
 #include <ATen/ATen.h>
 
 #include "allocator/block_pool.h"
+#include "engine/common/status_macros.h"
 #include "engine/compression/compression.h"
 #include "engine/runner/model_runner.h"
 
@@ -178,6 +179,15 @@ class FakeRunner : public ModelRunner {
     return out;
   }
 
+  absl::Status AdoptPrefix(SequenceId seq, std::span<const int32_t> tokens,
+                           std::span<const std::vector<int32_t>> layer_blocks) override {
+    ++num_adopted_prefixes;
+    RETURN_IF_ERROR(
+        pool_->AddSequenceSharing(seq, static_cast<int64_t>(tokens.size()), layer_blocks));
+    history_[seq].assign(tokens.begin(), tokens.end());
+    return absl::OkStatus();
+  }
+
   SequenceCacheInfo CacheInfo(SequenceId seq) const override {
     SequenceCacheInfo info;
     if (!pool_->HasSequence(seq)) return info;
@@ -195,6 +205,7 @@ class FakeRunner : public ModelRunner {
 
   int64_t num_live_sequences() const { return static_cast<int64_t>(history_.size()); }
   int num_prefill_calls = 0;
+  int num_adopted_prefixes = 0;
   std::vector<int64_t> prefill_chunk_lens;  // every Prefill call's chunk length, in order
   CompressionParams last_prefill_params;
   int num_decode_calls = 0;

@@ -3,7 +3,8 @@
 // forwards as each other's decode rows, produce the tokens each produces alone. Compressed
 // (DropKV at 25%, SnapKV under every_chunk with its own chunk size) and uncompressed prompts,
 // chunked by the step budget and whole; once with room for all, once in a pool small enough to
-// preempt with a request cancelled midway. The pool is all free after each run.
+// preempt with a request cancelled midway. The pool is all free after each run. With the prefix
+// cache, later turns and shared prefixes produce the tokens a cache-less server produces.
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -157,6 +158,88 @@ TEST_F(MixedStepTest, TogetherEqualsAlone) {
     EXPECT_EQ(tight.at(i), tokens) << "request " << i;
   }
   EXPECT_LT(tight.count(kCancelled) ? tight.at(kCancelled).size() : 0, size_t{kNewTokens});
+}
+
+// The prefix cache on the real model: a second turn (the first turn's prompt, its answer, new
+// text) and a second question about the same document start from cached blocks and produce the
+// tokens a scheduler without the cache produces.
+TEST_F(MixedStepTest, PrefixCacheGivesTheSameTokens) {
+  struct Served {
+    std::unique_ptr<ModelRunner> runner;
+    std::unique_ptr<Scheduler> scheduler;
+  };
+  auto serve = [&](bool prefix_cache) {
+    RunnerOptions ro;
+    ro.model_dir = ModelDir();
+    ro.device = "cpu";
+    ro.dtype = "float32";
+    ro.num_kv_blocks = 1024;
+    ro.block_size = 16;
+    Served s;
+    s.runner = std::move(*ModelRunner::Create(ro));
+    ModelRunner* r = s.runner.get();
+    SchedulerOptions so;
+    so.max_prefill_tokens_per_step = 64;
+    so.prefix_cache = prefix_cache;
+    s.scheduler = std::make_unique<Scheduler>(
+        *r, nullptr,
+        [r] {
+          return KvBlockCounts{r->pool().num_blocks(), r->pool().num_free_blocks()};
+        },
+        so);
+    return s;
+  };
+  struct Output {
+    std::vector<int32_t> tokens;
+    int32_t num_cached = 0;
+  };
+  auto generate = [](Served& s, const std::vector<int32_t>& prompt) {
+    GenerationRequest req;
+    req.request_id = "r";
+    req.prompt_ids = prompt;
+    req.sampling.max_new_tokens = kNewTokens;
+    req.sampling.ignore_eos = true;
+    auto ch = std::make_shared<RequestChannel>();
+    EXPECT_TRUE(s.scheduler->Submit(std::move(req), ch).ok());
+    while (s.scheduler->HasWork()) s.scheduler->Step();
+    Output out;
+    while (auto event = ch->Pop()) {
+      EXPECT_TRUE(event->error.ok()) << event->error;
+      out.tokens.insert(out.tokens.end(), event->token_ids.begin(), event->token_ids.end());
+      if (event->finished) out.num_cached = event->summary.num_cached_prompt_tokens;
+    }
+    EXPECT_EQ(s.runner->pool().num_free_blocks(), s.runner->pool().num_blocks());
+    return out;
+  };
+  auto encode = [&](const std::string& text) { return *tokenizer_->Encode(text); };
+  auto concat = [](std::vector<int32_t> a, const std::vector<int32_t>& b) {
+    a.insert(a.end(), b.begin(), b.end());
+    return a;
+  };
+
+  Served cached = serve(true);
+  const std::vector<int32_t> turn1 = encode(Cases()[1].text);
+  const Output first = generate(cached, turn1);
+  EXPECT_EQ(first.num_cached, 0);
+  const std::vector<int32_t> turn2 =
+      concat(concat(turn1, first.tokens), encode(" Then the keeper closed the book and"));
+  const Output second = generate(cached, turn2);
+  // The first turn's prompt and the 16 answer tokens fed back, in whole 16-token blocks.
+  const auto stored = static_cast<int32_t>(turn1.size()) + kNewTokens - 1;
+  EXPECT_EQ(second.num_cached, stored / 16 * 16);
+
+  const std::vector<int32_t> document = encode(Cases()[5].text);
+  const std::vector<int32_t> q1 = concat(document, encode(" Who wrote the names?"));
+  const std::vector<int32_t> q2 = concat(document, encode(" What colour was the book?"));
+  const Output a1 = generate(cached, q1);
+  const Output a2 = generate(cached, q2);
+  EXPECT_GE(a2.num_cached, static_cast<int32_t>(document.size()) / 16 * 16);
+
+  Served plain = serve(false);
+  EXPECT_EQ(generate(plain, turn2).tokens, second.tokens);
+  EXPECT_EQ(generate(plain, q2).tokens, a2.tokens);
+  EXPECT_EQ(generate(plain, q1).tokens, a1.tokens);
+  EXPECT_EQ(plain.runner->pool().num_cached_blocks(), 0);
 }
 
 }  // namespace

@@ -58,6 +58,7 @@ std::vector<int32_t> Prompt(int len, int salt) {
 class SchedulerTest : public ::testing::Test {
  protected:
   void Make(int64_t num_blocks, SchedulerOptions options, int32_t block_size = 4) {
+    scheduler_.reset();  // its prefix cache holds on to the runner's pool
     runner_ = std::make_unique<FakeRunner>(num_blocks, block_size);
     options.eos_token_ids = {2};
     scheduler_ = std::make_unique<Scheduler>(
@@ -533,6 +534,7 @@ TEST_F(SchedulerTest, StopTokenIdEosAndIgnoreEos) {
   EXPECT_EQ(c.tokens, std::vector<int32_t>(ref.begin(), first + 1));
 
   o.eos_token_ids = {ref[3]};
+  scheduler_.reset();  // before the runner: its prefix cache holds on to the runner's pool
   runner_ = std::make_unique<FakeRunner>(64, 4);
   scheduler_ = std::make_unique<Scheduler>(
       *runner_, &tokenizer_,
@@ -633,6 +635,153 @@ TEST_F(SchedulerTest, EngineThreadServesConcurrentSubmitters) {
   for (int i = 0; i < 16; ++i)
     EXPECT_EQ(results[i].tokens, FakeRunner::Greedy(Prompt(2 + i, i), 3 + i)) << i;
   EXPECT_EQ(runner_->pool().num_free_blocks(), 256);
+}
+
+// --- prefix cache -------------------------------------------------------------------------------
+
+std::vector<int32_t> Concat(std::vector<int32_t> a, const std::vector<int32_t>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+// A second turn (the first turn's prompt, its answer and new text) starts from the cached blocks
+// of the first turn's prompt and answer: only the rest is prefilled, the output is the reference,
+// and the cached blocks count as free once nobody runs.
+TEST_F(SchedulerTest, PrefixCacheServesTheNextTurn) {
+  SchedulerOptions o;
+  o.max_prefill_tokens_per_step = 8;
+  Make(64, o);
+  const std::vector<int32_t> turn1 = Prompt(13, 1);
+  auto a = Submit(MakeRequest(turn1, 6));
+  RunAll();
+  Collected ca;
+  Drain(*a, ca);
+  ASSERT_EQ(ca.tokens, FakeRunner::Greedy(turn1, 6));
+  EXPECT_EQ(ca.summary.num_cached_prompt_tokens, 0);
+  // 13 prompt + 5 fed answer tokens stored: 4 full 4-token blocks per layer cached.
+  EXPECT_EQ(runner_->pool().num_cached_blocks(), 2 * 4);
+  EXPECT_EQ(runner_->pool().num_free_blocks(), 64);
+
+  const std::vector<int32_t> turn2 = Concat(Concat(turn1, ca.tokens), Prompt(7, 2));  // 26 tokens
+  runner_->prefill_chunk_lens.clear();
+  auto b = Submit(MakeRequest(turn2, 5));
+  RunAll();
+  Collected cb;
+  Drain(*b, cb);
+  EXPECT_EQ(cb.tokens, FakeRunner::Greedy(turn2, 5));
+  EXPECT_EQ(cb.summary.num_cached_prompt_tokens, 16);
+  EXPECT_EQ(runner_->num_adopted_prefixes, 1);
+  // 26 - 16 = 10 tokens on the 8-token grid a prefill from 0 uses: 16..24, 24..26.
+  EXPECT_EQ(runner_->prefill_chunk_lens, (std::vector<int64_t>{8, 2}));
+  const SchedulerStats stats = scheduler_->Stats();
+  EXPECT_TRUE(stats.prefix_cache_enabled);
+  EXPECT_EQ(stats.prefix_cache_query_tokens, 13 + 26);
+  EXPECT_EQ(stats.prefix_cache_hit_tokens, 16);
+  EXPECT_EQ(runner_->pool().num_free_blocks(), 64);
+  EXPECT_EQ(runner_->num_live_sequences(), 0);
+
+  // The same prompt again: all but its last block come from the cache (one token at least is
+  // prefilled, for the first token's logits).
+  runner_->prefill_chunk_lens.clear();
+  auto again = Submit(MakeRequest(turn2, 5));
+  RunAll();
+  Collected cc;
+  Drain(*again, cc);
+  EXPECT_EQ(cc.tokens, cb.tokens);
+  EXPECT_EQ(cc.summary.num_cached_prompt_tokens, 24);
+  EXPECT_EQ(runner_->prefill_chunk_lens, (std::vector<int64_t>{2}));
+}
+
+// Requests sharing a cached prefix run at once; one is cancelled while it holds the shared blocks
+// and another is preempted: outputs stay exact, nothing leaks, and a compressed request and a
+// scheduler with the cache off never attach cached blocks.
+TEST_F(SchedulerTest, SharedPrefixBlocksSurviveCancellationAndPreemption) {
+  SchedulerOptions o;
+  o.max_batch = 4;
+  o.decode_reserve_tokens = 1;
+  Make(/*num_blocks=*/40, o);
+  const std::vector<int32_t> system = Prompt(16, 3);
+  auto warm = Submit(MakeRequest(system, 1));
+  RunAll();
+  std::vector<std::vector<int32_t>> prompts;
+  std::vector<std::shared_ptr<RequestChannel>> channels;
+  for (int i = 0; i < 4; ++i) {
+    prompts.push_back(Concat(system, Prompt(3 + i, 10 + i)));
+    channels.push_back(Submit(MakeRequest(prompts.back(), 24)));
+  }
+  GenerationRequest compressed = MakeRequest(Concat(system, Prompt(9, 20)), 3);
+  compressed.compression.method = ScoreMethod::kDropKV;
+  compressed.compression.keep_ratio = 0.5;
+  auto compressed_ch = Submit(std::move(compressed));
+  for (int step = 0; step < 3; ++step) scheduler_->Step();
+  EXPECT_EQ(runner_->num_adopted_prefixes, 4);  // the compressed request prefilled everything
+  channels[1]->Cancel();
+  RunAll();
+  // Their growth (4 x 2 layers x 12 blocks at the end, the shared 8 once) passes 40 blocks.
+  EXPECT_GT(scheduler_->Stats().num_preemptions, 0);
+  for (int i = 0; i < 4; ++i) {
+    Collected c;
+    Drain(*channels[i], c);
+    if (i == 1) {
+      EXPECT_EQ(c.reason, FinishReason::kCancelled);
+      continue;
+    }
+    EXPECT_EQ(c.tokens, FakeRunner::Greedy(prompts[i], 24)) << "request " << i;
+    EXPECT_GE(c.summary.num_cached_prompt_tokens, 16) << "request " << i;
+  }
+  Collected cc;
+  Drain(*compressed_ch, cc);
+  EXPECT_EQ(cc.tokens, FakeRunner::Greedy(Concat(system, Prompt(9, 20)), 3));
+  EXPECT_EQ(cc.summary.num_cached_prompt_tokens, 0);
+  EXPECT_EQ(runner_->pool().num_free_blocks(), 40);
+  EXPECT_EQ(runner_->num_live_sequences(), 0);
+  EXPECT_EQ(runner_->num_prefill_failures, 0);
+  EXPECT_EQ(runner_->num_decode_failures, 0);
+
+  o.prefix_cache = false;
+  Make(40, o);
+  auto first = Submit(MakeRequest(prompts[0], 2));
+  RunAll();
+  auto second = Submit(MakeRequest(prompts[0], 2));
+  RunAll();
+  EXPECT_EQ(runner_->num_adopted_prefixes, 0);
+  EXPECT_EQ(runner_->pool().num_cached_blocks(), 0);
+  EXPECT_FALSE(scheduler_->Stats().prefix_cache_enabled);
+}
+
+// A pool full of cached blocks still admits new prompts: the least recently used entries go
+// first (the deepest block of a chain before its parents), and what was used last stays.
+TEST_F(SchedulerTest, PrefixCacheEvictsLeastRecentlyUsed) {
+  SchedulerOptions o;
+  o.decode_reserve_tokens = 0;
+  Make(/*num_blocks=*/24, o);
+  auto run = [&](int salt) {
+    runner_->prefill_chunk_lens.clear();
+    auto ch = Submit(MakeRequest(Prompt(16, salt), 1));
+    RunAll();
+    Collected c;
+    Drain(*ch, c);
+    EXPECT_EQ(c.tokens, FakeRunner::Greedy(Prompt(16, salt), 1)) << "salt " << salt;
+    return runner_->prefill_chunk_lens;
+  };
+  // Each prompt: 16 tokens = 4 blocks x 2 layers, all cached; three fill the pool.
+  for (int salt : {1, 2, 3}) run(salt);
+  EXPECT_EQ(runner_->pool().num_cached_blocks(), 24);
+  EXPECT_EQ(runner_->pool().num_free_blocks(), 24);
+  // Salt 1 again: 12 tokens attached, its last block prefilled into 2 blocks taken from the
+  // least recently used entry: salt 1's own last block (the lookup used only the first three);
+  // the new one is cached in its place.
+  EXPECT_EQ(run(1), (std::vector<int64_t>{4}));
+  EXPECT_EQ(scheduler_->Stats().prefix_cache_evicted_entries, 1);
+  EXPECT_EQ(runner_->pool().num_cached_blocks(), 24);
+  // A new prompt needs 8 blocks: salt 2's four entries go (the oldest), not salt 3's.
+  EXPECT_EQ(run(4), (std::vector<int64_t>{16}));
+  EXPECT_EQ(scheduler_->Stats().prefix_cache_evicted_entries, 5);
+  EXPECT_EQ(run(1), (std::vector<int64_t>{4}));   // kept: used last
+  EXPECT_EQ(run(3), (std::vector<int64_t>{4}));   // its last block went for salt 1's, not the rest
+  EXPECT_EQ(run(2), (std::vector<int64_t>{16}));  // evicted
+  EXPECT_EQ(runner_->pool().num_free_blocks(), 24);
+  EXPECT_EQ(runner_->num_prefill_failures, 0);
 }
 
 }  // namespace
