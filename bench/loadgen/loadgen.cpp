@@ -102,6 +102,23 @@ absl::StatusOr<LengthDist> ParseLengthDist(const std::string& spec, const std::s
   return d;
 }
 
+void AppendRandomTokens(int64_t num_tokens, int32_t vocab_size, std::mt19937_64& rng,
+                        std::vector<int32_t>* out) {
+  std::uniform_int_distribution<int32_t> token(3, std::max(3, vocab_size - 1));
+  for (int64_t i = 0; i < num_tokens; ++i) out->push_back(token(rng));
+}
+
+std::vector<int32_t> NextTurnPrompt(const std::vector<int32_t>& prev_prompt,
+                                    const std::vector<int32_t>& prev_answer, int64_t growth_len,
+                                    int32_t vocab_size, std::mt19937_64& rng) {
+  std::vector<int32_t> prompt;
+  prompt.reserve(prev_prompt.size() + prev_answer.size() + static_cast<size_t>(growth_len));
+  prompt.insert(prompt.end(), prev_prompt.begin(), prev_prompt.end());
+  prompt.insert(prompt.end(), prev_answer.begin(), prev_answer.end());
+  AppendRandomTokens(growth_len, vocab_size, rng, &prompt);
+  return prompt;
+}
+
 absl::StatusOr<CompressionChoice> ParseCompressionChoice(const std::string& spec) {
   CompressionChoice c;
   std::vector<std::string> parts = absl::StrSplit(spec, ':');
@@ -169,6 +186,8 @@ struct Sample {
   double ttft_ms = -1, e2e_ms = 0;
   std::vector<double> itl_ms;
   int64_t prompt_tokens = 0, output_tokens = 0;
+  int turn_idx = 0;                 // --turns: 1-based turn of its conversation; 0 otherwise
+  std::vector<int32_t> output_ids;  // --turns: the streamed ids, the next turn's prompt extends
   Clock::time_point done;
 };
 
@@ -295,6 +314,7 @@ class Runner {
     std::mt19937_64 rng(o_.seed * 1000003ULL + static_cast<uint64_t>(worker_idx));
     v1::Inference::Stub* stub = http_ ? nullptr : stubs_[worker_idx % stubs_.size()].get();
     std::unique_ptr<http::Client> client;  // HTTP: this worker's keep-alive connection
+    Conversation conversation;             // --turns
     while (true) {
       Clock::time_point scheduled;
       if (o_.rate > 0) {
@@ -310,8 +330,16 @@ class Runner {
       }
       const bool measured = scheduled >= window_start_;
       if (measured) ++num_measured_started_;
-      Sample s = http_ ? OneHttpRequest(&client, rng, scheduled) : OneRequest(stub, rng, scheduled);
+      const Draw d = o_.num_turns > 1 ? DrawTurn(worker_idx, &conversation) : DrawRequest(rng);
+      Sample s = http_ ? OneHttpRequest(&client, d, scheduled) : OneRequest(stub, d, scheduled);
       s.measured = measured;
+      s.turn_idx = d.turn_idx;
+      // A failed or cancelled turn has no whole answer to extend: the next request starts anew.
+      if (o_.num_turns > 1) {
+        conversation.last_ok = s.error.empty();
+        conversation.answer = std::move(s.output_ids);
+        s.output_ids.clear();
+      }
       {
         std::lock_guard<std::mutex> lock(mu_);
         samples_.push_back(std::move(s));
@@ -327,6 +355,7 @@ class Runner {
     std::vector<int32_t> prompt;
     int64_t out_len = 0;
     const CompressionChoice* compression = nullptr;
+    int turn_idx = 0;  // --turns: 1-based
   };
   Draw DrawRequest(std::mt19937_64& rng) {
     Draw d;
@@ -336,12 +365,51 @@ class Runner {
       prompt_len = std::min<int64_t>(prompt_len, std::max<int64_t>(1, max_context_len_ - 2));
       out_len = std::min<int64_t>(out_len, std::max<int64_t>(1, max_context_len_ - prompt_len - 1));
     }
-    std::uniform_int_distribution<int32_t> token(3, std::max(3, vocab_size_ - 1));
-    for (int64_t i = 0; i < prompt_len; ++i) d.prompt.push_back(token(rng));
+    AppendRandomTokens(prompt_len, vocab_size_, rng, &d.prompt);
     d.out_len = out_len;
     if (!o_.compression.empty())
       d.compression =
           &o_.compression[std::uniform_int_distribution<size_t>(0, o_.compression.size() - 1)(rng)];
+    return d;
+  }
+
+  // --turns: one stream's conversation so far.
+  struct Conversation {
+    std::mt19937_64 rng;  // reseeded per conversation
+    int64_t num_started = 0;
+    int turn_idx = 0;                     // the last turn sent, 1-based; 0 = none yet
+    std::vector<int32_t> prompt, answer;  // the last turn's prompt and streamed answer
+    bool last_ok = false;
+    const CompressionChoice* compression = nullptr;
+  };
+
+  // --turns: the stream's next request. Each conversation draws from a seed of its own (seed,
+  // stream, conversation index), so no two share a prefix a cache could hit. A new one starts after
+  // the last turn, after a failed turn, and when the next turn would not fit the context.
+  Draw DrawTurn(int worker_idx, Conversation* c) {
+    if (c->turn_idx > 0 && c->turn_idx < o_.num_turns && c->last_ok) {
+      const int64_t out_len = o_.output_len.Sample(c->rng);
+      const int64_t growth_len = o_.turn_growth.Sample(c->rng);
+      const auto prompt_len =
+          static_cast<int64_t>(c->prompt.size() + c->answer.size()) + growth_len;
+      if (max_context_len_ <= 0 || prompt_len + out_len < max_context_len_) {
+        Draw d;
+        d.prompt = NextTurnPrompt(c->prompt, c->answer, growth_len, vocab_size_, c->rng);
+        d.out_len = out_len;
+        d.compression = c->compression;
+        d.turn_idx = ++c->turn_idx;
+        c->prompt = d.prompt;
+        return d;
+      }
+      ++num_conversations_cut_;
+    }
+    std::seed_seq seed{static_cast<uint32_t>(o_.seed), static_cast<uint32_t>(o_.seed >> 32),
+                       static_cast<uint32_t>(worker_idx), static_cast<uint32_t>(c->num_started++)};
+    c->rng.seed(seed);
+    Draw d = DrawRequest(c->rng);
+    d.turn_idx = c->turn_idx = 1;
+    c->prompt = d.prompt;
+    c->compression = d.compression;
     return d;
   }
 
@@ -363,10 +431,9 @@ class Runner {
   }
 
   // The same request over the OpenAI-compatible HTTP API: a streamed completion of token ids.
-  Sample OneHttpRequest(std::unique_ptr<http::Client>* client, std::mt19937_64& rng,
+  Sample OneHttpRequest(std::unique_ptr<http::Client>* client, const Draw& d,
                         Clock::time_point t0) {
     Sample s;
-    const Draw d = DrawRequest(rng);
     s.prompt_tokens = static_cast<int64_t>(d.prompt.size());
     nlohmann::json body = {
         {"model", http_model_}, {"prompt", d.prompt}, {"max_tokens", d.out_len}, {"temperature", 0},
@@ -414,9 +481,13 @@ class Runner {
               stream_error = "HTTP stream error";
               return;
             }
-            for (const auto& choice : event.value("choices", nlohmann::json::array()))
-              if (choice.contains("token_ids"))
-                OnTokens(s, static_cast<int64_t>(choice["token_ids"].size()), t0, &last);
+            for (const auto& choice : event.value("choices", nlohmann::json::array())) {
+              if (!choice.contains("token_ids")) continue;
+              const auto& ids = choice["token_ids"];
+              OnTokens(s, static_cast<int64_t>(ids.size()), t0, &last);
+              if (o_.num_turns > 1)
+                for (const auto& id : ids) s.output_ids.push_back(id.get<int32_t>());
+            }
           });
           return true;
         });
@@ -436,9 +507,8 @@ class Runner {
     return s;
   }
 
-  Sample OneRequest(v1::Inference::Stub* stub, std::mt19937_64& rng, Clock::time_point t0) {
+  Sample OneRequest(v1::Inference::Stub* stub, const Draw& d, Clock::time_point t0) {
     Sample s;
-    const Draw d = DrawRequest(rng);
     v1::GenerateRequest req;
     for (int32_t id : d.prompt) req.mutable_token_ids()->add_ids(id);
     req.set_max_new_tokens(static_cast<int32_t>(d.out_len));
@@ -460,7 +530,11 @@ class Runner {
     auto reader = stub->Generate(&ctx, req);
     v1::GenerateResponse msg;
     Clock::time_point last = t0;
-    while (reader->Read(&msg)) OnTokens(s, msg.token_ids_size(), t0, &last);
+    while (reader->Read(&msg)) {
+      OnTokens(s, msg.token_ids_size(), t0, &last);
+      if (o_.num_turns > 1)
+        s.output_ids.insert(s.output_ids.end(), msg.token_ids().begin(), msg.token_ids().end());
+    }
     const grpc::Status st = reader->Finish();
     s.done = Clock::now();
     if (!st.ok()) s.error = StatusName(st.error_code());
@@ -494,6 +568,11 @@ class Runner {
     r.options = o_;
     r.num_dropped = num_dropped_;
     std::vector<double> ttft, itl, e2e;
+    const size_t num_turns = o_.num_turns > 1 ? static_cast<size_t>(o_.num_turns) : 0;
+    std::vector<std::vector<double>> turn_ttft(num_turns);
+    std::vector<int64_t> turn_prompt_tokens(num_turns, 0);
+    r.turns.resize(num_turns);
+    r.num_conversations_cut = num_conversations_cut_;
     Clock::time_point last_done = window_start_;
     for (const Sample& s : samples_) {
       if (o_.steady) {
@@ -517,6 +596,19 @@ class Runner {
       itl.insert(itl.end(), s.itl_ms.begin(), s.itl_ms.end());
       e2e.push_back(s.e2e_ms);
       last_done = std::max(last_done, s.done);
+      if (s.turn_idx >= 1 && static_cast<size_t>(s.turn_idx) <= num_turns) {
+        const size_t k = static_cast<size_t>(s.turn_idx) - 1;
+        ++r.turns[k].num_ok;
+        turn_prompt_tokens[k] += s.prompt_tokens;
+        if (s.ttft_ms >= 0) turn_ttft[k].push_back(s.ttft_ms);
+      }
+    }
+    for (size_t k = 0; k < num_turns; ++k) {
+      TurnStats& t = r.turns[k];
+      if (t.num_ok > 0)
+        t.mean_prompt_len =
+            static_cast<double>(turn_prompt_tokens[k]) / static_cast<double>(t.num_ok);
+      t.ttft_ms = Summarize(std::move(turn_ttft[k]));
     }
     r.measured_s = Seconds(last_done - window_start_);
     if (o_.steady) {
@@ -571,6 +663,7 @@ class Runner {
   bool window_closed_ = false;
   std::atomic<int64_t> num_measured_started_{0}, num_done_{0}, tokens_streamed_{0};
   std::atomic<int64_t> tokens_in_window_{0};
+  std::atomic<int64_t> num_conversations_cut_{0};
   std::atomic<bool> finished_{false};
 };
 
@@ -625,6 +718,13 @@ absl::StatusOr<RunResult> RunLoad(const LoadOptions& o) {
         "--requests: not with --steady (the window alone bounds a steady-state run)");
   if (o.prompt_len.Max() < 1 || o.output_len.Max() < 1)
     return absl::InvalidArgumentError("prompt and output lengths must be set");
+  if (o.num_turns < 1 || o.num_turns > 1000)
+    return absl::InvalidArgumentError(absl::StrCat("--turns: ", o.num_turns, " not in [1, 1000]"));
+  if (o.num_turns > 1 && o.rate > 0)
+    return absl::InvalidArgumentError(
+        "--turns: closed loop only (a stream's next turn waits for its previous answer)");
+  if (o.num_turns > 1 && o.turn_growth.Max() < 1)
+    return absl::InvalidArgumentError("--turn-growth: must be set with --turns");
 
   if (IsHttpAddress(o.address)) return RunHttpLoad(o);
   // The model's vocabulary and context bound the random prompts.
@@ -742,6 +842,8 @@ nlohmann::json ResultToJson(const RunResult& r) {
                  {"prompt_len", o.prompt_len.spec},
                  {"output_len", o.output_len.spec},
                  {"compression", compression},
+                 {"turns", o.num_turns},
+                 {"turn_growth", o.num_turns > 1 ? o.turn_growth.spec : ""},
                  {"seed", o.seed}};
   j["measured_s"] = r.measured_s;
   j["requests_ok"] = r.num_ok;
@@ -755,6 +857,16 @@ nlohmann::json ResultToJson(const RunResult& r) {
   j["ttft_ms"] = PercentilesJson(r.ttft_ms);
   j["itl_ms"] = PercentilesJson(r.itl_ms);
   j["e2e_ms"] = PercentilesJson(r.e2e_ms);
+  if (!r.turns.empty()) {
+    nlohmann::json turns = nlohmann::json::array();
+    for (size_t k = 0; k < r.turns.size(); ++k)
+      turns.push_back({{"turn", k + 1},
+                       {"requests_ok", r.turns[k].num_ok},
+                       {"mean_prompt_len", r.turns[k].mean_prompt_len},
+                       {"ttft_ms", PercentilesJson(r.turns[k].ttft_ms)}});
+    j["turns"] = turns;
+    j["conversations_cut"] = r.num_conversations_cut;
+  }
   j["metrics_delta"] = r.metrics_delta;
   return j;
 }
@@ -790,6 +902,29 @@ std::string ResultsToMarkdown(const std::vector<RunResult>& results) {
     md += row;
   }
   return md;
+}
+
+std::string TurnsToMarkdown(const std::vector<RunResult>& results) {
+  std::string md;
+  for (size_t i = 0; i < results.size(); ++i) {
+    const RunResult& r = results[i];
+    for (size_t k = 0; k < r.turns.size(); ++k) {
+      const TurnStats& t = r.turns[k];
+      char row[256];
+      std::snprintf(row, sizeof(row), "| %zu | %d | %zu | %lld | %.1f | %.1f / %.1f / %.1f |\n",
+                    i + 1, r.options.concurrency, k + 1, static_cast<long long>(t.num_ok),
+                    t.mean_prompt_len, t.ttft_ms.p50, t.ttft_ms.p90, t.ttft_ms.p99);
+      md += row;
+    }
+    if (r.num_conversations_cut > 0)
+      absl::StrAppend(&md, "| ", i + 1, " | ", r.options.concurrency, " | (",
+                      r.num_conversations_cut,
+                      " conversations cut: the next turn would not fit the context) | | | |\n");
+  }
+  if (md.empty()) return md;
+  return "| run | conc. | turn | ok | mean prompt len | TTFT p50/p90/p99 ms |\n"
+         "|---:|---:|---:|---:|---:|---|\n" +
+         md;
 }
 
 }  // namespace dropkv::loadgen

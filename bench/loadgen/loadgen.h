@@ -2,7 +2,9 @@
 // OpenAI-compatible HTTP API (an address "http://HOST:PORT": streamed /v1/completions of the same
 // token-id prompts) in a closed loop (N streams back to back) or an open loop (Poisson arrivals at
 // R requests/s), and measures time to first token, inter-token latency and end-to-end latency per
-// request, the same way for both. No torch: it is a client.
+// request, the same way for both. With --turns, each closed-loop stream runs multi-turn chats whose
+// prompts extend the previous prompt and answer (a prefix cache's load), reported per turn too.
+// No torch: it is a client.
 #pragma once
 
 #include <cstdint>
@@ -29,6 +31,18 @@ struct LengthDist {
   int64_t Max() const;
 };
 absl::StatusOr<LengthDist> ParseLengthDist(const std::string& spec, const std::string& flag);
+
+// `num_tokens` random prompt token ids in [3, vocab_size - 1] (0-2 are the usual special ids),
+// appended to `out`.
+void AppendRandomTokens(int64_t num_tokens, int32_t vocab_size, std::mt19937_64& rng,
+                        std::vector<int32_t>* out);
+
+// Multi-turn chat (--turns): the next turn's prompt is the previous turn's prompt, then exactly the
+// token ids the server streamed for it, then `growth_len` new random ids (the next user message).
+// Every earlier turn's prompt stays a token-for-token prefix, which is what a prefix cache reuses.
+std::vector<int32_t> NextTurnPrompt(const std::vector<int32_t>& prev_prompt,
+                                    const std::vector<int32_t>& prev_answer, int64_t growth_len,
+                                    int32_t vocab_size, std::mt19937_64& rng);
 
 // One compression setting of the mix: "none", "METHOD" or "METHOD:KEEP_RATIO" (e.g. dropkv:0.25).
 struct CompressionChoice {
@@ -59,6 +73,11 @@ struct LoadOptions {
   LengthDist prompt_len;
   LengthDist output_len;
   std::vector<CompressionChoice> compression;  // drawn uniformly per request; empty = default
+  // Closed loop only: > 1 makes each stream run conversations of `num_turns` requests, turn 1 of
+  // --prompt-len fresh tokens and each later one NextTurnPrompt(.., turn_growth draw, ..); the
+  // compression choice is drawn once per conversation.
+  int num_turns = 1;
+  LengthDist turn_growth;
   uint64_t seed = 1;
   bool progress = true;  // a progress line on stderr
 };
@@ -70,6 +89,13 @@ struct Percentiles {
 };
 Percentiles Summarize(std::vector<double> values);
 
+// One turn index's requests in a --turns run.
+struct TurnStats {
+  int64_t num_ok = 0;
+  double mean_prompt_len = 0;
+  Percentiles ttft_ms;
+};
+
 struct RunResult {
   LoadOptions options;
   double measured_s = 0;         // window start -> last measured completion (steady: the window)
@@ -80,6 +106,9 @@ struct RunResult {
   int64_t num_dropped = 0;  // open loop: arrivals with `concurrency` already in flight
   int64_t prompt_tokens = 0, output_tokens = 0;
   Percentiles ttft_ms, itl_ms, e2e_ms;
+  std::vector<TurnStats> turns;  // --turns > 1: [k] = turn k + 1's measured OK requests
+  // --turns: conversations restarted before their last turn because it would not fit the context
+  int64_t num_conversations_cut = 0;
   std::map<std::string, double> metrics_delta;  // server /metrics counters, after - before
   double requests_per_s() const { return measured_s > 0 ? num_ok / measured_s : 0; }
   double output_tokens_per_s() const { return measured_s > 0 ? output_tokens / measured_s : 0; }
@@ -98,5 +127,7 @@ std::map<std::string, double> MetricDeltas(const std::map<std::string, double>& 
 nlohmann::json ResultToJson(const RunResult& result);
 // One Markdown table: one row per result.
 std::string ResultsToMarkdown(const std::vector<RunResult>& results);
+// --turns: one Markdown table, a row per (result, turn); "" when no result has turns.
+std::string TurnsToMarkdown(const std::vector<RunResult>& results);
 
 }  // namespace dropkv::loadgen

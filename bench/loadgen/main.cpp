@@ -4,6 +4,8 @@
 //   dropkv-loadgen --address 127.0.0.1:50051 --rate 4 --concurrency 64 --duration 60 --json
 //   dropkv-loadgen --address ... --sweep 1,2,4,8,16 --plot sweep.png --out-json sweep.json
 //   dropkv-loadgen --address http://127.0.0.1:8000 --concurrency 8 --duration 30   (HTTP API)
+//   dropkv-loadgen --address ... --turns 8 --turn-growth fixed:2048 --output-len fixed:128
+//     (multi-turn chat: each prompt extends the previous prompt and answer; TTFT per turn)
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -58,7 +60,7 @@ int main(int argc, char** argv) {
       "(p50/p90/p99/max), request and token throughput, errors by gRPC status and the server's "
       "/metrics deltas. Bounded: --duration (and --requests), every request has a deadline."};
   LoadOptions o;
-  std::string prompt_spec = "uniform:16:128", output_spec = "fixed:32";
+  std::string prompt_spec = "uniform:16:128", output_spec = "fixed:32", growth_spec = "fixed:2048";
   std::vector<std::string> compression_specs;
   std::string metrics_url, out_json, out_md, plot_png, sweep;
   bool json = false, no_progress = false;
@@ -82,6 +84,13 @@ int main(int argc, char** argv) {
   app.add_option("--prompt-len", prompt_spec, "fixed:N | uniform:A:B | file:PATH")
       ->capture_default_str();
   app.add_option("--output-len", output_spec, "fixed:N | uniform:A:B | file:PATH (ignore_eos)")
+      ->capture_default_str();
+  app.add_option("--turns", o.num_turns,
+                 "closed loop: conversations of N turns per stream; turn k's prompt = turn k-1's "
+                 "prompt + its streamed answer + --turn-growth new tokens (a prefix cache's load)")
+      ->capture_default_str();
+  app.add_option("--turn-growth", growth_spec,
+                 "with --turns: new user tokens per turn, fixed:N | uniform:A:B | file:PATH")
       ->capture_default_str();
   app.add_option("--compression", compression_specs,
                  "METHOD[:KEEP_RATIO], repeatable: a mix drawn per request (default: server's)");
@@ -114,6 +123,9 @@ int main(int argc, char** argv) {
   if (!output.ok()) return fail(std::string(output.status().message()));
   o.prompt_len = *prompt;
   o.output_len = *output;
+  auto growth = ParseLengthDist(growth_spec, "--turn-growth");
+  if (!growth.ok()) return fail(std::string(growth.status().message()));
+  o.turn_growth = *growth;
   for (const auto& spec : compression_specs) {
     auto c = ParseCompressionChoice(spec);
     if (!c.ok()) return fail(std::string(c.status().message()));
@@ -162,6 +174,8 @@ int main(int argc, char** argv) {
   for (const auto& r : results) j.push_back(ResultToJson(r));
   if (results.size() == 1) j = j[0];
   std::string md = ResultsToMarkdown(results);
+  if (const std::string turns = TurnsToMarkdown(results); !turns.empty())
+    md += "\nPer turn (turn k's prompt extends turn k-1's prompt and answer):\n\n" + turns;
   if (!metrics_url.empty()) {
     md += "\nServer /metrics deltas:\n\n| run | sample | delta |\n|---:|---|---:|\n";
     for (size_t i = 0; i < results.size(); ++i)

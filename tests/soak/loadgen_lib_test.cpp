@@ -1,6 +1,6 @@
 // bench/loadgen/loadgen.h: the pure parts of dropkv-loadgen (percentiles, length specs, loopback
-// check, compression specs, Markdown/JSON shape). Percentiles are checked against a brute-force
-// restatement of the nearest-rank definition on random samples.
+// check, compression specs, Markdown/JSON shape, multi-turn prompt growth). Percentiles are checked
+// against a brute-force restatement of the nearest-rank definition on random samples.
 #include "bench/loadgen/loadgen.h"
 
 #include <gtest/gtest.h>
@@ -122,6 +122,78 @@ TEST(LoadgenReport, JsonAndMarkdownCarryTheNumbers) {
   const std::string md = ResultsToMarkdown({r, r});
   EXPECT_EQ(std::count(md.begin(), md.end(), '\n'), 4);  // header, rule, 2 rows
   EXPECT_NE(md.find("DEADLINE_EXCEEDED 2"), std::string::npos) << md;
+}
+
+// --turns: each prompt is the previous prompt, then the answer exactly, then `growth` fresh ids.
+TEST(LoadgenTurns, NextPromptExtendsPromptAndAnswer) {
+  const int32_t vocab = 50;
+  std::mt19937_64 rng(11);
+  std::vector<int32_t> prompt;
+  AppendRandomTokens(16, vocab, rng, &prompt);
+  ASSERT_EQ(prompt.size(), 16u);
+  std::vector<std::vector<int32_t>> history = {prompt};
+  for (int turn = 2; turn <= 4; ++turn) {
+    // Answers hold any id the server may stream, special ids 0-2 included.
+    const std::vector<int32_t> answer = {0, 1, 2, 49, turn};
+    const int64_t growth = 7 * turn;
+    std::mt19937_64 twin = rng;  // the same draws, to restate the growth
+    const std::vector<int32_t> next = NextTurnPrompt(prompt, answer, growth, vocab, rng);
+    ASSERT_EQ(next.size(), prompt.size() + answer.size() + growth) << "turn " << turn;
+    EXPECT_TRUE(std::equal(prompt.begin(), prompt.end(), next.begin())) << "turn " << turn;
+    EXPECT_TRUE(std::equal(answer.begin(), answer.end(), next.begin() + prompt.size()));
+    std::vector<int32_t> expected_growth;
+    AppendRandomTokens(growth, vocab, twin, &expected_growth);
+    EXPECT_TRUE(std::equal(expected_growth.begin(), expected_growth.end(), next.end() - growth,
+                           next.end()));
+    for (auto it = next.end() - growth; it != next.end(); ++it) {
+      EXPECT_GE(*it, 3);
+      EXPECT_LT(*it, vocab);
+    }
+    prompt = next;
+    history.push_back(next);
+  }
+  // Every earlier turn's prompt is a prefix of the last one (what a prefix cache can reuse).
+  for (const auto& earlier : history)
+    EXPECT_TRUE(std::equal(earlier.begin(), earlier.end(), prompt.begin()));
+  // No growth: prompt + answer only.
+  EXPECT_EQ(NextTurnPrompt({5, 6}, {7}, 0, vocab, rng), (std::vector<int32_t>{5, 6, 7}));
+}
+
+TEST(LoadgenTurns, RandomTokensAreUniformDrawsAboveSpecialIds) {
+  std::mt19937_64 a(3), b(3);
+  std::vector<int32_t> ids;
+  AppendRandomTokens(1000, 512, a, &ids);
+  std::uniform_int_distribution<int32_t> token(3, 511);
+  for (int32_t id : ids) ASSERT_EQ(id, token(b));
+  ids.clear();
+  AppendRandomTokens(5, 2, a, &ids);  // a vocabulary too small still gives valid ids
+  EXPECT_EQ(ids, (std::vector<int32_t>(5, 3)));
+}
+
+TEST(LoadgenTurns, ReportsCarryPerTurnRows) {
+  RunResult r;
+  r.options.concurrency = 2;
+  r.options.num_turns = 2;
+  r.options.turn_growth = *ParseLengthDist("fixed:8", "--turn-growth");
+  r.turns.resize(2);
+  r.turns[0] = {.num_ok = 3, .mean_prompt_len = 16, .ttft_ms = Summarize({1, 2, 3})};
+  r.turns[1] = {.num_ok = 2, .mean_prompt_len = 32, .ttft_ms = Summarize({4, 6})};
+  r.num_conversations_cut = 1;
+  const auto j = ResultToJson(r);
+  EXPECT_EQ(j["config"]["turns"].get<int>(), 2);
+  EXPECT_EQ(j["config"]["turn_growth"], "fixed:8");
+  ASSERT_EQ(j["turns"].size(), 2u);
+  EXPECT_EQ(j["turns"][1]["turn"].get<int>(), 2);
+  EXPECT_EQ(j["turns"][1]["requests_ok"].get<int>(), 2);
+  EXPECT_DOUBLE_EQ(j["turns"][1]["mean_prompt_len"].get<double>(), 32.0);
+  EXPECT_DOUBLE_EQ(j["turns"][1]["ttft_ms"]["p50"].get<double>(), 4.0);
+  EXPECT_EQ(j["conversations_cut"].get<int>(), 1);
+  const std::string md = TurnsToMarkdown({r});
+  EXPECT_EQ(std::count(md.begin(), md.end(), '\n'), 5) << md;  // header, rule, 2 turns, cut
+  EXPECT_NE(md.find("| 1 | 2 | 2 | 2 | 32.0 | 4.0 / 6.0 / 6.0 |"), std::string::npos) << md;
+  // Single-turn runs add no table and no JSON keys.
+  EXPECT_EQ(TurnsToMarkdown({RunResult{}}), "");
+  EXPECT_FALSE(ResultToJson(RunResult{}).contains("turns"));
 }
 
 }  // namespace

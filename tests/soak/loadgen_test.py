@@ -4,6 +4,10 @@ counts are checked against the server's independent counters: requests OK == the
 num_requests_finished delta (GetServerStats), output tokens == OK requests x the fixed output
 length (ignore_eos) == the /metrics dropkv_generation_tokens_total delta the tool reports. Also:
 percentiles are ordered, --help works, non-loopback addresses and bad length specs are refused.
+Multi-turn (--turns): against a recording stand-in server, every later turn's prompt is an earlier
+prompt + exactly the ids streamed for it + the growth; against the real server over gRPC and HTTP,
+each turn's prompt length is the previous one + output + growth and the server's prompt token count
+matches.
 """
 import argparse
 import http.server
@@ -15,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent import futures
 
 from soak_common import prepare_scratch, stop
 
@@ -31,6 +36,61 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def check_turns_recorded(loadgen, pb, pbg):
+    """--turns against a stand-in server that records each prompt and streams a known answer."""
+    import grpc
+    prompt_len, out_len, growth, turns = 16, 6, 5, 3
+    lock = threading.Lock()
+    seen = []  # (prompt ids, answer ids)
+
+    def answer_for(ids):  # special ids 0-2 included: the next prompt must carry them unchanged
+        return [(sum(ids) + i) % 512 if i % 3 else i % 3 for i in range(out_len)]
+
+    class Recorder(pbg.InferenceServicer):
+        def GetModelInfo(self, request, context):
+            return pb.ModelInfo(vocab_size=512, max_context_len=4096)
+
+        def Generate(self, request, context):
+            ids = list(request.token_ids.ids)
+            answer = answer_for(ids)[:request.max_new_tokens]
+            with lock:
+                seen.append((ids, answer))
+            yield pb.GenerateResponse(token_ids=answer[:2])  # two messages: ids accumulate
+            yield pb.GenerateResponse(token_ids=answer[2:], finish_reason=pb.FINISH_REASON_LENGTH)
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+    pbg.add_InferenceServicer_to_server(Recorder(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        r = subprocess.run(
+            [loadgen, "--address", f"127.0.0.1:{port}", "--concurrency", "2", "--requests", "14",
+             "--duration", "20", "--turns", str(turns), "--turn-growth", f"fixed:{growth}",
+             "--prompt-len", f"fixed:{prompt_len}", "--output-len", f"fixed:{out_len}", "--json",
+             "--no-progress"], capture_output=True, text=True, timeout=60)
+    finally:
+        server.stop(0)
+    check("turns_recorded_runs", r.returncode == 0, r.stderr.strip())
+    prompts = {tuple(ids): answer for ids, answer in seen}
+    first = [ids for ids, _ in seen if len(ids) == prompt_len]
+    later = [ids for ids, _ in seen if len(ids) != prompt_len]
+    bad = []
+    for ids in later:
+        prev_len = len(ids) - out_len - growth
+        prev = tuple(ids[:prev_len])
+        if prev not in prompts or ids[prev_len:prev_len + out_len] != prompts[prev]:
+            bad.append(len(ids))
+    lengths = sorted({len(ids) for ids, _ in seen})
+    check("turns_extend_prompt_and_streamed_answer", later and not bad,
+          f"{len(later)} later turns, {len(bad)} not extending an earlier prompt + answer")
+    check("turns_lengths", lengths == [prompt_len + k * (out_len + growth) for k in range(turns)],
+          str(lengths))
+    # Each conversation starts from a seed of its own: no shared first turns.
+    check("turns_fresh_conversations",
+          len(first) >= 3 and len({tuple(f) for f in first}) == len(first),
+          f"{len(first)} first turns")
 
 
 def main():
@@ -53,10 +113,13 @@ def main():
                        capture_output=True, text=True)
     check("bad_length_spec", r.returncode == 2 and "--prompt-len" in r.stderr, r.stderr.strip())
 
-    metrics_port = free_port()
+    check_turns_recorded(args.loadgen, pb, pbg)
+
+    metrics_port, http_port = free_port(), free_port()
     log = open(os.path.join(args.scratch, "server.log"), "w")
     proc = subprocess.Popen([args.server, "--model", model, "--host", "127.0.0.1", "--port", "0",
-                             "--metrics-port", str(metrics_port), "--device", "cpu",
+                             "--metrics-port", str(metrics_port), "--http-port", str(http_port),
+                             "--device", "cpu",
                              "--kv-blocks", "1024", "--max-batch", "16"],
                             stdout=subprocess.PIPE, stderr=log, text=True)
     port = None
@@ -143,6 +206,48 @@ def main():
             check("steady_cancelled_reach_server",
                   idle.num_running == 0 and idle.kv_blocks_used == before.kv_blocks_used,
                   f"running={idle.num_running} kv used {idle.kv_blocks_used} vs {before.kv_blocks_used}")
+        # Multi-turn on the real server, both APIs: turn k's prompt is turn k-1's + output + growth.
+        prompt_len, out_len, growth, turns = 16, 8, 8, 3
+        for api, address in (("grpc", f"127.0.0.1:{port}"),
+                             ("http", f"http://127.0.0.1:{http_port}")):
+            r = subprocess.run(
+                [args.loadgen, "--address", address, "--concurrency", "2", "--duration", "3",
+                 "--turns", str(turns), "--turn-growth", f"fixed:{growth}", "--prompt-len",
+                 f"fixed:{prompt_len}", "--output-len", f"fixed:{out_len}", "--json",
+                 "--no-progress"] + metrics_args, capture_output=True, text=True, timeout=120)
+            if r.returncode != 0:
+                check(f"turns_{api}_runs", False, r.stderr)
+                continue
+            rep = json.loads(r.stdout)
+            t = rep["turns"]
+            oks = [x["requests_ok"] for x in t]
+            check(f"turns_{api}_config", rep["config"]["turns"] == turns and len(t) == turns
+                  and [x["turn"] for x in t] == [1, 2, 3], str(rep["config"]))
+            check(f"turns_{api}_every_turn_ran", min(oks) >= 2 and not rep["errors"]
+                  and rep["conversations_cut"] == 0 and sum(oks) == rep["requests_ok"],
+                  f"ok per turn {oks}, errors {rep['errors']}")
+            # A stream reaches turn k+1 only after turn k; at most one turn in flight per stream.
+            check(f"turns_{api}_order", all(0 <= a - b <= 2 for a, b in zip(oks, oks[1:])),
+                  str(oks))
+            want = [prompt_len + k * (out_len + growth) for k in range(turns)]
+            check(f"turns_{api}_prompt_growth", [x["mean_prompt_len"] for x in t] == want,
+                  f"{[x['mean_prompt_len'] for x in t]} vs {want}")
+            check(f"turns_{api}_prompt_tokens",
+                  rep["prompt_tokens"] == sum(o * w for o, w in zip(oks, want)))
+            if has_metrics:
+                served = sum(v for k, v in rep["metrics_delta"].items()
+                             if k.startswith("dropkv_prompt_tokens_total"))
+                check(f"turns_{api}_server_prompt_tokens", served == rep["prompt_tokens"],
+                      f"dropkv_prompt_tokens_total +{served} vs {rep['prompt_tokens']}")
+            for x in t:
+                p = x["ttft_ms"]
+                check(f"turns_{api}_turn{x['turn']}_ttft_ordered",
+                      p["count"] == x["requests_ok"]
+                      and 0 < p["p50"] <= p["p90"] <= p["p99"] <= p["max"])
+        r = subprocess.run([args.loadgen, "--address", f"127.0.0.1:{port}", "--rate", "2",
+                            "--turns", "2"], capture_output=True, text=True)
+        check("turns_refuse_open_loop", r.returncode == 2 and "--turns" in r.stderr,
+              r.stderr.strip())
         r = subprocess.run([args.loadgen, "--address", f"127.0.0.1:{port}", "--steady",
                             "--requests", "5"], capture_output=True, text=True)
         check("steady_refuses_requests", r.returncode == 2 and "--requests" in r.stderr,

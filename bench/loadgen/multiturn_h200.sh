@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# Issue 25's multi-turn chat load, the full gRPC server on the H200, in one device call:
+#   here:  scripts/gpu_pack.sh bin/dropkv-server bin/dropkv-loadgen bin/dropkv-bench-e2e
+#          mkdir -p .gpu-pack/tok && cp ../shared/tokenizers/llama3/tokenizer*.json.gz .gpu-pack/tok/
+#   there: carry [".gpu-pack"], command `bash bench/loadgen/multiturn_h200.sh`
+# Llama-3.1-8B geometry with random weights (bf16) as in run_h200.sh (its context is 131072).
+# Each closed-loop stream runs TURNS-turn conversations (dropkv-loadgen --turns): turn 1 is
+# PROMPT_LEN fresh tokens, each later turn is the previous prompt + the ids the server streamed
+# for it (OUTPUT_LEN) + TURN_GROWTH new tokens, so turn 8 is 2048 + 7 x 2176 = 17280 tokens with
+# the defaults (--max-prompt-tokens is raised to MAX_PROMPT_TOKENS for it). For each server
+# variant, each mode (MODES: full cache, DropKV keep 10%) and each point: TTFT p50/p90/p99 and the
+# mean prompt length per turn, and the deltas of the server's dropkv_prefix_cache* counters over
+# the point when /metrics has any (their values after each point go to prefix_cache_*.txt).
+# Env: VARIANTS: ';'-separated NAME=SERVER_FLAGS, one server start each (default "default=": the
+#        server as it is), e.g. VARIANTS="off=--prefix-cache=false;on=" (the flag's name is the
+#        prefix cache's); SERVER_ARGS: flags for every variant;
+#      POINTS ("1:45 16:90", STREAMS:SECONDS: new turns start for SECONDS, the last ones finish);
+#      MODES ("none dropkv:0.1"), TURNS (8), PROMPT_LEN (fixed:2048), TURN_GROWTH (fixed:2048),
+#      OUTPUT_LEN (fixed:128), KV_MEMORY (100GiB), MAX_PROMPT_TOKENS (32768).
+# Time: one variant with the defaults is ~5 minutes of load plus the server start; a device
+# command may run 10, so two variants want shorter POINTS (e.g. "1:30 16:60") or a call each.
+# Every loadgen run against one server gets a seed of its own, because a cache kept from an
+# earlier run would hit its conversations otherwise; every variant gets the same seeds, so the
+# variants see the same prompts.
+set -uo pipefail
+OUT=${OUT:-$PWD/.gpu/out}
+mkdir -p "$OUT"
+source scripts/gpu_pack.sh --unpack || exit 1
+geo=/tmp/geo/llama-3.1-8b
+# The bench writes the geometry's config.json (and draws weights once: a few seconds).
+dropkv-bench-e2e --geometry llama-3.1-8b --write-config "$geo" --prefill 16 --decode "" \
+  --keep 1.0 --repeats 1 --kv-gib 1 > /dev/null 2> "$OUT/geometry.log" || { tail "$OUT/geometry.log"; exit 1; }
+for f in tokenizer.json tokenizer_config.json; do zcat ".gpu-pack/tok/$f.gz" > "$geo/$f"; done
+
+metrics() { python3 -c 'import urllib.request as u; print(u.urlopen("http://127.0.0.1:9400/metrics").read().decode())'; }
+IFS=';' read -r -a variants <<< "${VARIANTS:-default=}"
+dirs=()
+for variant in "${variants[@]}"; do
+  name=${variant%%=*}
+  flags=${variant#*=}
+  [[ $variant == *=* ]] || flags=""
+  out="$OUT/multiturn/$name"
+  mkdir -p "$out"
+  dirs+=("$out")
+  echo "== variant $name: ${SERVER_ARGS:-} $flags"
+  # shellcheck disable=SC2086  # the flags are lists of words
+  dropkv-server --model "$geo" --random-weights --device cuda --port 50051 --metrics-port 9400 \
+    --kv-memory "${KV_MEMORY:-100GiB}" --max-batch 256 --max-queue-requests 4096 \
+    --max-queue-prompt-tokens 0 --max-prompt-tokens "${MAX_PROMPT_TOKENS:-32768}" \
+    ${SERVER_ARGS:-} $flags > "$out/server.log" 2>&1 &
+  server=$!
+  for _ in $(seq 240); do
+    grep -q "listening on" "$out/server.log" && break
+    kill -0 "$server" 2> /dev/null || break
+    sleep 0.5
+  done
+  grep -q "listening on" "$out/server.log" || { echo "server did not start"; tail -20 "$out/server.log"; exit 1; }
+  grep -E "KV pool|listening" "$out/server.log"
+  # Warm-up (CUDA graphs, allocator) so that the first point's turn 1 does not pay for it.
+  dropkv-loadgen --address 127.0.0.1:50051 --concurrency 4 --requests 8 --duration 60 \
+    --prompt-len fixed:2048 --output-len fixed:16 --seed 999999 --no-progress > /dev/null 2>&1
+
+  seed=1000
+  for mode in ${MODES:-none dropkv:0.1}; do
+    mode_name=${mode//[:.]/_}
+    for point in ${POINTS:-1:45 16:90}; do
+      IFS=: read -r conc seconds <<< "$point"
+      seed=$((seed + 1))
+      dropkv-loadgen --address 127.0.0.1:50051 --concurrency "$conc" --duration "$seconds" \
+        --timeout 600 --turns "${TURNS:-8}" --turn-growth "${TURN_GROWTH:-fixed:2048}" \
+        --prompt-len "${PROMPT_LEN:-fixed:2048}" --output-len "${OUTPUT_LEN:-fixed:128}" \
+        --compression "$mode" --seed "$seed" --metrics-url http://127.0.0.1:9400/metrics \
+        --no-progress --json > "$out/turns_${mode_name}_c$conc.json" 2>> "$out/loadgen_$mode_name.log"
+      echo "loadgen $name $mode streams $conc: rc=$? ($(date +%T))"
+      for _ in $(seq 60); do
+        metrics | grep -qE '^dropkv_requests_running(\{[^}]*\})? 0(\.0+)?$' && break
+        sleep 0.5
+      done
+      metrics | grep -E '^dropkv_prefix_cache' > "$out/prefix_cache_${mode_name}_c$conc.txt"
+    done
+  done
+  metrics | grep -E '^dropkv_(kv_blocks_(used|total)|requests_(running|waiting)|preemptions_total|prefix_cache[a-z_]*)[{ ]'
+  kill -TERM "$server"
+  wait "$server"
+done
+echo "==================== dropkv-loadgen --turns ${TURNS:-8} (H200, Llama-3.1-8B geometry) ===================="
+python3 bench/loadgen/multiturn_table.py "${dirs[@]}"
