@@ -112,6 +112,7 @@ TEST(ServerConfigTest, EachKeyReachesItsField) {
       {"max_prompt_tokens: 100", [](const ServerConfig& c) { return c.max_prompt_tokens == 100; }},
       {"prefill_tokens_per_step: 64",
        [](const ServerConfig& c) { return c.prefill_tokens_per_step == 64; }},
+      {"prefix_cache: false", [](const ServerConfig& c) { return !c.prefix_cache; }},
       {"random_weights: true", [](const ServerConfig& c) { return c.random_weights; }},
       {"log_format: json", [](const ServerConfig& c) { return c.log_format == LogFormat::kJson; }},
       {"log_level: debug", [](const ServerConfig& c) { return c.log_level == "debug"; }},
