@@ -186,8 +186,9 @@ struct Sample {
   double ttft_ms = -1, e2e_ms = 0;
   std::vector<double> itl_ms;
   int64_t prompt_tokens = 0, output_tokens = 0;
-  int turn_idx = 0;                 // --turns: 1-based turn of its conversation; 0 otherwise
-  std::vector<int32_t> output_ids;  // --turns: the streamed ids, the next turn's prompt extends
+  int64_t cached_prompt_tokens = 0;  // the server's usage: found in its prefix cache
+  int turn_idx = 0;                  // --turns: 1-based turn of its conversation; 0 otherwise
+  std::vector<int32_t> output_ids;   // --turns: the streamed ids, the next turn's prompt extends
   Clock::time_point done;
 };
 
@@ -436,8 +437,10 @@ class Runner {
     Sample s;
     s.prompt_tokens = static_cast<int64_t>(d.prompt.size());
     nlohmann::json body = {
-        {"model", http_model_}, {"prompt", d.prompt}, {"max_tokens", d.out_len}, {"temperature", 0},
-        {"ignore_eos", true},   {"stream", true},     {"return_token_ids", true}};
+        {"model", http_model_},     {"prompt", d.prompt},
+        {"max_tokens", d.out_len},  {"temperature", 0},
+        {"ignore_eos", true},       {"stream", true},
+        {"return_token_ids", true}, {"stream_options", {{"include_usage", true}}}};
     if (d.compression != nullptr) {
       nlohmann::json c = nlohmann::json::object();
       if (!d.compression->method.empty()) c["method"] = d.compression->method;
@@ -480,6 +483,11 @@ class Runner {
             if (event.contains("error")) {
               stream_error = "HTTP stream error";
               return;
+            }
+            if (event.contains("usage") && event["usage"].is_object()) {
+              s.cached_prompt_tokens = event["usage"]
+                                           .value("prompt_tokens_details", nlohmann::json::object())
+                                           .value("cached_tokens", int64_t{0});
             }
             for (const auto& choice : event.value("choices", nlohmann::json::array())) {
               if (!choice.contains("token_ids")) continue;
@@ -532,6 +540,7 @@ class Runner {
     Clock::time_point last = t0;
     while (reader->Read(&msg)) {
       OnTokens(s, msg.token_ids_size(), t0, &last);
+      if (msg.has_usage()) s.cached_prompt_tokens = msg.usage().cached_prompt_tokens();
       if (o_.num_turns > 1)
         s.output_ids.insert(s.output_ids.end(), msg.token_ids().begin(), msg.token_ids().end());
     }
@@ -570,7 +579,7 @@ class Runner {
     std::vector<double> ttft, itl, e2e;
     const size_t num_turns = o_.num_turns > 1 ? static_cast<size_t>(o_.num_turns) : 0;
     std::vector<std::vector<double>> turn_ttft(num_turns);
-    std::vector<int64_t> turn_prompt_tokens(num_turns, 0);
+    std::vector<int64_t> turn_prompt_tokens(num_turns, 0), turn_cached_tokens(num_turns, 0);
     r.turns.resize(num_turns);
     r.num_conversations_cut = num_conversations_cut_;
     Clock::time_point last_done = window_start_;
@@ -600,14 +609,18 @@ class Runner {
         const size_t k = static_cast<size_t>(s.turn_idx) - 1;
         ++r.turns[k].num_ok;
         turn_prompt_tokens[k] += s.prompt_tokens;
+        turn_cached_tokens[k] += s.cached_prompt_tokens;
         if (s.ttft_ms >= 0) turn_ttft[k].push_back(s.ttft_ms);
       }
     }
     for (size_t k = 0; k < num_turns; ++k) {
       TurnStats& t = r.turns[k];
-      if (t.num_ok > 0)
+      if (t.num_ok > 0) {
         t.mean_prompt_len =
             static_cast<double>(turn_prompt_tokens[k]) / static_cast<double>(t.num_ok);
+        t.mean_cached_prompt_tokens =
+            static_cast<double>(turn_cached_tokens[k]) / static_cast<double>(t.num_ok);
+      }
       t.ttft_ms = Summarize(std::move(turn_ttft[k]));
     }
     r.measured_s = Seconds(last_done - window_start_);
@@ -863,6 +876,7 @@ nlohmann::json ResultToJson(const RunResult& r) {
       turns.push_back({{"turn", k + 1},
                        {"requests_ok", r.turns[k].num_ok},
                        {"mean_prompt_len", r.turns[k].mean_prompt_len},
+                       {"mean_cached_prompt_tokens", r.turns[k].mean_cached_prompt_tokens},
                        {"ttft_ms", PercentilesJson(r.turns[k].ttft_ms)}});
     j["turns"] = turns;
     j["conversations_cut"] = r.num_conversations_cut;
@@ -911,19 +925,20 @@ std::string TurnsToMarkdown(const std::vector<RunResult>& results) {
     for (size_t k = 0; k < r.turns.size(); ++k) {
       const TurnStats& t = r.turns[k];
       char row[256];
-      std::snprintf(row, sizeof(row), "| %zu | %d | %zu | %lld | %.1f | %.1f / %.1f / %.1f |\n",
-                    i + 1, r.options.concurrency, k + 1, static_cast<long long>(t.num_ok),
-                    t.mean_prompt_len, t.ttft_ms.p50, t.ttft_ms.p90, t.ttft_ms.p99);
+      std::snprintf(
+          row, sizeof(row), "| %zu | %d | %zu | %lld | %.1f | %.1f | %.1f / %.1f / %.1f |\n", i + 1,
+          r.options.concurrency, k + 1, static_cast<long long>(t.num_ok), t.mean_prompt_len,
+          t.mean_cached_prompt_tokens, t.ttft_ms.p50, t.ttft_ms.p90, t.ttft_ms.p99);
       md += row;
     }
     if (r.num_conversations_cut > 0)
       absl::StrAppend(&md, "| ", i + 1, " | ", r.options.concurrency, " | (",
                       r.num_conversations_cut,
-                      " conversations cut: the next turn would not fit the context) | | | |\n");
+                      " conversations cut: the next turn would not fit the context) | | | | |\n");
   }
   if (md.empty()) return md;
-  return "| run | conc. | turn | ok | mean prompt len | TTFT p50/p90/p99 ms |\n"
-         "|---:|---:|---:|---:|---:|---|\n" +
+  return "| run | conc. | turn | ok | mean prompt len | mean cached | TTFT p50/p90/p99 ms |\n"
+         "|---:|---:|---:|---:|---:|---:|---|\n" +
          md;
 }
 

@@ -93,6 +93,9 @@ Percentiles Summarize(std::vector<double> values);
 struct TurnStats {
   int64_t num_ok = 0;
   double mean_prompt_len = 0;
+  // Of the prompt, tokens the server found in its prefix cache (usage.cached_prompt_tokens /
+  // prompt_tokens_details.cached_tokens): the rest was prefilled.
+  double mean_cached_prompt_tokens = 0;
   Percentiles ttft_ms;
 };
 

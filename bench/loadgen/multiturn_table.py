@@ -44,18 +44,20 @@ def main(folders):
         shown = [v for v in variants if v in by_variant]
         first = by_variant[shown[0]]
         print(f"\n### compression {comp}, {streams} streams: TTFT per turn, ms (p50 / p90 / p99)\n")
-        print("| turn | mean prompt len | " + " | ".join(f"{v}: ok | {v}: TTFT" for v in shown)
-              + " |")
-        print("|---:|---:|" + "---:|---|" * len(shown))
+        print("| turn | mean prompt len | "
+              + " | ".join(f"{v}: ok | {v}: prefilled | {v}: TTFT" for v in shown) + " |")
+        print("|---:|---:|" + "---:|---:|---|" * len(shown))
         for k, t in enumerate(first.get("turns", [])):
             cells = []
             for v in shown:
                 turns = by_variant[v].get("turns", [])
                 if k >= len(turns):
-                    cells += ["", ""]
+                    cells += ["", "", ""]
                     continue
                 p = turns[k]["ttft_ms"]
-                cells += [str(turns[k]["requests_ok"]),
+                # Prompt tokens the server prefilled: the rest came from its prefix cache.
+                prefilled = turns[k]["mean_prompt_len"] - turns[k].get("mean_cached_prompt_tokens", 0)
+                cells += [str(turns[k]["requests_ok"]), f"{prefilled:.0f}",
                           f"{p['p50']:.0f} / {p['p90']:.0f} / {p['p99']:.0f}"]
             print(f"| {t['turn']} | {t['mean_prompt_len']:.0f} | " + " | ".join(cells) + " |")
     print("\n### runs\n")

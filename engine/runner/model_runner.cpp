@@ -337,34 +337,19 @@ class TorchModelRunner : public ModelRunner {
       return st;
     };
     try {
-      const int64_t batch = static_cast<int64_t>(ids.size());
-      int64_t max_blocks = 1, max_pos = 0, max_len = 1;
-      for (int64_t s : ids) {
-        const SequenceBlocks& seq = pool_->sequence(s);
-        max_pos = std::max(max_pos, seq.logical_len);
-        for (const auto& t : seq.layers) {
-          max_blocks = std::max<int64_t>(max_blocks, t.block_ids.size());
-          max_len = std::max(max_len, t.stored_len);
-        }
-      }
+      const DecodeExtents ext = ExtentsOf(ids);
       host_times_.prepare_us = MicrosSince(start);
       at::Tensor logits;
-      if (UseGraphs(batch, max_blocks)) {
-        auto graphed = DecodeWithGraph(ids, tokens, max_blocks);
+      if (UseGraphs(static_cast<int64_t>(ids.size()), ext.max_blocks)) {
+        auto graphed = DecodeWithGraph(ids, tokens, ext.max_blocks);
         if (!graphed.ok()) return undo(graphed.status());
         logits = *graphed;
       }
       if (!logits.defined()) {
-        // Eager: the inputs packed on the host, one copy to the device.
-        const DecodeLayout lay{batch, config().num_layers, max_blocks};
-        auto host = at::empty({lay.num_bytes()}, at::kByte);
-        FillDecodeInputs(host.data_ptr<uint8_t>(), lay, ids, tokens);
-        const auto dev = model_->device();
-        auto bytes = ToDeviceAsync(host, dev);
-        DecodeInputs in = DecodeInputs::View(bytes, lay);
-        DecodeBackend backend(*pool_, config(), in, static_cast<int32_t>(max_len),
+        DecodeInputs in = UploadDecodeInputs(ids, tokens, ext);
+        DecodeBackend backend(*pool_, config(), in, static_cast<int32_t>(ext.max_len),
                               UseDecodeKernel());
-        auto hidden = model_->Forward(in.tokens, in.positions, max_pos, backend);
+        auto hidden = model_->Forward(in.tokens, in.positions, ext.max_pos, backend);
         if (!hidden.ok()) return undo(hidden.status());
         logits = model_->Logits(*hidden);  // fp32 [B, vocab]
       }
@@ -377,6 +362,32 @@ class TorchModelRunner : public ModelRunner {
   }
 
   DecodeHostTimes last_decode_host_times() const override { return host_times_; }
+
+  // What a decode batch's inputs are sized by: the longest block table, the largest position
+  // and the most entries any layer of its sequences holds (after this step's append).
+  struct DecodeExtents {
+    int64_t max_blocks = 1, max_pos = 0, max_len = 1;
+  };
+  DecodeExtents ExtentsOf(std::span<const int64_t> ids) const {
+    DecodeExtents e;
+    for (int64_t s : ids) {
+      const SequenceBlocks& seq = pool_->sequence(s);
+      e.max_pos = std::max(e.max_pos, seq.logical_len);
+      for (const auto& t : seq.layers) {
+        e.max_blocks = std::max<int64_t>(e.max_blocks, t.block_ids.size());
+        e.max_len = std::max(e.max_len, t.stored_len);
+      }
+    }
+    return e;
+  }
+  // An eager decode batch's inputs: packed on the host, one copy to the device.
+  DecodeInputs UploadDecodeInputs(std::span<const int64_t> ids, std::span<const int32_t> tokens,
+                                  const DecodeExtents& ext) const {
+    const DecodeLayout lay{static_cast<int64_t>(ids.size()), config().num_layers, ext.max_blocks};
+    auto host = at::empty({lay.num_bytes()}, at::kByte);
+    FillDecodeInputs(host.data_ptr<uint8_t>(), lay, ids, tokens);
+    return DecodeInputs::View(ToDeviceAsync(host, model_->device()), lay);
+  }
 
   // One prefill chunk of a forward, with its press (nullptr: keep everything).
   struct ChunkWork {
@@ -463,22 +474,12 @@ class TorchModelRunner : public ModelRunner {
       if (num_decode > 0) {
         RETURN_IF_ERROR(pool_->AppendSlots(decode_ids, 1));  // all-or-nothing
         decode_appended = true;
-        int64_t max_blocks = 1, max_len = 1;
-        for (int64_t s : decode_ids) {
-          const SequenceBlocks& seq = pool_->sequence(s);
-          max_pos = std::max(max_pos, seq.logical_len);
-          for (const auto& t : seq.layers) {
-            max_blocks = std::max<int64_t>(max_blocks, t.block_ids.size());
-            max_len = std::max(max_len, t.stored_len);
-          }
-        }
-        const DecodeLayout lay{num_decode, config().num_layers, max_blocks};
-        auto host = at::empty({lay.num_bytes()}, at::kByte);
-        FillDecodeInputs(host.data_ptr<uint8_t>(), lay, decode_ids, decode_tokens);
-        DecodeInputs in = DecodeInputs::View(ToDeviceAsync(host, dev), lay);
+        const DecodeExtents ext = ExtentsOf(decode_ids);
+        max_pos = ext.max_pos;
+        DecodeInputs in = UploadDecodeInputs(decode_ids, decode_tokens, ext);
         tokens.push_back(in.tokens);
         positions.push_back(in.positions);
-        decode.emplace(*pool_, config(), in, static_cast<int32_t>(max_len), UseDecodeKernel(),
+        decode.emplace(*pool_, config(), in, static_cast<int32_t>(ext.max_len), UseDecodeKernel(),
                        /*model_stores_kv=*/false);
         segments.push_back({&*decode, num_decode});
       }

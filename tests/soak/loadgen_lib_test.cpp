@@ -176,8 +176,14 @@ TEST(LoadgenTurns, ReportsCarryPerTurnRows) {
   r.options.num_turns = 2;
   r.options.turn_growth = *ParseLengthDist("fixed:8", "--turn-growth");
   r.turns.resize(2);
-  r.turns[0] = {.num_ok = 3, .mean_prompt_len = 16, .ttft_ms = Summarize({1, 2, 3})};
-  r.turns[1] = {.num_ok = 2, .mean_prompt_len = 32, .ttft_ms = Summarize({4, 6})};
+  r.turns[0] = {.num_ok = 3,
+                .mean_prompt_len = 16,
+                .mean_cached_prompt_tokens = 0,
+                .ttft_ms = Summarize({1, 2, 3})};
+  r.turns[1] = {.num_ok = 2,
+                .mean_prompt_len = 32,
+                .mean_cached_prompt_tokens = 24,
+                .ttft_ms = Summarize({4, 6})};
   r.num_conversations_cut = 1;
   const auto j = ResultToJson(r);
   EXPECT_EQ(j["config"]["turns"].get<int>(), 2);
@@ -186,11 +192,12 @@ TEST(LoadgenTurns, ReportsCarryPerTurnRows) {
   EXPECT_EQ(j["turns"][1]["turn"].get<int>(), 2);
   EXPECT_EQ(j["turns"][1]["requests_ok"].get<int>(), 2);
   EXPECT_DOUBLE_EQ(j["turns"][1]["mean_prompt_len"].get<double>(), 32.0);
+  EXPECT_DOUBLE_EQ(j["turns"][1]["mean_cached_prompt_tokens"].get<double>(), 24.0);
   EXPECT_DOUBLE_EQ(j["turns"][1]["ttft_ms"]["p50"].get<double>(), 4.0);
   EXPECT_EQ(j["conversations_cut"].get<int>(), 1);
   const std::string md = TurnsToMarkdown({r});
   EXPECT_EQ(std::count(md.begin(), md.end(), '\n'), 5) << md;  // header, rule, 2 turns, cut
-  EXPECT_NE(md.find("| 1 | 2 | 2 | 2 | 32.0 | 4.0 / 6.0 / 6.0 |"), std::string::npos) << md;
+  EXPECT_NE(md.find("| 1 | 2 | 2 | 2 | 32.0 | 24.0 | 4.0 / 6.0 / 6.0 |"), std::string::npos) << md;
   // Single-turn runs add no table and no JSON keys.
   EXPECT_EQ(TurnsToMarkdown({RunResult{}}), "");
   EXPECT_FALSE(ResultToJson(RunResult{}).contains("turns"));
