@@ -5,7 +5,12 @@
 #include <c10/util/Float8_e4m3fn.h>
 
 #include <algorithm>
+#include <atomic>
+#include <exception>
+#include <string>
+
 #include <array>
+#include "engine/model/log.h"
 
 namespace dropkv {
 namespace {
@@ -73,6 +78,34 @@ at::Tensor DequantizeFp8(const at::Tensor& w8, const at::Tensor& scale, int64_t 
   if (scale.size(1) == 1) return wf * scale;
   const int64_t in = w8.size(1);
   return wf * scale.repeat_interleave(group_k, 1).narrow(1, 0, in);
+}
+
+std::optional<at::Tensor> Fp8ScaledMm(const at::Tensor& x, const at::Tensor& w8,
+                                      const at::Tensor& scale, const at::Tensor& b) {
+  static std::atomic<bool> failed{false};
+  const int64_t out = w8.size(0), in = w8.size(1);
+  // Row-wise scaled GEMMs write bf16 only; cuBLASLt wants K and N in multiples of 16.
+  if (failed.load(std::memory_order_relaxed) || !x.is_cuda() || x.dim() != 2 ||
+      x.size(0) < kFp8GemmMinRows || x.scalar_type() != at::kBFloat16 || scale.size(1) != 1 ||
+      in % 16 != 0 || out % 16 != 0) {
+    return std::nullopt;
+  }
+  try {
+    auto xf = x.to(at::kFloat);
+    auto amax = xf.abs().amax(1, /*keepdim=*/true);  // [N, 1]
+    auto x_scale = at::where(amax > 0, amax / kFp8E4m3Max, at::ones_like(amax));
+    auto xq = (xf / x_scale).clamp(-kFp8E4m3Max, kFp8E4m3Max).to(at::kFloat8_e4m3fn);
+    // w8^T [in, out] is the column-major operand the GEMM wants; scales [N, 1] and [1, out].
+    auto y = at::_scaled_mm(xq, w8.t(), x_scale, scale.reshape({1, out}), std::nullopt,
+                            std::nullopt, at::kBFloat16);
+    if (b.defined()) y.add_(b);
+    return y;
+  } catch (const std::exception& e) {
+    failed.store(true, std::memory_order_relaxed);
+    LogWarn(std::string("model: the FP8 GEMM failed (") + e.what() +
+            "); FP8 weights are dequantized per linear from now on");
+    return std::nullopt;
+  }
 }
 
 }  // namespace dropkv

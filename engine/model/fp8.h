@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <utility>
 
 #include <ATen/core/Tensor.h>
@@ -27,5 +28,17 @@ std::pair<at::Tensor, at::Tensor> QuantizeFp8PerChannel(const at::Tensor& w);
 at::Tensor DequantizeFp8(const at::Tensor& w8, const at::Tensor& scale, int64_t group_k);
 
 bool IsFp8(const at::Tensor& w);
+
+// Forwards of at least this many rows may take the FP8 GEMM below: prefill chunks and large
+// decode batches; a single-token step keeps the dequantizing linear.
+inline constexpr int64_t kFp8GemmMinRows = 64;
+
+// CUDA only, and only when it applies (bf16 x [N >= kFp8GemmMinRows, in], per-channel scales,
+// in and out multiples of 16): x W^T (+ b) as one FP8 GEMM (cuBLASLt through at::_scaled_mm)
+// with dynamic per-token activation scales amax(|x row|) / 448. Quantizing the activations makes
+// it close to, not equal to, the dequantizing linear (fp8_gpu_test bounds the difference).
+// nullopt: not applicable (or the GEMM failed once in this process, logged): dequantize instead.
+std::optional<at::Tensor> Fp8ScaledMm(const at::Tensor& x, const at::Tensor& w8,
+                                      const at::Tensor& scale, const at::Tensor& b);
 
 }  // namespace dropkv

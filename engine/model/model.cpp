@@ -144,13 +144,15 @@ at::Tensor Linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b)
   return at::linear(x, w, b);
 }
 
-// Linear with a weight that may be FP8 (scale defined): dequantized to x's dtype, then the same
-// linear as a plain weight. Dequantizing keeps the numerics those of w8 * scale exactly (up to the
-// activation dtype's rounding), the same on every device, so the CPU measures the accuracy the
-// GPU kernels are tested against; a scaled FP8 GEMM would add activation quantization on top.
+// Linear with a weight that may be FP8 (scale defined). CUDA prefill-sized forwards take the FP8
+// GEMM with per-token activation scales (fp8.h). Everything else dequantizes to x's dtype and runs
+// the linear a plain weight gets: the logits are then those of the weights w8 * scale exactly (up
+// to the activation dtype's rounding), which is what the CPU measures against the full model and
+// HF, and what the GPU paths are tested against.
 at::Tensor LinearMaybeFp8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
                           int64_t group_k, const at::Tensor& b) {
   if (!scale.defined()) return Linear(x, w, b);
+  if (auto y = Fp8ScaledMm(x, w, scale, b)) return *std::move(y);
   return Linear(x, DequantizeFp8(w, scale, group_k).to(x.scalar_type()), b);
 }
 
