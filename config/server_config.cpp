@@ -265,6 +265,14 @@ std::vector<Setting> MakeSettings() {
       [](absl::string_view t) {
         return CheckNamed(t, {"auto", "float32", "bfloat16", "float16"});
       }));
+  v.push_back(StringSetting(
+      "quantization",
+      "none|fp8 (fp8: the projection weights quantized at load to float8 e4m3 with one scale per "
+      "output channel; an FP8 checkpoint stays FP8 either way)",
+      [](C& c) -> std::string& { return c.quantization; },
+      [](absl::string_view t) {
+        return CheckNamed(t, {"none", "fp8"});
+      }));
   // network
   v.push_back(StringSetting(
       "host", "gRPC bind address (0.0.0.0 = all interfaces)",

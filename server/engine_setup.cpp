@@ -31,6 +31,7 @@ absl::StatusOr<ServedEngine> CreateServedEngine(const ServerConfig& config) {
   ro.demo_model_dir = config.demo_model_dir;
   ro.device = config.device;
   ro.dtype = config.dtype;
+  ro.quantization = config.quantization;
   ro.block_size = config.block_size;
   ro.kv_cache_bytes = config.kv_memory_bytes;
   ro.num_kv_blocks = config.kv_blocks;

@@ -225,7 +225,61 @@ absl::Status ParseIds(const json& j, const char* key, std::vector<int32_t>* out)
   return absl::OkStatus();
 }
 
+// config.json's `quantization_config`: which FP8 layout the projections are stored in. Only FP8
+// e4m3 weights are read; the activation scheme does not matter here because the forward
+// dequantizes the weights (engine/model/fp8.h), so static input scales are not used.
+absl::Status ParseQuantizationConfig(const json& j, const std::string& path, ModelConfig* c) {
+  auto it = j.find("quantization_config");
+  if (it == j.end() || it->is_null()) return absl::OkStatus();
+  const std::string where = absl::StrCat(path, ": quantization_config");
+  if (!it->is_object()) return absl::InvalidArgumentError(where + " must be an object");
+  std::string method;
+  RETURN_IF_ERROR(Get(*it, "quant_method", where, &method, true));
+  if (method == "fp8") {
+    c->checkpoint_quant = CheckpointQuantMethod::kFp8;
+    if (auto b = it->find("weight_block_size"); b != it->end() && !b->is_null()) {
+      if (!b->is_array() || b->size() != 2 || !(*b)[0].is_number_integer() ||
+          !(*b)[1].is_number_integer() || (*b)[0].get<int64_t>() <= 0 ||
+          (*b)[1].get<int64_t>() <= 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            where, ": weight_block_size must be two positive integers, got ", b->dump()));
+      }
+      c->fp8_block = {(*b)[0].get<int64_t>(), (*b)[1].get<int64_t>()};
+    }
+    return absl::OkStatus();
+  }
+  if (method == "compressed-tensors") {
+    c->checkpoint_quant = CheckpointQuantMethod::kCompressedTensors;
+    auto groups = it->find("config_groups");
+    if (groups == it->end() || !groups->is_object() || groups->empty())
+      return absl::InvalidArgumentError(where + ": compressed-tensors without config_groups");
+    for (const auto& [name, group] : groups->items()) {
+      const auto w = group.find("weights");
+      const bool fp8 = w != group.end() && w->is_object() && w->value("type", "") == "float" &&
+                       w->value("num_bits", 0) == 8;
+      const std::string strategy =
+          w != group.end() && w->is_object() ? w->value("strategy", "") : "";
+      if (!fp8 || (strategy != "channel" && strategy != "tensor")) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            where, ": config group '", name,
+            "': only 8-bit float weights per channel or per tensor are supported, got ",
+            w != group.end() ? w->dump() : "no weights"));
+      }
+    }
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(absl::StrCat(where, ": quant_method '", method,
+                                                 "' is not supported (fp8, compressed-tensors)"));
+}
+
 }  // namespace
+
+absl::StatusOr<WeightQuantization> ParseWeightQuantization(const std::string& name) {
+  if (name == "none") return WeightQuantization::kNone;
+  if (name == "fp8") return WeightQuantization::kFp8;
+  return absl::InvalidArgumentError(
+      absl::StrCat("quantization: '", name, "' is not one of none, fp8"));
+}
 
 std::string SupportedArchitectures() {
   std::string s;
@@ -325,6 +379,7 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
   RETURN_IF_ERROR(ParseIds(j, "eos_token_id", &c.eos_token_ids));
   RETURN_IF_ERROR(Get(j, "torch_dtype", path, &c.torch_dtype, false));
   RETURN_IF_ERROR(Get(j, "dtype", path, &c.torch_dtype, false));
+  RETURN_IF_ERROR(ParseQuantizationConfig(j, path, &c));
 
   auto positive = [&](const char* name, int64_t v) -> absl::Status {
     if (v <= 0)

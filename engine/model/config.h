@@ -21,6 +21,23 @@ enum class ModelFamily { kLlama, kMistral, kQwen2, kQwen3, kGemma, kGemma2, kGem
 
 enum class RopeType { kDefault, kLinear, kDynamic, kLlama3, kYarn };
 
+// What the projection weights (q/k/v/o, gate/up/down) are held as. kFp8: float8 e4m3 with fp32
+// scales (engine/model/fp8.h); embeddings, norms and the LM head keep the model dtype.
+enum class WeightQuantization { kNone, kFp8 };
+// "none" | "fp8"; anything else is INVALID_ARGUMENT naming the value.
+absl::StatusOr<WeightQuantization> ParseWeightQuantization(const std::string& name);
+
+// How a published checkpoint stores its projections (config.json `quantization_config`).
+enum class CheckpointQuantMethod {
+  kNone,
+  // quant_method "fp8" (transformers' FineGrainedFP8): `*.weight` e4m3 and `*.weight_scale_inv`
+  // [ceil(out / block_n), ceil(in / block_k)] multipliers (a scalar without weight_block_size).
+  kFp8,
+  // quant_method "compressed-tensors", float 8-bit weights: `*.weight` e4m3 and `*.weight_scale`
+  // per output channel [out, 1] or per tensor [1].
+  kCompressedTensors,
+};
+
 struct RopeParams {
   RopeType type = RopeType::kDefault;
   double theta = 10000.0;
@@ -67,6 +84,8 @@ struct ModelConfig {
   int32_t bos_token_id = -1;        // -1 = none
   std::vector<int32_t> eos_token_ids;
   std::string torch_dtype;  // the checkpoint's dtype, informative
+  CheckpointQuantMethod checkpoint_quant = CheckpointQuantMethod::kNone;
+  std::vector<int64_t> fp8_block;  // kFp8: weight_block_size {block_n, block_k}; empty = per tensor
 
   int64_t q_size() const { return int64_t{num_heads} * head_dim; }
   int64_t kv_size() const { return int64_t{num_kv_heads} * head_dim; }

@@ -17,6 +17,7 @@
 #include "absl/strings/str_join.h"
 #include "engine/common/status_macros.h"
 #include "engine/model/attention.h"
+#include "engine/model/fp8.h"
 #include "engine/model/log.h"
 #include "engine/model/safetensors.h"
 #include "kernels/cpu_gemv.h"
@@ -33,10 +34,67 @@ struct WeightSpec {
   std::vector<int64_t> shape;
   at::Tensor* dst;
   bool required = true;
+  at::Tensor* scale = nullptr;  // projections: where FP8 scales go (they alone may be FP8)
 };
 
 std::string ShapeStr(at::IntArrayRef s) {
   return absl::StrCat("[", absl::StrJoin(s, ", "), "]");
+}
+
+int64_t CeilDiv(int64_t a, int64_t b) {
+  return (a + b - 1) / b;
+}
+
+// The fp32 scales [out, G] of the FP8 projection `weight_name` (shape [out, in]) as fp8.h lays
+// them out, from the tensor config.json's quantization_config names. Block checkpoints set
+// *group_k to their block_k.
+absl::StatusOr<at::Tensor> ReadFp8Scales(const SafetensorsFolder& folder, const ModelConfig& c,
+                                         const std::string& weight_name,
+                                         const std::vector<int64_t>& shape, int64_t* group_k) {
+  const int64_t out = shape[0], in = shape[1];
+  std::string name;
+  switch (c.checkpoint_quant) {
+    case CheckpointQuantMethod::kNone:
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor '", weight_name, "' is FP8 but config.json has no quantization_config"));
+    case CheckpointQuantMethod::kFp8:
+      name = weight_name + "_scale_inv";
+      break;
+    case CheckpointQuantMethod::kCompressedTensors:
+      name = weight_name + "_scale";
+      break;
+  }
+  const SafetensorsFile* file = folder.Find(name);
+  if (file == nullptr) {
+    return absl::NotFoundError(
+        absl::StrCat("tensor '", name, "' (the scales of FP8 '", weight_name, "') is missing"));
+  }
+  ASSIGN_OR_RETURN(at::Tensor s, file->Read(name));
+  s = s.to(at::kFloat);
+  if (c.checkpoint_quant == CheckpointQuantMethod::kFp8 && !c.fp8_block.empty()) {
+    const int64_t bn = c.fp8_block[0], bk = c.fp8_block[1];
+    const std::vector<int64_t> want = {CeilDiv(out, bn), CeilDiv(in, bk)};
+    if (s.sizes().vec() != want) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          file->path(), ": tensor '", name, "' has shape ", ShapeStr(s.sizes()), ", ",
+          ShapeStr(shape), " in blocks of [", bn, ", ", bk, "] implies ", ShapeStr(want)));
+    }
+    if (want[1] > 1) {
+      if (*group_k != 0 && *group_k != bk) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(file->path(), ": tensor '", name, "': a second block size ", bk));
+      }
+      *group_k = bk;
+    }
+    return s.repeat_interleave(bn, 0).narrow(0, 0, out).contiguous();  // [out, G]
+  }
+  // Per output channel ([out] or [out, 1]) or one scale for the tensor.
+  if (s.numel() == out && (s.dim() == 1 || (s.dim() == 2 && s.size(1) == 1)))
+    return s.reshape({out, 1}).contiguous();
+  if (s.numel() == 1) return s.reshape({1, 1}).expand({out, 1}).contiguous();
+  return absl::InvalidArgumentError(absl::StrCat(
+      file->path(), ": tensor '", name, "' has shape ", ShapeStr(s.sizes()), "; the scales of ",
+      ShapeStr(shape), " are [", out, ", 1] (per channel) or [1] (per tensor)"));
 }
 
 // oneDNN's linear over a weight reordered once at load into its blocked layout. On this
@@ -84,6 +142,18 @@ at::Tensor Linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b)
     throw std::runtime_error(y.status().ToString());  // Forward turns it into its status
   }
   return at::linear(x, w, b);
+}
+
+// Linear with a weight that may be FP8 (scale defined). CUDA prefill-sized forwards take the FP8
+// GEMM with per-token activation scales (fp8.h). Everything else dequantizes to x's dtype and runs
+// the linear a plain weight gets: the logits are then those of the weights w8 * scale exactly (up
+// to the activation dtype's rounding), which is what the CPU measures against the full model and
+// HF, and what the GPU paths are tested against.
+at::Tensor LinearMaybeFp8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                          int64_t group_k, const at::Tensor& b) {
+  if (!scale.defined()) return Linear(x, w, b);
+  if (auto y = Fp8ScaledMm(x, w, scale, b)) return *std::move(y);
+  return Linear(x, DequantizeFp8(w, scale, group_k).to(x.scalar_type()), b);
 }
 
 // The fused GEMVs read x in 16-byte pieces: the backend's attention output must allow it.
@@ -168,24 +238,33 @@ at::Device Model::device() const {
 
 absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& model_dir,
                                                    const ModelConfig& c, at::Device device,
-                                                   at::ScalarType dtype) {
-  return LoadOrDraw(model_dir, c, device, dtype, std::nullopt);
+                                                   at::ScalarType dtype, WeightQuantization quant) {
+  return LoadOrDraw(model_dir, c, device, dtype, std::nullopt, quant);
 }
 
 absl::StatusOr<std::unique_ptr<Model>> Model::CreateRandom(const ModelConfig& c, at::Device device,
-                                                           at::ScalarType dtype, uint64_t seed) {
-  return LoadOrDraw("", c, device, dtype, seed);
+                                                           at::ScalarType dtype, uint64_t seed,
+                                                           WeightQuantization quant) {
+  return LoadOrDraw("", c, device, dtype, seed, quant);
+}
+
+bool Model::fp8_weights() const {
+  return !layers_.empty() && IsFp8(layers_.front().qkv_w);
 }
 
 void Model::PackForCpu() {
   if (dtype_ != at::kFloat || !embed_.is_cpu() || OneDnnOps() == nullptr) return;
   try {
-    // Check the packed op against at::linear once before trusting it with every weight.
-    const Layer& first = layers_.front();
-    const int64_t in = first.qkv_w.size(1);
+    // Check the packed op against at::linear once before trusting it with every weight. FP8
+    // projections stay as they are (dequantized per call), so then only an untied head is packed.
+    const bool tied = lm_head_.is_same(embed_);
+    if (fp8_weights() && tied) return;
+    const at::Tensor& probe_w = fp8_weights() ? lm_head_ : layers_.front().qkv_w;
+    const at::Tensor& probe_b = fp8_weights() ? at::Tensor() : layers_.front().qkv_b;
+    const int64_t in = probe_w.size(1);
     auto probe = at::arange(3 * in, at::kFloat).reshape({3, in}).sin();  // no RNG draw
-    auto want = at::linear(probe, first.qkv_w, first.qkv_b);
-    auto got = Linear(probe, OneDnnOps()->reorder.call(first.qkv_w, std::nullopt), first.qkv_b);
+    auto want = at::linear(probe, probe_w, probe_b);
+    auto got = Linear(probe, OneDnnOps()->reorder.call(probe_w, std::nullopt), probe_b);
     if (!at::allclose(got, want, 1e-4, 1e-5)) {
       LogWarn("model: oneDNN packed linear disagrees with at::linear; weights stay unpacked");
       return;
@@ -194,7 +273,7 @@ void Model::PackForCpu() {
     // 64 x 64 projections run 1.3-1.7x slower packed); from about 4 MB of weights it wins.
     constexpr int64_t kMinPackedElements = int64_t{1} << 20;
     auto pack = [&](at::Tensor* w) {
-      if (w->numel() < kMinPackedElements) return;
+      if (w->numel() < kMinPackedElements || IsFp8(*w)) return;
       *w = OneDnnOps()->reorder.call(*w, std::nullopt);
       ++num_packed_weights_;
     };
@@ -202,7 +281,7 @@ void Model::PackForCpu() {
       for (at::Tensor* w : {&l.qkv_w, &l.o_w, &l.gate_up_w, &l.down_w}) pack(w);
     }
     // A tied head stays as it is: packing it would hold a second copy of the embedding.
-    if (!lm_head_.is_same(embed_)) pack(&lm_head_);
+    if (!tied) pack(&lm_head_);
     if (num_packed_weights_ > 0) {
       LogInfo(absl::StrCat("model: ", num_packed_weights_, " weights packed for oneDNN's linear"));
     }
@@ -213,13 +292,33 @@ void Model::PackForCpu() {
 }
 
 void Model::FuseProjections(Layer& l) {
+  // Scales concatenate along the output dimension like their weights; a group of FP8 and plain
+  // weights (or of different scale grids) cannot share one GEMM.
+  auto fuse_scales = [](std::initializer_list<const at::Tensor*> ws,
+                        std::initializer_list<const at::Tensor*> ss) -> at::Tensor {
+    const bool fp8 = IsFp8(**ws.begin());
+    std::vector<at::Tensor> scales;
+    for (const at::Tensor* w : ws) {
+      if (IsFp8(*w) != fp8)
+        throw std::invalid_argument("projections fused into one GEMM mix FP8 and plain weights");
+    }
+    if (!fp8) return at::Tensor();
+    for (const at::Tensor* s : ss) {
+      if (s->size(1) != (*ss.begin())->size(1))
+        throw std::invalid_argument("projections fused into one GEMM have different scale grids");
+      scales.push_back(*s);
+    }
+    return at::cat(scales, 0);
+  };
+  l.qkv_s = fuse_scales({&l.q_w, &l.k_w, &l.v_w}, {&l.q_s, &l.k_s, &l.v_s});
+  l.gate_up_s = fuse_scales({&l.gate_w, &l.up_w}, {&l.gate_s, &l.up_s});
   // Biases: all of q/k/v have one or none (Qwen2 and Llama attention_bias set all three).
   l.qkv_w = at::cat({l.q_w, l.k_w, l.v_w}, 0);
   if (l.q_b.defined()) l.qkv_b = at::cat({l.q_b, l.k_b, l.v_b}, 0);
   l.gate_up_w = at::cat({l.gate_w, l.up_w}, 0);
   if (l.gate_b.defined()) l.gate_up_b = at::cat({l.gate_b, l.up_b}, 0);
-  for (at::Tensor* t :
-       {&l.q_w, &l.k_w, &l.v_w, &l.q_b, &l.k_b, &l.v_b, &l.gate_w, &l.up_w, &l.gate_b, &l.up_b}) {
+  for (at::Tensor* t : {&l.q_w, &l.k_w, &l.v_w, &l.q_b, &l.k_b, &l.v_b, &l.gate_w, &l.up_w,
+                        &l.gate_b, &l.up_b, &l.q_s, &l.k_s, &l.v_s, &l.gate_s, &l.up_s}) {
     *t = at::Tensor();
   }
 }
@@ -227,7 +326,8 @@ void Model::FuseProjections(Layer& l) {
 absl::StatusOr<std::unique_ptr<Model>> Model::LoadOrDraw(const std::string& model_dir,
                                                          const ModelConfig& c, at::Device device,
                                                          at::ScalarType dtype,
-                                                         std::optional<uint64_t> random_seed) {
+                                                         std::optional<uint64_t> random_seed,
+                                                         WeightQuantization quant) {
   std::unique_ptr<Model> m(new Model(c, dtype));
   std::unique_ptr<SafetensorsFolder> folder;
   if (!random_seed) {
@@ -259,13 +359,13 @@ absl::StatusOr<std::unique_ptr<Model>> Model::LoadOrDraw(const std::string& mode
       table.push_back({p + "self_attn.q_norm.weight", {c.head_dim}, &l.q_norm});
       table.push_back({p + "self_attn.k_norm.weight", {c.head_dim}, &l.k_norm});
     }
-    table.push_back({p + "self_attn.q_proj.weight", {c.q_size(), h}, &l.q_w});
-    table.push_back({p + "self_attn.k_proj.weight", {c.kv_size(), h}, &l.k_w});
-    table.push_back({p + "self_attn.v_proj.weight", {c.kv_size(), h}, &l.v_w});
-    table.push_back({p + "self_attn.o_proj.weight", {h, c.q_size()}, &l.o_w});
-    table.push_back({p + "mlp.gate_proj.weight", {inter, h}, &l.gate_w});
-    table.push_back({p + "mlp.up_proj.weight", {inter, h}, &l.up_w});
-    table.push_back({p + "mlp.down_proj.weight", {h, inter}, &l.down_w});
+    table.push_back({p + "self_attn.q_proj.weight", {c.q_size(), h}, &l.q_w, true, &l.q_s});
+    table.push_back({p + "self_attn.k_proj.weight", {c.kv_size(), h}, &l.k_w, true, &l.k_s});
+    table.push_back({p + "self_attn.v_proj.weight", {c.kv_size(), h}, &l.v_w, true, &l.v_s});
+    table.push_back({p + "self_attn.o_proj.weight", {h, c.q_size()}, &l.o_w, true, &l.o_s});
+    table.push_back({p + "mlp.gate_proj.weight", {inter, h}, &l.gate_w, true, &l.gate_s});
+    table.push_back({p + "mlp.up_proj.weight", {inter, h}, &l.up_w, true, &l.up_s});
+    table.push_back({p + "mlp.down_proj.weight", {h, inter}, &l.down_w, true, &l.down_s});
     if (c.attention_bias) {
       table.push_back({p + "self_attn.q_proj.bias", {c.q_size()}, &l.q_b});
       table.push_back({p + "self_attn.k_proj.bias", {c.kv_size()}, &l.k_b});
@@ -311,7 +411,32 @@ absl::StatusOr<std::unique_ptr<Model>> Model::LoadOrDraw(const std::string& mode
                          ShapeStr(entry.shape), ", config.json implies ", ShapeStr(spec.shape)));
       }
       ASSIGN_OR_RETURN(at::Tensor t, file->Read(spec.hf_name));
+      if (IsFp8(t)) {
+        if (spec.scale == nullptr) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(file->path(), ": tensor '", spec.hf_name,
+                           "' is FP8; only the projection weights may be"));
+        }
+        ASSIGN_OR_RETURN(*spec.scale,
+                         ReadFp8Scales(*folder, c, spec.hf_name, spec.shape, &m->fp8_group_k_));
+        *spec.dst = t.to(device);
+        *spec.scale = spec.scale->to(device);
+        continue;
+      }
       *spec.dst = t.to(device, dtype);
+    }
+    if (quant == WeightQuantization::kFp8) {
+      for (auto& l : m->layers_) {
+        for (auto [w, s] : {std::pair{&l.q_w, &l.q_s},
+                            {&l.k_w, &l.k_s},
+                            {&l.v_w, &l.v_s},
+                            {&l.o_w, &l.o_s},
+                            {&l.gate_w, &l.gate_s},
+                            {&l.up_w, &l.up_s},
+                            {&l.down_w, &l.down_s}}) {
+          if (!IsFp8(*w)) std::tie(*w, *s) = QuantizeFp8PerChannel(*w);
+        }
+      }
     }
     if (!m->lm_head_.defined()) m->lm_head_ = m->embed_;
     if (c.gemma_norms()) {
@@ -337,7 +462,8 @@ absl::StatusOr<std::unique_ptr<Model>> Model::LoadOrDraw(const std::string& mode
   }
   LogInfo(absl::StrCat("model: loaded ", c.model_type, " (", c.num_layers, " layers, hidden ",
                        c.hidden_size, ", heads ", c.num_heads, "/", c.num_kv_heads, ", head_dim ",
-                       c.head_dim, ") on ", device.str(), " as ", c10::toString(dtype)));
+                       c.head_dim, ") on ", device.str(), " as ", c10::toString(dtype),
+                       m->fp8_weights() ? ", projections in FP8 e4m3" : ""));
   return m;
 }
 
@@ -363,6 +489,8 @@ Model::GemvPlan Model::PlanGemvs(const at::Tensor& x, bool fused) const {
   GemvPlan plan;
   const int64_t n = x.size(0);
   if (!fused_gemv_ || !fused || n > 1 || !kernels::FusedGemvBuilt()) return plan;
+  // The GEMV streams plain weights; FP8 ones take the dequantizing linear until it reads them.
+  if (fp8_weights()) return plan;
   const Layer& l = layers_.front();
   auto fits = [&](const at::Tensor& w) {
     return n <= kernels::FusedGemvMaxRows(w.size(1), w.scalar_type());
@@ -473,16 +601,18 @@ absl::StatusOr<at::Tensor> Model::Forward(const at::Tensor& tokens, const at::Te
     const GemvPlan gemv = PlanGemvs(x, fused);
     // in W^T (+ b): our plain GEMV where the plan says so and the rows allow its 16-byte loads,
     // else cuBLAS.
-    auto project = [&](const at::Tensor& in, const at::Tensor& w, const at::Tensor& b,
-                       bool use_gemv) -> absl::StatusOr<at::Tensor> {
+    // (s: the FP8 weight's scales, else undefined.)
+    auto project = [&](const at::Tensor& in, const at::Tensor& w, const at::Tensor& s,
+                       const at::Tensor& b, bool use_gemv) -> absl::StatusOr<at::Tensor> {
       if (use_gemv && RowsAligned16(in)) return kernels::Gemv(in, w, b);
-      return Linear(in, w, b);
+      return LinearMaybeFp8(in, w, s, fp8_group_k_, b);
     };
     // x += delta, then norm(x) W^T (+ b).
     auto norm_linear = [&](const at::Tensor& d, const at::Tensor& norm_w, const at::Tensor& w,
-                           const at::Tensor& b, bool use_gemv) -> absl::StatusOr<at::Tensor> {
+                           const at::Tensor& s, const at::Tensor& b,
+                           bool use_gemv) -> absl::StatusOr<at::Tensor> {
       ASSIGN_OR_RETURN(at::Tensor hs, AddNorm(x, d, norm_w, fused));
-      return project(hs, w, b, use_gemv);
+      return project(hs, w, s, b, use_gemv);
     };
     // The last sub-layer's output, added into x by the next norm (one kernel when fused).
     at::Tensor delta;
@@ -503,17 +633,19 @@ absl::StatusOr<at::Tensor> Model::Forward(const at::Tensor& tokens, const at::Te
                                                   kv_dst->value_cache, kv_dst->slots));
       } else {
         // [N, q_size + 2 kv_size]
-        ASSIGN_OR_RETURN(auto qkv, norm_linear(delta, l.input_norm, l.qkv_w, l.qkv_b, gemv.qkv));
+        ASSIGN_OR_RETURN(auto qkv,
+                         norm_linear(delta, l.input_norm, l.qkv_w, l.qkv_s, l.qkv_b, gemv.qkv));
         ASSIGN_OR_RETURN(heads, SplitHeads(qkv, rope, fused, i, backend));
       }
       ASSIGN_OR_RETURN(at::Tensor attn, backend.Attend(i, heads.q, heads.k, heads.v));
       // [N, hidden]
-      ASSIGN_OR_RETURN(at::Tensor o, project(attn.reshape({n, c.q_size()}), l.o_w, l.o_b, gemv.o));
+      ASSIGN_OR_RETURN(at::Tensor o,
+                       project(attn.reshape({n, c.q_size()}), l.o_w, l.o_s, l.o_b, gemv.o));
       if (c.sandwich_norms) o = Norm(o, l.attn_out_norm);
       if (observer != nullptr && *observer) (*observer)(i, o);
       // [N, 2 inter]
-      ASSIGN_OR_RETURN(auto gate_up,
-                       norm_linear(o, l.post_norm, l.gate_up_w, l.gate_up_b, gemv.gate_up));
+      ASSIGN_OR_RETURN(auto gate_up, norm_linear(o, l.post_norm, l.gate_up_w, l.gate_up_s,
+                                                 l.gate_up_b, gemv.gate_up));
       const int64_t inter = c.intermediate_size;
       at::Tensor gated;
       if (fused) {
@@ -523,7 +655,7 @@ absl::StatusOr<at::Tensor> Model::Forward(const at::Tensor& tokens, const at::Te
         gate = act == kernels::GateActivation::kSilu ? at::silu(gate) : at::gelu(gate, "tanh");
         gated = gate * gate_up.narrow(1, inter, inter);
       }
-      ASSIGN_OR_RETURN(delta, project(gated, l.down_w, l.down_b, gemv.down));
+      ASSIGN_OR_RETURN(delta, project(gated, l.down_w, l.down_s, l.down_b, gemv.down));
       if (c.sandwich_norms) delta = Norm(delta, l.mlp_out_norm);
     }
     return AddNorm(x, delta, final_norm_, fused);

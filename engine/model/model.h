@@ -58,19 +58,23 @@ class FullAttentionBackend : public AttentionBackend {
 class Model {
  public:
   // Loads DIR's safetensors per `config` onto `device` in `dtype`. Errors name file and tensor.
-  static absl::StatusOr<std::unique_ptr<Model>> Load(const std::string& model_dir,
-                                                     const ModelConfig& config, at::Device device,
-                                                     at::ScalarType dtype);
+  // kFp8 quantizes the projection weights per output channel (engine/model/fp8.h); an FP8
+  // checkpoint (config.quantization_config) keeps its FP8 projections whatever `quant` says.
+  static absl::StatusOr<std::unique_ptr<Model>> Load(
+      const std::string& model_dir, const ModelConfig& config, at::Device device,
+      at::ScalarType dtype, WeightQuantization quant = WeightQuantization::kNone);
   // The same model with every weight drawn on `device` from normal(0, 0.02) (seeded): real
   // geometry for benchmarks without a checkpoint.
-  static absl::StatusOr<std::unique_ptr<Model>> CreateRandom(const ModelConfig& config,
-                                                             at::Device device,
-                                                             at::ScalarType dtype, uint64_t seed);
+  static absl::StatusOr<std::unique_ptr<Model>> CreateRandom(
+      const ModelConfig& config, at::Device device, at::ScalarType dtype, uint64_t seed,
+      WeightQuantization quant = WeightQuantization::kNone);
   ~Model();
 
   const ModelConfig& config() const { return config_; }
   at::Device device() const;
   at::ScalarType dtype() const { return dtype_; }
+  // Projection weights held as FP8 e4m3 with fp32 scales (quantized at load or read so).
+  bool fp8_weights() const;
   // The softmax scale of layer `layer_idx`'s attention logits (ModelConfig::attention_scale).
   double attention_scale(int32_t layer_idx) const { return config_.attention_scale(layer_idx); }
 
@@ -112,13 +116,17 @@ class Model {
     at::Tensor gate_up_w, gate_up_b;  // [2 inter, hidden], optional bias
     at::Tensor o_w, o_b;              // [hidden, q_size], optional bias
     at::Tensor down_w, down_b;        // [hidden, inter], optional bias
+    // With FP8 projections: each *_w above is e4m3 and its scales sit here, fp32 [out, G]
+    // (engine/model/fp8.h); undefined otherwise.
+    at::Tensor q_s, k_s, v_s, gate_s, up_s, qkv_s, gate_up_s, o_s, down_s;
   };
   Model(const ModelConfig& config, at::ScalarType dtype) : config_(config), dtype_(dtype) {}
   // Reads the weights from `model_dir`, or draws them when `random_seed` is set.
   static absl::StatusOr<std::unique_ptr<Model>> LoadOrDraw(const std::string& model_dir,
                                                            const ModelConfig& config,
                                                            at::Device device, at::ScalarType dtype,
-                                                           std::optional<uint64_t> random_seed);
+                                                           std::optional<uint64_t> random_seed,
+                                                           WeightQuantization quant);
   // Concatenates q/k/v and gate/up into qkv_w / gate_up_w and drops the separate tensors.
   static void FuseProjections(Layer& l);
   at::Tensor Norm(const at::Tensor& x, const at::Tensor& w) const;
@@ -170,6 +178,7 @@ class Model {
   at::Tensor inv_freq_local_;  // fp32 [D/2], sliding layers
   std::vector<Layer> layers_;
   int32_t num_packed_weights_ = 0;
+  int64_t fp8_group_k_ = 0;  // block checkpoints: input columns per scale (fp8.h's group_k)
   bool fused_cuda_ops_ = true;
   bool fused_gemv_ = false;
 };

@@ -32,6 +32,7 @@ std::optional<at::ScalarType> ToScalarType(const std::string& dtype) {
   if (dtype == "F32") return at::kFloat;
   if (dtype == "F16") return at::kHalf;
   if (dtype == "BF16") return at::kBFloat16;
+  if (dtype == "F8_E4M3") return at::kFloat8_e4m3fn;  // FP8 checkpoints' projection weights
   return std::nullopt;
 }
 
@@ -43,6 +44,8 @@ const char* DtypeName(at::ScalarType t) {
       return "F16";
     case at::kBFloat16:
       return "BF16";
+    case at::kFloat8_e4m3fn:
+      return "F8_E4M3";
     default:
       return nullptr;
   }
@@ -128,7 +131,8 @@ absl::StatusOr<at::Tensor> SafetensorsFile::Read(const std::string& name) const 
   auto st = ToScalarType(e.dtype);
   if (!st) {
     return absl::InvalidArgumentError(absl::StrCat(path(), ": tensor '", name, "' has dtype ",
-                                                   e.dtype, "; supported: F32, F16, BF16"));
+                                                   e.dtype,
+                                                   "; supported: F32, F16, BF16, F8_E4M3"));
   }
   // A copy, not a view of the mapping: the mapping may be unaligned and must not outlive us.
   try {

@@ -33,7 +33,7 @@ class SafetensorsFile {
   ~SafetensorsFile();
   const std::string& path() const;
   const std::map<std::string, SafetensorsEntry>& entries() const { return entries_; }
-  // A CPU tensor that owns a copy of the data, in the file's dtype. Only F32/F16/BF16.
+  // A CPU tensor that owns a copy of the data, in the file's dtype. Only F32/F16/BF16/F8_E4M3.
   absl::StatusOr<at::Tensor> Read(const std::string& name) const;
 
  private:
@@ -57,7 +57,7 @@ class SafetensorsFolder {
   std::map<std::string, const SafetensorsFile*> by_name_;
 };
 
-// Writes named CPU tensors (F32/F16/BF16) to `path`, in the given order.
+// Writes named CPU tensors (F32/F16/BF16/F8_E4M3) to `path`, in the given order.
 absl::Status WriteSafetensors(const std::string& path,
                               const std::vector<std::pair<std::string, at::Tensor>>& tensors);
 

@@ -975,12 +975,13 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const RunnerOpt
         absl::StrCat("device: '", options.device, "' is not cpu or cuda[:N]"));
   }
   ASSIGN_OR_RETURN(at::ScalarType dtype, ParseDtype(options.dtype, device.is_cuda()));
+  ASSIGN_OR_RETURN(WeightQuantization quant, ParseWeightQuantization(options.quantization));
   if (options.block_size <= 0) return absl::InvalidArgumentError("block_size must be > 0");
   std::unique_ptr<Model> model;
   if (options.random_weights) {
-    ASSIGN_OR_RETURN(model, Model::CreateRandom(config, device, dtype, options.random_seed));
+    ASSIGN_OR_RETURN(model, Model::CreateRandom(config, device, dtype, options.random_seed, quant));
   } else {
-    ASSIGN_OR_RETURN(model, Model::Load(dir, config, device, dtype));
+    ASSIGN_OR_RETURN(model, Model::Load(dir, config, device, dtype, quant));
   }
   if (options.cpu_packed_weights) model->PackForCpu();
   model->set_fused_cuda_ops(options.cuda_fused_ops);

@@ -16,8 +16,12 @@ struct RunnerOptions {
   std::string demo_model_dir;
   std::string device = "cpu";  // "cpu" or "cuda[:N]"
   std::string dtype =
-      "auto";               // "auto" (bf16 on CUDA, fp32 on CPU), "float32", "bfloat16", "float16"
-  int32_t block_size = 16;  // KV slots per block
+      "auto";  // "auto" (bf16 on CUDA, fp32 on CPU), "float32", "bfloat16", "float16"
+  // Projection weights: "none" (as the checkpoint has them) or "fp8" (float8 e4m3, one fp32
+  // scale per output channel, quantized at load; engine/model/fp8.h). An FP8 checkpoint's
+  // projections stay FP8 either way.
+  std::string quantization = "none";
+  int32_t block_size = 16;       // KV slots per block
   int64_t kv_cache_bytes = 0;    // 0 = a default (CPU: 1 GiB; CUDA: free memory after weights
                                  // minus an activation reserve, see kv_reserve_bytes)
   int64_t kv_reserve_bytes = 0;  // CUDA default pool: bytes left free (0 = max(4 GiB, 10%))

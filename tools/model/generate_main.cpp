@@ -58,6 +58,8 @@ int main(int argc, char** argv) {
   app.add_flag("--stop-on-bos", stop_on_bos, "stop when BOS is sampled (llama2.c run.c behaviour)");
   app.add_option("--device", ro.device, "cpu or cuda[:N]")->capture_default_str();
   app.add_option("--dtype", ro.dtype, "auto, float32, bfloat16, float16")->capture_default_str();
+  app.add_option("--quantization", ro.quantization, "none, fp8 (projection weights in FP8 e4m3)")
+      ->capture_default_str();
   app.add_option("--block-size", ro.block_size, "KV slots per block")->capture_default_str();
   app.add_flag("--json", json_out, "print one JSON object {token_ids, text} at the end");
   dropkv::CompressionParams cp;  // --method none (the default) = full cache
