@@ -41,8 +41,9 @@ absl::StatusOr<ServedEngine> CreateServedEngine(const ServerConfig& config) {
   so.max_batch = config.max_batch;
   so.max_prefill_tokens_per_step = config.prefill_tokens_per_step;
   so.prefix_cache = config.prefix_cache;
-  so.prefix_cache_salt = absl::StrCat(config.demo_model ? "demo" : config.model_dir, "|",
-                                      config.dtype, "|", config.random_weights ? "random" : "");
+  so.prefix_cache_salt =
+      absl::StrCat(config.demo_model ? "demo" : config.model_dir, "|", config.dtype, "|",
+                   config.quantization, "|", config.random_weights ? "random" : "");
   so.max_waiting_requests = config.max_queue_requests;
   so.max_waiting_prompt_tokens =
       config.max_queue_prompt_tokens > 0 ? config.max_queue_prompt_tokens : INT64_MAX;
