@@ -283,6 +283,7 @@ absl::StatusOr<GenerationRequest> ValidateGenerateRequest(const v1::GenerateRequ
       return Invalid("request_id", "must be printable ASCII without spaces");
   out.request_id = request.request_id().empty() ? NewRequestId() : request.request_id();
   out.priority = request.priority();
+  out.keep_conversation = request.keep_conversation();
 
   // Input: exactly one of prompt / token_ids / chat.
   const int num_inputs = static_cast<int>(request.has_prompt()) +

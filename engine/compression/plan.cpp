@@ -56,13 +56,15 @@ struct Simulation {
 
 absl::StatusOr<Simulation> Simulate(const CompressionParams& c, int64_t prompt_len,
                                     const KvCacheGeometry& g, const LayerProfile* profile,
-                                    int64_t step_tokens, bool split, int64_t cached) {
+                                    int64_t step_tokens, bool split, int64_t cached,
+                                    const std::vector<int64_t>& cached_stored) {
   Simulation sim;
-  sim.stored.assign(g.num_global_layers, cached);
+  sim.stored =
+      cached_stored.empty() ? std::vector<int64_t>(g.num_global_layers, cached) : cached_stored;
   const int64_t layers = g.num_global_layers;
   // Blocks of the sequence between chunks.
-  int64_t held = layers * g.BlocksFor(cached) +
-                 g.num_sliding_layers * g.BlocksFor(std::min(cached, g.sliding_capacity));
+  int64_t held = g.num_sliding_layers * g.BlocksFor(std::min(cached, g.sliding_capacity));
+  for (int64_t stored : sim.stored) held += g.BlocksFor(stored);
   for (const auto& [begin, end] : ChunkBounds(c, prompt_len, step_tokens, split, cached)) {
     PlannedChunk chunk{.begin = begin, .end = end};
     const int64_t t_len = end - begin;
@@ -139,11 +141,18 @@ absl::StatusOr<CompressionPlan> CompressionPlan::Create(const CompressionParams&
   }
   const int64_t reserve = std::max<int64_t>(0, options.decode_reserve_tokens);
   const int64_t cached = options.cached_prefix_tokens;
+  const std::vector<int64_t>& cached_stored = options.cached_stored_per_layer;
+  const bool shared_prefix = cached > 0 && cached_stored.empty();
   if (cached < 0 || cached >= prompt_len ||
-      (cached > 0 && (params.method != ScoreMethod::kNone || cached % geometry.block_size != 0))) {
+      (shared_prefix &&
+       (params.method != ScoreMethod::kNone || cached % geometry.block_size != 0)) ||
+      (!cached_stored.empty() &&
+       static_cast<int32_t>(cached_stored.size()) != geometry.num_global_layers)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "cached prefix of ", cached, " tokens: must be whole blocks of an uncompressed prompt of ",
-        prompt_len, " tokens, leaving one to prefill"));
+        "cached prefix of ", cached, " tokens (", cached_stored.size(),
+        " layers' stored counts) for a prompt of ", prompt_len,
+        " tokens: one token at least is left to prefill; a shared prefix is whole blocks of an "
+        "uncompressed prompt; a continued conversation lists every global layer"));
   }
   auto finish = [&](const CompressionParams& c, bool split, Simulation sim) -> CompressionPlan {
     CompressionPlan plan;
@@ -164,21 +173,21 @@ absl::StatusOr<CompressionPlan> CompressionPlan::Create(const CompressionParams&
   // the pool; otherwise it stays one pass (the evicted tokens are never stored).
   const int64_t step = options.step_tokens;
   const bool can_split = params.method != ScoreMethod::kNone && params.chunk_size == 0 &&
-                         prompt_len > step && step >= params.window &&
+                         cached == 0 && prompt_len > step && step >= params.window &&
                          step <= std::numeric_limits<int32_t>::max();
   if (can_split && options.split_long_prompt.value_or(true)) {
     CompressionParams chunked = params;
     chunked.chunk_size = static_cast<int32_t>(step);
     chunked.chunk_policy = ChunkPolicy::kLastChunk;
     absl::StatusOr<Simulation> sim =
-        Simulate(chunked, prompt_len, geometry, profile, step, true, /*cached=*/0);
+        Simulate(chunked, prompt_len, geometry, profile, step, true, /*cached=*/0, {});
     if (!sim.ok()) return sim.status();
     CompressionPlan plan = finish(chunked, true, std::move(*sim));
     if (options.split_long_prompt.has_value() || plan.blocks_needed_ <= options.pool_blocks)
       return plan;
   }
   absl::StatusOr<Simulation> sim =
-      Simulate(params, prompt_len, geometry, profile, step, false, cached);
+      Simulate(params, prompt_len, geometry, profile, step, false, cached, cached_stored);
   if (!sim.ok()) return sim.status();
   return finish(params, false, std::move(*sim));
 }

@@ -41,10 +41,14 @@ struct PlanOptions {
   // A previous plan's choice for the same request (kept across preemptions, so that a request
   // sees the same chunks whatever the load); unset: decided here.
   std::optional<bool> split_long_prompt;
-  // Prompt tokens already in the cache when the prefill starts (a prefix-cache hit, uncompressed
-  // prompts only): the chunks cover the rest, on the grid of `step_tokens` chunks a prefill from
-  // position 0 uses, and the blocks counted include the cached ones.
+  // Prompt tokens already in the cache when the prefill starts: the chunks cover the rest (an
+  // uncompressed prompt's on the grid of `step_tokens` chunks a prefill from position 0 uses,
+  // a compressed one's in one pass or its own chunk size), and the blocks counted include the
+  // cached ones. Either a prefix-cache hit (whole blocks of an uncompressed prompt, every layer
+  // holding all of them) or a continued compressed conversation, whose global layers hold
+  // `cached_stored_per_layer` entries each (its sliding layers their ring).
   int64_t cached_prefix_tokens = 0;
+  std::vector<int64_t> cached_stored_per_layer;
 };
 
 // One prefill chunk: prompt positions [begin, end).

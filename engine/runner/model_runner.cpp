@@ -581,12 +581,21 @@ class TorchModelRunner : public ModelRunner {
   absl::StatusOr<at::Tensor> StoredPositions(SequenceId seq, int32_t layer_idx) const override {
     if (!pool_->HasSequence(seq))
       return absl::NotFoundError(absl::StrCat("unknown sequence ", seq));
+    const int64_t s = pool_->stored_len(seq, layer_idx);
     auto it = positions_.find(seq);
     if (it != positions_.end() && it->second.size() > static_cast<size_t>(layer_idx) &&
         it->second[layer_idx].defined()) {
-      return it->second[layer_idx];
+      const at::Tensor& kept = it->second[layer_idx];
+      // Decode appends one entry a step at the next position without recording it: the entries
+      // past the recorded ones are the last logical positions (a continued conversation).
+      const int64_t missing = s - kept.size(1);
+      if (missing <= 0) return kept;
+      const int64_t end = pool_->logical_len(seq);
+      return at::cat({kept, at::arange(end - missing, end, kept.options())
+                                .unsqueeze(0)
+                                .expand({kept.size(0), missing})},
+                     1);
     }
-    const int64_t s = pool_->stored_len(seq, layer_idx);
     return at::arange(s, at::TensorOptions().dtype(at::kLong).device(model_->device()))
         .unsqueeze(0)
         .expand({config().num_kv_heads, s})
@@ -700,6 +709,7 @@ class TorchModelRunner : public ModelRunner {
     return absl::OkStatus();
   }
 
+  // After AppendLayerSlots of a chunk (stored_len counts it already).
   void AppendPositions(SequenceId seq, int32_t layer_idx,
                        const at::Tensor& chunk_pos /*[Hkv, T]*/) {
     auto it = positions_.find(seq);
@@ -707,7 +717,18 @@ class TorchModelRunner : public ModelRunner {
         !it->second[layer_idx].defined()) {
       return;  // implicit arange: still valid
     }
-    it->second[layer_idx] = at::cat({it->second[layer_idx], chunk_pos}, 1);
+    at::Tensor& kept = it->second[layer_idx];
+    // Entries decode appended since (one a step, not recorded) sit at the positions before the
+    // chunk's start, which is the logical length until the chunk commits.
+    const int64_t missing = pool_->stored_len(seq, layer_idx) - chunk_pos.size(1) - kept.size(1);
+    if (missing > 0) {
+      const int64_t start = pool_->logical_len(seq);
+      kept = at::cat({kept, at::arange(start - missing, start, kept.options())
+                                .unsqueeze(0)
+                                .expand({kept.size(0), missing})},
+                     1);
+    }
+    kept = at::cat({kept, chunk_pos}, 1);
   }
 
   BlockPool& block_pool() { return *pool_; }

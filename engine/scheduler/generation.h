@@ -26,7 +26,9 @@ struct GenerationRequest {
   std::vector<int32_t> prompt_ids;
   SamplingParams sampling;
   CompressionParams compression;
-  int32_t priority = 0;                // higher is admitted first; FCFS within a priority
+  int32_t priority = 0;  // higher is admitted first; FCFS within a priority
+  // Compressed requests: the finished conversation's cache stays for a request that extends it.
+  bool keep_conversation = false;
   std::optional<SteadyTime> deadline;  // gRPC deadline; the sequence leaves at the next step after
   SteadyTime arrival_time = std::chrono::steady_clock::now();
 };

@@ -4,6 +4,7 @@
 #include <condition_variable>
 #include <deque>
 #include <limits>
+#include <list>
 #include <optional>
 #include <random>
 #include <utility>
@@ -74,6 +75,16 @@ struct Sequence {
   SteadyTime admit_time, first_token_time;
 };
 
+// A finished compressed conversation (keep_conversation) whose runner sequence stays, for a later
+// request whose prompt extends `tokens`; released least recently parked first when blocks are
+// needed.
+struct ParkedConversation {
+  SequenceId seq_id = -1;
+  std::vector<int32_t> tokens;            // what its cache represents: prompt + generated fed
+  std::vector<int64_t> stored_per_layer;  // entries of each global (unbounded) layer
+  int64_t num_blocks = 0;
+};
+
 struct Scheduler::Impl {
   ModelRunner& runner;
   const Tokenizer* tokenizer;
@@ -96,6 +107,8 @@ struct Scheduler::Impl {
   std::atomic<bool> stop{false};
 
   std::unique_ptr<PrefixCache> prefix_cache;  // null: off
+  std::list<ParkedConversation> parked;       // oldest first
+  int64_t num_conversation_hits = 0;
 
   Impl(ModelRunner& r, const Tokenizer* t, KvBlockCountsFn k, SchedulerOptions o)
       : runner(r), tokenizer(t), kv_counts(std::move(k)), options(std::move(o)) {
@@ -105,6 +118,56 @@ struct Scheduler::Impl {
     // A sliding-window layer rewrites its ring's blocks in place: nothing there can be shared.
     if (options.prefix_cache && !rings)
       prefix_cache = std::make_unique<PrefixCache>(pool, options.prefix_cache_salt);
+  }
+
+  // A compressed request that asked to keep its conversation leaves its sequence parked.
+  void ParkOrRelease(Sequence& seq) {
+    if (!seq.request.keep_conversation || seq.request.compression.method == ScoreMethod::kNone ||
+        !seq.prefill_done) {
+      ReleaseSequence(seq);
+      return;
+    }
+    ParkedConversation p;
+    p.seq_id = seq.seq_id;
+    p.tokens = seq.request.prompt_ids;
+    p.tokens.insert(p.tokens.end(), seq.generated.begin(),
+                    seq.generated.begin() + seq.num_generated_fed);
+    const SequenceCacheInfo info = runner.CacheInfo(seq.seq_id);
+    for (size_t l = 0; l < info.stored_len_per_layer.size(); ++l) {
+      if (runner.pool().capacity(static_cast<int32_t>(l)) == 0)
+        p.stored_per_layer.push_back(info.stored_len_per_layer[l]);
+    }
+    p.num_blocks = info.num_blocks;
+    parked.push_back(std::move(p));
+  }
+
+  // Releases the least recently parked conversation other than `keep`; false when none.
+  bool ReleaseOldestParked(std::list<ParkedConversation>::iterator keep) {
+    for (auto it = parked.begin(); it != parked.end(); ++it) {
+      if (it == keep) continue;
+      runner.Release(it->seq_id);
+      parked.erase(it);
+      return true;
+    }
+    return false;
+  }
+
+  // The parked conversation `seq` continues: the longest one whose tokens its prompt extends by
+  // at least the observation window (the new part's last W queries score the whole cache).
+  std::list<ParkedConversation>::iterator FindConversation(const Sequence& seq) {
+    auto best = parked.end();
+    const std::vector<int32_t>& prompt = seq.request.prompt_ids;
+    if (!seq.request.keep_conversation || seq.request.compression.method == ScoreMethod::kNone ||
+        !seq.generated.empty())
+      return best;
+    for (auto it = parked.begin(); it != parked.end(); ++it) {
+      const auto n = static_cast<int64_t>(it->tokens.size());
+      if (static_cast<int64_t>(prompt.size()) - n < std::max(1, seq.request.compression.window) ||
+          !std::equal(it->tokens.begin(), it->tokens.end(), prompt.begin()))
+        continue;
+      if (best == parked.end() || n > static_cast<int64_t>(best->tokens.size())) best = it;
+    }
+    return best;
   }
 
   bool UsesPrefixCache(const Sequence& seq) const {
@@ -357,6 +420,10 @@ struct Scheduler::Impl {
         ++it;
       }
     }
+    if (cancel_everyone) {
+      while (ReleaseOldestParked(parked.end())) {
+      }
+    }
     for (auto& seq : gone) {
       // A deadline that passed is recorded as such (logs, metrics), not as a client's cancel;
       // gRPC cancels a call at its deadline, so a cancelled channel past it is the deadline too.
@@ -384,7 +451,8 @@ struct Scheduler::Impl {
     while (static_cast<int32_t>(running.size()) < options.max_batch) {
       std::unique_ptr<Sequence> seq;
       absl::Status seq_error = absl::OkStatus();
-      PrefixMatch match;  // the head's cached prefix (none without the cache)
+      PrefixMatch match;                 // the head's cached prefix (none without the cache)
+      auto conversation = parked.end();  // the parked conversation the head continues
       {
         std::lock_guard<std::mutex> lock(mu);
         if (waiting.empty()) break;
@@ -398,21 +466,36 @@ struct Scheduler::Impl {
                 options.decode_reserve_tokens,
                 std::max<int64_t>(0, head.request.sampling.max_new_tokens - num_replay));
         const int64_t prompt_len = static_cast<int64_t>(head.request.prompt_ids.size());
-        // What the cache holds changes while the head waits: look again, plan again on change.
-        if (UsesPrefixCache(head) && prompt_len > 1) {
+        // What the caches hold changes while the head waits: look again, plan again on change.
+        conversation = FindConversation(head);
+        if (conversation != parked.end()) {
+          head.plan.reset();
+        } else if (UsesPrefixCache(head) && prompt_len > 1) {
           match = prefix_cache->Match(head.request.prompt_ids, prompt_len - 1);
           if (head.plan && head.plan->chunks().front().begin != match.num_tokens) head.plan.reset();
         }
         absl::Status planned = absl::OkStatus();
-        if (!head.plan) planned = MakePlan(head, counts.num_total, reserve, match.num_tokens);
-        // The matched blocks are the sequence's without being taken from the free list, except
-        // those only the cache holds (they counted as free).
-        const int64_t num_new_blocks =
-            planned.ok()
-                ? head.plan->blocks_needed() -
-                      static_cast<int64_t>(match.layer_blocks.size() * match.entries.size()) +
-                      (match.num_tokens > 0 ? prefix_cache->ReclaimableBlocksOf(match) : 0)
-                : 0;
+        if (!head.plan) {
+          planned = conversation != parked.end()
+                        ? MakePlan(head, counts.num_total, reserve,
+                                   static_cast<int64_t>(conversation->tokens.size()),
+                                   conversation->stored_per_layer)
+                        : MakePlan(head, counts.num_total, reserve, match.num_tokens);
+        }
+        // Blocks the sequence holds from the start are not taken from the free list: a parked
+        // conversation's, and the matched prefix's except those only the prefix cache held
+        // (they counted as free).
+        int64_t num_new_blocks = 0;
+        if (planned.ok()) {
+          num_new_blocks = head.plan->blocks_needed();
+          if (conversation != parked.end()) {
+            num_new_blocks -= conversation->num_blocks;
+          } else if (match.num_tokens > 0) {
+            num_new_blocks -=
+                static_cast<int64_t>(match.layer_blocks.size() * match.entries.size()) -
+                prefix_cache->ReclaimableBlocksOf(match);
+          }
+        }
         if (!planned.ok() || head.plan->blocks_needed() > counts.num_total) {
           seq = std::move(waiting.front());
           waiting.pop_front();
@@ -424,7 +507,11 @@ struct Scheduler::Impl {
                         " KV blocks; the pool has ", counts.num_total))
                   : planned;
         } else if (num_new_blocks > num_available) {
-          break;  // FCFS: nobody overtakes the head
+          // Parked conversations give their blocks back before the head waits.
+          const int64_t before = kv_counts().num_free;
+          if (!ReleaseOldestParked(conversation)) break;  // FCFS: nobody overtakes the head
+          num_available += kv_counts().num_free - before;
+          continue;
         } else {
           seq = std::move(waiting.front());
           waiting.pop_front();
@@ -432,7 +519,13 @@ struct Scheduler::Impl {
           num_available -= num_new_blocks;
         }
       }
-      if (seq_error.ok()) seq_error = StartFromPrefix(*seq, match, next_seq_id++, report);
+      if (seq_error.ok()) {
+        if (conversation != parked.end()) {
+          ContinueConversation(*seq, conversation, report);
+        } else {
+          seq_error = StartFromPrefix(*seq, match, next_seq_id++, report);
+        }
+      }
       if (!seq_error.ok()) {
         Finish(*seq, FinishReason::kError, std::move(seq_error));
         ++report.num_finished;
@@ -447,6 +540,18 @@ struct Scheduler::Impl {
       running.push_back(std::move(seq));
       ++report.num_admitted;
     }
+  }
+
+  // An admitted sequence takes over the parked conversation its prompt extends: its runner
+  // sequence, whose cache holds the conversation so far; the prefill goes on from its end.
+  void ContinueConversation(Sequence& seq, std::list<ParkedConversation>::iterator conversation,
+                            StepReport& report) {
+    seq.seq_id = conversation->seq_id;
+    seq.num_prefilled = static_cast<int64_t>(conversation->tokens.size());
+    seq.summary.num_cached_prompt_tokens = static_cast<int32_t>(seq.num_prefilled);
+    report.num_cached_prompt_tokens += seq.num_prefilled;
+    ++num_conversation_hits;
+    parked.erase(conversation);
   }
 
   // Gives an admitted sequence its runner id and, on a prefix-cache hit, the cached blocks.
@@ -467,13 +572,16 @@ struct Scheduler::Impl {
   }
 
   // The sequence's plan for `reserve` tokens of decode room (compression/plan.h: chunks, blocks),
-  // its prompt's first `cached` tokens already in the cache.
-  absl::Status MakePlan(Sequence& seq, int64_t pool_blocks, int64_t reserve, int64_t cached) const {
+  // its prompt's first `cached` tokens already in the cache (a continued conversation: its global
+  // layers holding `cached_stored_per_layer` entries).
+  absl::Status MakePlan(Sequence& seq, int64_t pool_blocks, int64_t reserve, int64_t cached,
+                        std::vector<int64_t> cached_stored_per_layer = {}) const {
     compression::PlanOptions po;
     po.step_tokens = options.max_prefill_tokens_per_step;
     po.pool_blocks = pool_blocks;
     po.decode_reserve_tokens = reserve;
     po.cached_prefix_tokens = cached;
+    po.cached_stored_per_layer = std::move(cached_stored_per_layer);
     po.split_long_prompt = seq.split_long_prompt;
     absl::StatusOr<compression::CompressionPlan> plan = compression::CompressionPlan::Create(
         seq.request.compression, static_cast<int64_t>(seq.request.prompt_ids.size()),
@@ -516,6 +624,7 @@ struct Scheduler::Impl {
       int64_t num_free = kv_counts().num_free;
       if (!ids.empty()) {
         const int64_t needed = runner.BlocksToDecode(ids);
+        if (needed > num_free && ReleaseOldestParked(parked.end())) continue;
         if (needed > num_free && running.size() > 1) {
           PreemptLastInOrder(report);
           continue;
@@ -530,6 +639,10 @@ struct Scheduler::Impl {
         const int64_t len = chunk.end - chunk.begin;
         // A chunk larger than what is left of the budget waits for a step it is the first of.
         if (len > budget && !batch.prefill.empty()) break;
+        if (chunk.new_blocks > num_free && ReleaseOldestParked(parked.end())) {
+          preempted = true;  // made room: make the batch again
+          break;
+        }
         if (chunk.new_blocks > num_free && running.size() > 1) {
           PreemptLastInOrder(report);  // that may be this one, or a decoding one
           preempted = true;
@@ -611,7 +724,7 @@ struct Scheduler::Impl {
       finished = SampleAndEmit(sampled_rows, to_sample);  // [n, vocab]
     }
     if (!batch.decode.empty()) report.decode_seconds = MsBetween(start, Clock::now()) / 1e3;
-    for (Sequence* seq : finished) ReleaseSequence(*seq);
+    for (Sequence* seq : finished) ParkOrRelease(*seq);
     std::erase_if(running, [&](const auto& s) {
       return std::find(finished.begin(), finished.end(), s.get()) != finished.end();
     });
@@ -683,6 +796,8 @@ struct Scheduler::Impl {
     stats.kv_blocks_total = counts.num_total;
     stats.kv_blocks_free = counts.num_free;
     stats.num_finished += report.num_finished;
+    stats.num_conversation_hits = num_conversation_hits;
+    stats.num_parked_conversations = static_cast<int64_t>(parked.size());
     if (prefix_cache) {
       const PrefixCacheStats& pc = prefix_cache->stats();
       stats.prefix_cache_enabled = true;

@@ -23,6 +23,12 @@
 //   4. sample    - one token per decode row and per finished prompt; stop checks (EOS, stop
 //                  ids, stop strings, max_new_tokens, context); one event per sequence pushed to
 //                  its channel.
+// Compressed conversations: a compressed request with keep_conversation leaves its runner
+// sequence parked when it finishes (prompt + generated tokens, as compressed); a later such
+// request whose prompt extends those tokens by at least the observation window takes it over and
+// prefills only the rest, compressing at its end under its own budgets (docs/compression.md).
+// Parked sequences are released, oldest first, before a request waits or a sequence is
+// preempted for blocks, and by CancelAll.
 // Prefix cache (allocator/prefix_cache.h, on unless a layer is a sliding-window ring): an
 // uncompressed prompt starts from the longest cached prefix of whole blocks (at least one token
 // is left to prefill, for the first token's logits) and prefills only the rest; its blocks are
@@ -102,6 +108,10 @@ struct SchedulerStats {
   int64_t prefix_cache_hit_tokens = 0;
   int64_t prefix_cache_blocks = 0;
   int64_t prefix_cache_evicted_entries = 0;
+  // Compressed conversations kept (keep_conversation): requests that continued one
+  // (cumulative), and how many are parked now (their blocks count as used until released).
+  int64_t num_conversation_hits = 0;
+  int64_t num_parked_conversations = 0;
 };
 
 // What one Step() did (tests script iterations against it).

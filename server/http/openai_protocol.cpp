@@ -135,6 +135,7 @@ std::optional<ApiError> MapCommon(Endpoint endpoint, const json& body, v1::Gener
   if (auto v = f.Float("frequency_penalty")) s->set_frequency_penalty(*v);
   if (auto v = f.Integer("seed")) s->set_seed(static_cast<uint64_t>(*v));
   if (auto v = f.Bool("ignore_eos")) s->set_ignore_eos(*v);
+  if (auto v = f.Bool("keep_conversation")) r->set_keep_conversation(*v);
   if (auto v = f.Integer("priority")) {
     if (*v < INT32_MIN || *v > INT32_MAX)
       return MakeError(400, "priority: must be a 32-bit integer", "priority");

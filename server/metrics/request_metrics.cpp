@@ -171,6 +171,11 @@ void SchedulerStatsPoller::PollOnce() {
     decode_seen_ = s;
   }
   metrics_->SetPrefixCacheBlocks(s.prefix_cache_blocks);
+  metrics_->SetParkedConversations(s.num_parked_conversations);
+  if (s.num_conversation_hits > conversation_hits_seen_) {
+    metrics_->OnConversationHits(s.num_conversation_hits - conversation_hits_seen_);
+    conversation_hits_seen_ = s.num_conversation_hits;
+  }
   if (s.prefix_cache_query_tokens > prefix_seen_.prefix_cache_query_tokens ||
       s.prefix_cache_evicted_entries > prefix_seen_.prefix_cache_evicted_entries) {
     metrics_->OnPrefixCache(

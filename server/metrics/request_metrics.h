@@ -83,6 +83,7 @@ class SchedulerStatsPoller {
   int64_t num_preemptions_seen_ = 0;
   SchedulerStats decode_seen_;  // the decode counters last passed on
   SchedulerStats prefix_seen_;  // the prefix-cache counters last passed on
+  int64_t conversation_hits_seen_ = 0;
   std::mutex mu_;
   std::condition_variable cv_;
   bool stop_ = false;

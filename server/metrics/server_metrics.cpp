@@ -134,6 +134,8 @@ struct ServerMetrics::Impl {
   Counter* prefix_hit_tokens = nullptr;
   Counter* prefix_evictions = nullptr;
   Gauge* prefix_blocks = nullptr;
+  Counter* conversation_hits = nullptr;
+  Gauge* parked_conversations = nullptr;
   Counter* kv_tokens_evicted = nullptr;
   Counter* kv_tokens_kept = nullptr;
   Histogram* compression_ratio = nullptr;
@@ -217,6 +219,12 @@ ServerMetrics::ServerMetrics(std::string model_name, int32_t max_layer_labels)
   m.prefix_blocks = gauge("dropkv_prefix_cache_blocks",
                           "KV blocks the prefix cache holds (shared with running requests, or "
                           "free to evict).");
+  m.conversation_hits = counter("dropkv_conversation_hits_total",
+                                "Compressed requests that continued a kept conversation's cache "
+                                "(keep_conversation) instead of prefilling their whole prompt.");
+  m.parked_conversations = gauge("dropkv_conversations_kept",
+                                 "Compressed conversations kept for a continuation now (their "
+                                 "blocks count as used until released).");
   m.kv_tokens_evicted = counter("dropkv_kv_tokens_evicted_total",
                                 "KV entries (token x layer) dropped by compression at prefill.");
   m.kv_tokens_kept = counter("dropkv_kv_tokens_kept_total",
@@ -288,6 +296,12 @@ void ServerMetrics::OnPrefixCache(int64_t num_query_tokens, int64_t num_hit_toke
 }
 void ServerMetrics::SetPrefixCacheBlocks(int64_t num_blocks) {
   impl_->prefix_blocks->Set(static_cast<double>(num_blocks));
+}
+void ServerMetrics::OnConversationHits(int64_t num_hits) {
+  impl_->conversation_hits->Increment(static_cast<double>(std::max<int64_t>(0, num_hits)));
+}
+void ServerMetrics::SetParkedConversations(int64_t num_parked) {
+  impl_->parked_conversations->Set(static_cast<double>(num_parked));
 }
 
 void ServerMetrics::OnPrefillCompressed(const std::vector<int64_t>& num_kept_per_layer,

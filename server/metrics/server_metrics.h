@@ -51,6 +51,10 @@ class ServerMetrics {
   // prompt tokens looked up at admission, of them found cached, entries evicted for room.
   void OnPrefixCache(int64_t num_query_tokens, int64_t num_hit_tokens, int64_t num_evicted_entries);
   void SetPrefixCacheBlocks(int64_t num_blocks);
+  // Compressed conversations (keep_conversation): requests that continued a kept one (delta),
+  // and how many are kept now.
+  void OnConversationHits(int64_t num_hits);
+  void SetParkedConversations(int64_t num_parked);
 
   // --- KV compression at prefill: one call per compressed sequence ---
   // num_kept_per_layer[l] = tokens layer l kept of num_prompt_tokens; scoring_seconds = time spent

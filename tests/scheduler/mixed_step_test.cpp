@@ -128,6 +128,68 @@ class MixedStepTest : public ::testing::Test {
     return out;
   }
 
+  // One runner and scheduler (fp32 CPU, 1024 blocks of 16) serving requests one at a time.
+  struct Served {
+    std::unique_ptr<ModelRunner> runner;
+    std::unique_ptr<Scheduler> scheduler;
+  };
+  Served Serve(bool prefix_cache, int64_t step_tokens = 64) {
+    RunnerOptions ro;
+    ro.model_dir = ModelDir();
+    ro.device = "cpu";
+    ro.dtype = "float32";
+    ro.num_kv_blocks = 1024;
+    ro.block_size = 16;
+    Served s;
+    s.runner = std::move(*ModelRunner::Create(ro));
+    s.runner->SetKvSelectorFactory(&compression::CreateKvSelectorForModel);
+    ModelRunner* r = s.runner.get();
+    SchedulerOptions so;
+    so.max_prefill_tokens_per_step = step_tokens;
+    so.prefix_cache = prefix_cache;
+    s.scheduler = std::make_unique<Scheduler>(
+        *r, nullptr,
+        [r] {
+          return KvBlockCounts{r->pool().num_blocks(), r->pool().num_free_blocks()};
+        },
+        so);
+    return s;
+  }
+  struct Output {
+    std::vector<int32_t> tokens;
+    int32_t num_cached = 0;
+  };
+  // kNewTokens greedy tokens of `prompt`; the pool is all free after it unless the request keeps
+  // its conversation.
+  static Output Generate(Served& s, const std::vector<int32_t>& prompt,
+                         const CompressionParams& compression = {},
+                         bool keep_conversation = false) {
+    GenerationRequest req;
+    req.request_id = "r";
+    req.prompt_ids = prompt;
+    req.sampling.max_new_tokens = kNewTokens;
+    req.sampling.ignore_eos = true;
+    req.compression = compression;
+    req.keep_conversation = keep_conversation;
+    auto ch = std::make_shared<RequestChannel>();
+    EXPECT_TRUE(s.scheduler->Submit(std::move(req), ch).ok());
+    while (s.scheduler->HasWork()) s.scheduler->Step();
+    Output out;
+    while (auto event = ch->Pop()) {
+      EXPECT_TRUE(event->error.ok()) << event->error;
+      out.tokens.insert(out.tokens.end(), event->token_ids.begin(), event->token_ids.end());
+      if (event->finished) out.num_cached = event->summary.num_cached_prompt_tokens;
+    }
+    if (!keep_conversation)
+      EXPECT_EQ(s.runner->pool().num_free_blocks(), s.runner->pool().num_blocks());
+    return out;
+  }
+  std::vector<int32_t> Encode(const std::string& text) const { return *tokenizer_->Encode(text); }
+  static std::vector<int32_t> Concat(std::vector<int32_t> a, const std::vector<int32_t>& b) {
+    a.insert(a.end(), b.begin(), b.end());
+    return a;
+  }
+
   std::unique_ptr<Tokenizer> tokenizer_;
   int64_t num_preemptions_ = 0;
 };
@@ -164,82 +226,87 @@ TEST_F(MixedStepTest, TogetherEqualsAlone) {
 // text) and a second question about the same document start from cached blocks and produce the
 // tokens a scheduler without the cache produces.
 TEST_F(MixedStepTest, PrefixCacheGivesTheSameTokens) {
-  struct Served {
-    std::unique_ptr<ModelRunner> runner;
-    std::unique_ptr<Scheduler> scheduler;
-  };
-  auto serve = [&](bool prefix_cache) {
-    RunnerOptions ro;
-    ro.model_dir = ModelDir();
-    ro.device = "cpu";
-    ro.dtype = "float32";
-    ro.num_kv_blocks = 1024;
-    ro.block_size = 16;
-    Served s;
-    s.runner = std::move(*ModelRunner::Create(ro));
-    ModelRunner* r = s.runner.get();
-    SchedulerOptions so;
-    so.max_prefill_tokens_per_step = 64;
-    so.prefix_cache = prefix_cache;
-    s.scheduler = std::make_unique<Scheduler>(
-        *r, nullptr,
-        [r] {
-          return KvBlockCounts{r->pool().num_blocks(), r->pool().num_free_blocks()};
-        },
-        so);
-    return s;
-  };
-  struct Output {
-    std::vector<int32_t> tokens;
-    int32_t num_cached = 0;
-  };
-  auto generate = [](Served& s, const std::vector<int32_t>& prompt) {
-    GenerationRequest req;
-    req.request_id = "r";
-    req.prompt_ids = prompt;
-    req.sampling.max_new_tokens = kNewTokens;
-    req.sampling.ignore_eos = true;
-    auto ch = std::make_shared<RequestChannel>();
-    EXPECT_TRUE(s.scheduler->Submit(std::move(req), ch).ok());
-    while (s.scheduler->HasWork()) s.scheduler->Step();
-    Output out;
-    while (auto event = ch->Pop()) {
-      EXPECT_TRUE(event->error.ok()) << event->error;
-      out.tokens.insert(out.tokens.end(), event->token_ids.begin(), event->token_ids.end());
-      if (event->finished) out.num_cached = event->summary.num_cached_prompt_tokens;
-    }
-    EXPECT_EQ(s.runner->pool().num_free_blocks(), s.runner->pool().num_blocks());
-    return out;
-  };
-  auto encode = [&](const std::string& text) { return *tokenizer_->Encode(text); };
-  auto concat = [](std::vector<int32_t> a, const std::vector<int32_t>& b) {
-    a.insert(a.end(), b.begin(), b.end());
-    return a;
-  };
-
-  Served cached = serve(true);
-  const std::vector<int32_t> turn1 = encode(Cases()[1].text);
-  const Output first = generate(cached, turn1);
+  Served cached = Serve(/*prefix_cache=*/true);
+  const std::vector<int32_t> turn1 = Encode(Cases()[1].text);
+  const Output first = Generate(cached, turn1);
   EXPECT_EQ(first.num_cached, 0);
   const std::vector<int32_t> turn2 =
-      concat(concat(turn1, first.tokens), encode(" Then the keeper closed the book and"));
-  const Output second = generate(cached, turn2);
+      Concat(Concat(turn1, first.tokens), Encode(" Then the keeper closed the book and"));
+  const Output second = Generate(cached, turn2);
   // The first turn's prompt and the 16 answer tokens fed back, in whole 16-token blocks.
   const auto stored = static_cast<int32_t>(turn1.size()) + kNewTokens - 1;
   EXPECT_EQ(second.num_cached, stored / 16 * 16);
 
-  const std::vector<int32_t> document = encode(Cases()[5].text);
-  const std::vector<int32_t> q1 = concat(document, encode(" Who wrote the names?"));
-  const std::vector<int32_t> q2 = concat(document, encode(" What colour was the book?"));
-  const Output a1 = generate(cached, q1);
-  const Output a2 = generate(cached, q2);
+  const std::vector<int32_t> document = Encode(Cases()[5].text);
+  const std::vector<int32_t> q1 = Concat(document, Encode(" Who wrote the names?"));
+  const std::vector<int32_t> q2 = Concat(document, Encode(" What colour was the book?"));
+  const Output a1 = Generate(cached, q1);
+  const Output a2 = Generate(cached, q2);
   EXPECT_GE(a2.num_cached, static_cast<int32_t>(document.size()) / 16 * 16);
 
-  Served plain = serve(false);
-  EXPECT_EQ(generate(plain, turn2).tokens, second.tokens);
-  EXPECT_EQ(generate(plain, q2).tokens, a2.tokens);
-  EXPECT_EQ(generate(plain, q1).tokens, a1.tokens);
+  Served plain = Serve(/*prefix_cache=*/false);
+  EXPECT_EQ(Generate(plain, turn2).tokens, second.tokens);
+  EXPECT_EQ(Generate(plain, q2).tokens, a2.tokens);
+  EXPECT_EQ(Generate(plain, q1).tokens, a1.tokens);
   EXPECT_EQ(plain.runner->pool().num_cached_blocks(), 0);
+}
+
+// A kept compressed conversation continued by a request that extends it (docs/compression.md,
+// "Compressed conversations"): the result is the first request's compressed cache, the generated
+// tokens decoded onto it, then the new tokens appended onto that cache as a prefill chunk (what
+// teacher-forced decode of them computes) and one eviction to the second request's budgets,
+// scored by its press with the chunk's last W queries. Checked against that definition run
+// directly on a runner: with nothing to evict (keep 1.0) against decoding the new tokens one at a
+// time, and at keep 25% against the prefill chunk with the press.
+TEST_F(MixedStepTest, ContinuedConversationEqualsItsDefinition) {
+  CompressionParams quarter;
+  quarter.method = ScoreMethod::kDropKV;
+  quarter.keep_ratio = 0.25;
+  CompressionParams all = quarter;
+  all.keep_ratio = 1.0;
+  const std::vector<int32_t> turn1 = Encode(Cases()[3].text);
+  const std::vector<int32_t> more = Encode(" Then he closed the green book and said that");
+
+  // The definition on a bare runner: turn 1 compressed in one pass, its answer decoded (all but
+  // the last token, which the next prompt brings), then the rest of the next prompt.
+  auto reference = [&](const std::vector<int32_t>& answer, const CompressionParams& next,
+                       bool new_tokens_by_decode) {
+    Served s = Serve(false);
+    ModelRunner& r = *s.runner;
+    const std::vector<SequenceId> seq = {1};
+    EXPECT_TRUE(r.Prefill(1, turn1, true, quarter).ok());
+    for (int i = 0; i + 1 < static_cast<int>(answer.size()); ++i)
+      EXPECT_TRUE(r.Decode(seq, std::vector<int32_t>{answer[i]}).ok());
+    const std::vector<int32_t> rest = Concat({answer.back()}, more);
+    at::Tensor logits;
+    if (new_tokens_by_decode) {
+      for (int32_t t : rest) logits = (*r.Decode(seq, std::vector<int32_t>{t}))[0];
+    } else {
+      logits = *r.Prefill(1, rest, true, next);
+    }
+    std::vector<int32_t> out;
+    for (int i = 0; i < kNewTokens; ++i) {
+      out.push_back(static_cast<int32_t>(logits.argmax().item<int64_t>()));
+      if (i + 1 < kNewTokens) logits = (*r.Decode(seq, std::vector<int32_t>{out.back()}))[0];
+    }
+    return out;
+  };
+
+  for (const CompressionParams& next : {all, quarter}) {
+    // One pass for turn 1 (no step chunks), as the reference prefills it.
+    Served s = Serve(/*prefix_cache=*/true, /*step_tokens=*/4096);
+    const Output first = Generate(s, turn1, quarter, /*keep_conversation=*/true);
+    EXPECT_EQ(s.scheduler->Stats().num_parked_conversations, 1);
+    const std::vector<int32_t> turn2 = Concat(Concat(turn1, first.tokens), more);
+    const Output second = Generate(s, turn2, next, /*keep_conversation=*/true);
+    EXPECT_EQ(second.num_cached, static_cast<int32_t>(turn1.size()) + kNewTokens - 1);
+    EXPECT_EQ(s.scheduler->Stats().num_conversation_hits, 1);
+    EXPECT_EQ(second.tokens, reference(first.tokens, next, next.keep_ratio == 1.0))
+        << "keep " << next.keep_ratio;
+    s.scheduler->CancelAll();
+    s.scheduler->Step();
+    EXPECT_EQ(s.runner->pool().num_free_blocks(), s.runner->pool().num_blocks());
+  }
 }
 
 }  // namespace

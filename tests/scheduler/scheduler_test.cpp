@@ -784,5 +784,92 @@ TEST_F(SchedulerTest, PrefixCacheEvictsLeastRecentlyUsed) {
   EXPECT_EQ(runner_->num_prefill_failures, 0);
 }
 
+// --- compressed conversations (keep_conversation)
+// -------------------------------------------------
+
+// A kept compressed conversation is continued by a request whose prompt extends it: only the new
+// tokens are prefilled, onto the kept cache, and each layer then keeps the budget of the whole
+// prompt; outputs are the reference's (the fake model reads the token history). A request that
+// does not ask, or whose prompt does not extend it, prefills its whole prompt; a prompt that needs
+// the blocks gets them back from the kept conversation.
+TEST_F(SchedulerTest, KeptConversationIsContinued) {
+  SchedulerOptions o;
+  o.decode_reserve_tokens = 0;
+  Make(64, o);
+  CompressionParams half;
+  half.method = ScoreMethod::kDropKV;
+  half.keep_ratio = 0.5;
+  auto ask = [&](std::vector<int32_t> prompt, int n, bool keep) {
+    GenerationRequest r = MakeRequest(std::move(prompt), n);
+    r.compression = half;
+    r.keep_conversation = keep;
+    runner_->prefill_chunk_lens.clear();
+    auto ch = Submit(std::move(r));
+    RunAll();
+    Collected c;
+    Drain(*ch, c);
+    return c;
+  };
+  const std::vector<int32_t> turn1 = Prompt(24, 1);
+  const Collected a = ask(turn1, 5, true);
+  EXPECT_EQ(a.tokens, FakeRunner::Greedy(turn1, 5));
+  EXPECT_EQ(scheduler_->Stats().num_parked_conversations, 1);
+  EXPECT_EQ(runner_->num_live_sequences(), 1);
+  const int64_t kept_blocks = 64 - runner_->pool().num_free_blocks();
+  EXPECT_EQ(kept_blocks, 2 * 4);  // 12 kept + 4 fed answer tokens a layer
+
+  // 24 prompt + 4 fed answer tokens kept; the last answer token (sampled, never fed) and 10 new
+  // ones are prefilled (11 >= W = 8).
+  const std::vector<int32_t> turn2 = Concat(Concat(turn1, a.tokens), Prompt(10, 2));
+  const Collected b = ask(turn2, 4, true);
+  EXPECT_EQ(b.tokens, FakeRunner::Greedy(turn2, 4));
+  EXPECT_EQ(runner_->prefill_chunk_lens, (std::vector<int64_t>{11}));
+  EXPECT_EQ(b.summary.num_cached_prompt_tokens, 28);
+  const std::vector<int64_t> budget =
+      compression::KeptTokensPerLayer(half, FakeRunner::kNumLayers, 39).value();
+  EXPECT_EQ(b.summary.num_kv_tokens_kept, budget[0] + budget[1]);  // ~19.5 of 16 + 11 a layer
+  EXPECT_EQ(scheduler_->Stats().num_conversation_hits, 1);
+  EXPECT_EQ(scheduler_->Stats().num_parked_conversations, 1);  // turn 2's, now
+
+  // Not asked, or fewer new tokens than W: the whole prompt is prefilled.
+  const std::vector<int32_t> turn3 = Concat(Concat(turn2, b.tokens), Prompt(10, 3));
+  EXPECT_EQ(ask(turn3, 2, false).tokens, FakeRunner::Greedy(turn3, 2));
+  EXPECT_EQ(runner_->prefill_chunk_lens,
+            (std::vector<int64_t>{static_cast<int64_t>(turn3.size())}));
+  const std::vector<int32_t> short_turn = Concat(Concat(turn2, b.tokens), Prompt(4, 3));
+  EXPECT_EQ(ask(short_turn, 2, true).tokens, FakeRunner::Greedy(short_turn, 2));
+  EXPECT_EQ(runner_->prefill_chunk_lens,
+            (std::vector<int64_t>{static_cast<int64_t>(short_turn.size())}));
+  EXPECT_EQ(scheduler_->Stats().num_conversation_hits, 1);
+
+  // A prompt that needs 60 of the 64 blocks: the kept conversations give theirs back.
+  EXPECT_EQ(scheduler_->Stats().num_parked_conversations, 2);
+  auto big = Submit(MakeRequest(Prompt(120, 4), 1));
+  RunAll();
+  Collected cb;
+  Drain(*big, cb);
+  EXPECT_EQ(cb.tokens, FakeRunner::Greedy(Prompt(120, 4), 1));
+  EXPECT_EQ(scheduler_->Stats().num_parked_conversations, 0);
+  EXPECT_EQ(runner_->pool().num_free_blocks(), 64);
+  EXPECT_EQ(runner_->num_live_sequences(), 0);
+  EXPECT_EQ(runner_->num_prefill_failures, 0);
+}
+
+// CancelAll (drain) releases kept conversations too.
+TEST_F(SchedulerTest, CancelAllReleasesKeptConversations) {
+  Make(64, {});
+  GenerationRequest r = MakeRequest(Prompt(20, 1), 3);
+  r.compression.method = ScoreMethod::kSnapKV;
+  r.compression.keep_ratio = 0.5;
+  r.keep_conversation = true;
+  auto ch = Submit(std::move(r));
+  RunAll();
+  EXPECT_EQ(scheduler_->Stats().num_parked_conversations, 1);
+  scheduler_->CancelAll();
+  scheduler_->Step();
+  EXPECT_EQ(scheduler_->Stats().num_parked_conversations, 0);
+  EXPECT_EQ(runner_->pool().num_free_blocks(), 64);
+}
+
 }  // namespace
 }  // namespace dropkv

@@ -57,10 +57,12 @@ TEST_F(ValidationTest, ValidRequestIsMapped) {
   r.mutable_compression()->set_chunk_size(8);
   r.set_request_id("my-id");
   r.set_priority(-3);
+  r.set_keep_conversation(true);
   auto g = Check(r);
   ASSERT_TRUE(g.ok()) << g.status();
   EXPECT_EQ(g->request_id, "my-id");
   EXPECT_EQ(g->priority, -3);
+  EXPECT_TRUE(g->keep_conversation);
   EXPECT_EQ(g->prompt_ids, (std::vector<int32_t>{1, 'a' - '0', 'b' - '0', 'c' - '0'}));
   EXPECT_EQ(g->sampling.max_new_tokens, 4);
   EXPECT_FLOAT_EQ(g->sampling.temperature, 0.7f);
