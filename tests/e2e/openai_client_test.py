@@ -209,6 +209,31 @@ def test_default_model(args, pb, pb_grpc, grpc):
                                           max_tokens=4, temperature=0)
         check(len(batch.choices) == 2 and batch.usage.completion_tokens <= 8,
               "a batch of two prompts: two choices")
+        # --- the prefix cache and a kept compressed conversation (issue 25) ---
+        story_ids = list(stub.Tokenize(pb.TokenizeRequest(text=story * 2), metadata=md,
+                                       timeout=60).token_ids)
+        first = client.completions.create(model=model, prompt=story_ids, max_tokens=8,
+                                          temperature=0, extra_body={"ignore_eos": True})
+        again = client.completions.create(model=model, prompt=story_ids, max_tokens=8,
+                                          temperature=0, extra_body={"ignore_eos": True})
+        cached = again.usage.prompt_tokens_details.cached_tokens
+        check(cached == (len(story_ids) - 1) // 16 * 16 and again.choices[0].text ==
+              first.choices[0].text,
+              f"prefix cache: {cached} of {len(story_ids)} prompt tokens cached, same text")
+        keep = {"kv_compression": compression, "keep_conversation": True,
+                "return_token_ids": True, "ignore_eos": True}
+        turn1 = client.completions.create(model=model, prompt=story_ids, max_tokens=6,
+                                          temperature=0, extra_body=keep)
+        answer = turn1.choices[0].model_extra["token_ids"]
+        more = list(stub.Tokenize(pb.TokenizeRequest(text=" The next morning the baker",
+                                                     add_special_tokens=False),
+                                  metadata=md, timeout=60).token_ids)
+        turn2 = client.completions.create(model=model, prompt=story_ids + answer + more * 2,
+                                          max_tokens=6, temperature=0, extra_body=keep)
+        check(turn1.usage.prompt_tokens_details.cached_tokens == 0 and
+              turn2.usage.prompt_tokens_details.cached_tokens == len(story_ids) + 5,
+              f"keep_conversation: turn 2 continues turn 1's compressed cache "
+              f"({turn2.usage.prompt_tokens_details.cached_tokens} tokens)")
         ids_prompt = client.completions.create(model=model, prompt=list(grpc_c.token_ids[:4]) or [1],
                                                max_tokens=2, temperature=0)
         check(ids_prompt.usage.prompt_tokens == min(4, len(grpc_c.token_ids)) or
