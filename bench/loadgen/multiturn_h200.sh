@@ -25,14 +25,9 @@
 set -uo pipefail
 OUT=${OUT:-$PWD/.gpu/out}
 mkdir -p "$OUT"
-source scripts/gpu_pack.sh --unpack || exit 1
-geo=/tmp/geo/llama-3.1-8b
-# The bench writes the geometry's config.json (and draws weights once: a few seconds).
-dropkv-bench-e2e --geometry llama-3.1-8b --write-config "$geo" --prefill 16 --decode "" \
-  --keep 1.0 --repeats 1 --kv-gib 1 > /dev/null 2> "$OUT/geometry.log" || { tail "$OUT/geometry.log"; exit 1; }
-for f in tokenizer.json tokenizer_config.json; do zcat ".gpu-pack/tok/$f.gz" > "$geo/$f"; done
+source bench/loadgen/h200_common.sh
+h200_geometry
 
-metrics() { python3 -c 'import urllib.request as u; print(u.urlopen("http://127.0.0.1:9400/metrics").read().decode())'; }
 IFS=';' read -r -a variants <<< "${VARIANTS:-default=}"
 dirs=()
 for variant in "${variants[@]}"; do
@@ -44,17 +39,10 @@ for variant in "${variants[@]}"; do
   dirs+=("$out")
   echo "== variant $name: ${SERVER_ARGS:-} $flags"
   # shellcheck disable=SC2086  # the flags are lists of words
-  dropkv-server --model "$geo" --random-weights --device cuda --port 50051 --metrics-port 9400 \
+  h200_start_server "$out/server.log" dropkv-server --model "$geo" --random-weights --device cuda \
     --kv-memory "${KV_MEMORY:-100GiB}" --max-batch 256 --max-queue-requests 4096 \
     --max-queue-prompt-tokens 0 --max-prompt-tokens "${MAX_PROMPT_TOKENS:-32768}" \
-    ${SERVER_ARGS:-} $flags > "$out/server.log" 2>&1 &
-  server=$!
-  for _ in $(seq 240); do
-    grep -q "listening on" "$out/server.log" && break
-    kill -0 "$server" 2> /dev/null || break
-    sleep 0.5
-  done
-  grep -q "listening on" "$out/server.log" || { echo "server did not start"; tail -20 "$out/server.log"; exit 1; }
+    ${SERVER_ARGS:-} $flags
   grep -E "KV pool|listening" "$out/server.log"
   # Warm-up (CUDA graphs, allocator) so that the first point's turn 1 does not pay for it.
   dropkv-loadgen --address 127.0.0.1:50051 --concurrency 4 --requests 8 --duration 60 \
@@ -72,10 +60,7 @@ for variant in "${variants[@]}"; do
         --compression "$mode" --seed "$seed" --metrics-url http://127.0.0.1:9400/metrics \
         --no-progress --json > "$out/turns_${mode_name}_c$conc.json" 2>> "$out/loadgen_$mode_name.log"
       echo "loadgen $name $mode streams $conc: rc=$? ($(date +%T))"
-      for _ in $(seq 60); do
-        metrics | grep -qE '^dropkv_requests_running(\{[^}]*\})? 0(\.0+)?$' && break
-        sleep 0.5
-      done
+      h200_wait_idle
       metrics | grep -E '^dropkv_prefix_cache' > "$out/prefix_cache_${mode_name}_c$conc.txt"
     done
   done

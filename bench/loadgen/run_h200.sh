@@ -17,27 +17,15 @@
 set -uo pipefail
 OUT=${OUT:-$PWD/.gpu/out}
 mkdir -p "$OUT"
-source scripts/gpu_pack.sh --unpack || exit 1
-geo=/tmp/geo/llama-3.1-8b
-# The bench writes the geometry's config.json (and draws weights once: a few seconds).
-dropkv-bench-e2e --geometry llama-3.1-8b --write-config "$geo" --prefill 16 --decode "" \
-  --keep 1.0 --repeats 1 --kv-gib 1 > /dev/null 2> "$OUT/geometry.log" || { tail "$OUT/geometry.log"; exit 1; }
-for f in tokenizer.json tokenizer_config.json; do zcat ".gpu-pack/tok/$f.gz" > "$geo/$f"; done
+source bench/loadgen/h200_common.sh
+h200_geometry
 
-metrics() { python3 -c 'import urllib.request as u; print(u.urlopen("http://127.0.0.1:9400/metrics").read().decode())'; }
 for server_bin in ${SERVERS:-dropkv-server}; do
   out="$OUT/$server_bin"
   mkdir -p "$out"
-  "$server_bin" --model "$geo" --random-weights --device cuda --port 50051 --metrics-port 9400 \
-    --kv-memory "${KV_MEMORY:-100GiB}" --max-batch 256 --max-queue-requests 4096 \
-    --max-queue-prompt-tokens 0 --max-prompt-tokens 16384 ${SERVER_ARGS:-} > "$out/server.log" 2>&1 &
-  server=$!
-  for _ in $(seq 240); do
-    grep -q "listening on" "$out/server.log" && break
-    kill -0 "$server" 2> /dev/null || break
-    sleep 0.5
-done
-grep -q "listening on" "$out/server.log" || { echo "server did not start"; tail -20 "$out/server.log"; exit 1; }
+  h200_start_server "$out/server.log" "$server_bin" --model "$geo" --random-weights \
+    --device cuda --kv-memory "${KV_MEMORY:-100GiB}" --max-batch 256 --max-queue-requests 4096 \
+    --max-queue-prompt-tokens 0 --max-prompt-tokens 16384 ${SERVER_ARGS:-}
 grep -E "KV pool|listening" "$out/server.log"
 
 for mode in ${MODES:-none dropkv:0.1}; do
@@ -50,11 +38,7 @@ for mode in ${MODES:-none dropkv:0.1}; do
       --compression "$mode" --metrics-url http://127.0.0.1:9400/metrics --no-progress \
       --json > "$out/load_${name}_c$conc.json" 2>> "$out/loadgen_$name.log"
     echo "loadgen $mode concurrency $conc: rc=$? ($(date +%T))"
-    # The cancelled streams leave the server before the next point starts.
-    for _ in $(seq 60); do
-      metrics | grep -qE '^dropkv_requests_running(\{[^}]*\})? 0(\.0+)?$' && break
-      sleep 0.5
-    done
+    h200_wait_idle
   done
 done
 # Every block is back after thousands of requests and hundreds of client cancellations.

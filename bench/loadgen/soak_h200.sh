@@ -12,19 +12,12 @@ set -uo pipefail
 OUT=${OUT:-$PWD/.gpu/out}
 DURATION=${DURATION:-300}
 mkdir -p "$OUT"
-source scripts/gpu_pack.sh --unpack || exit 1
+source bench/loadgen/h200_common.sh
 model=.gpu-pack/smollm2
 
-dropkv-server --model "$model" --random-weights --device cuda --port 50051 --metrics-port 9400 \
-  --kv-memory 16GiB --max-batch 128 --max-queue-requests 4096 --max-queue-prompt-tokens 0 \
-  > "$OUT/soak_server.log" 2>&1 &
-server=$!
-for _ in $(seq 240); do
-  grep -q "listening on" "$OUT/soak_server.log" && break
-  kill -0 "$server" 2> /dev/null || break
-  sleep 0.5
-done
-grep -q "listening on" "$OUT/soak_server.log" || { tail -20 "$OUT/soak_server.log"; exit 1; }
+h200_start_server "$OUT/soak_server.log" dropkv-server --model "$model" --random-weights \
+  --device cuda --kv-memory 16GiB --max-batch 128 --max-queue-requests 4096 \
+  --max-queue-prompt-tokens 0
 
 rss_mib() { awk '/VmRSS/ {printf "%.0f", $2 / 1024}' "/proc/$server/status"; }
 gpu_mib() { nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits |
