@@ -349,6 +349,7 @@ CompressionParams Compression(double keep, const std::string& allocator,
 int Run(int argc, char** argv) {
   CLI::App app{"dropkv-bench-e2e: engine-level prefill / decode timings at real model geometry"};
   std::string model_dir, geometry, write_config, device = "cuda", dtype = "bfloat16";
+  std::string quantization = "none";
   std::string prefill_arg = "8192,32768", decode_arg = "1x8192", keep_arg = "1.0,0.1";
   std::string allocator = "uniform", profile, hf_python, hf_script = "bench/e2e/hf_peer.py";
   bool random_weights = false, json_out = false, interleave = false, synthetic_context = false;
@@ -367,6 +368,8 @@ int Run(int argc, char** argv) {
   app.add_flag("--random-weights", random_weights, "draw weights on the device (normal, std 0.02)");
   app.add_option("--device", device, "cpu or cuda")->capture_default_str();
   app.add_option("--dtype", dtype, "bfloat16, float16 or float32")->capture_default_str();
+  app.add_option("--quantization", quantization, "projection weights: none or fp8")
+      ->capture_default_str();
   app.add_option("--prefill", prefill_arg, "prompt lengths to prefill, comma-separated")
       ->capture_default_str();
   app.add_option("--decode", decode_arg, "BATCHxCONTEXT cases, comma-separated")
@@ -450,6 +453,7 @@ int Run(int argc, char** argv) {
   options.device = device;
   options.dtype = dtype;
   options.random_weights = random_weights;
+  options.quantization = quantization;
   options.cuda_fused_ops = fused_arg == "on";
   options.cuda_decode_gemv = gemv_arg == "plain";
   if (kv_gib > 0) options.kv_cache_bytes = static_cast<int64_t>(kv_gib * (1LL << 30));
