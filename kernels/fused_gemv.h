@@ -48,4 +48,15 @@ absl::StatusOr<at::Tensor> GemvRopeWriteKv(const at::Tensor& x, const at::Tensor
                                            at::Tensor& key_cache, at::Tensor& value_cache,
                                            const at::Tensor& slots);
 
+// Decode's GEMV over FP8 weights (engine/model/fp8.h): y = x (w8 * scale)^T (+ bias), w8 read once
+// as e4m3 bytes (half the bf16 GEMV's traffic), each product accumulated in fp32 and scaled by its
+// row's scale once, the sum rounded once after the bias. One warp a weight row; the K reduction
+// order is fixed. No allocations beyond the output, no host syncs: safe in a CUDA graph.
+//   x: [M, K] bf16 or fp16, M <= kFp8GemvMaxRows, inner dim contiguous, 16-byte aligned rows
+//   w8: [N, K] float8_e4m3fn contiguous, K % 16 == 0; scale: fp32 [N, 1] (per output channel)
+//   bias: [N] in x's dtype or undefined; returns [M, N] contiguous in x's dtype
+inline constexpr int64_t kFp8GemvMaxRows = 16;
+absl::StatusOr<at::Tensor> Fp8Gemv(const at::Tensor& x, const at::Tensor& w8,
+                                   const at::Tensor& scale, const at::Tensor& bias);
+
 }  // namespace dropkv::kernels

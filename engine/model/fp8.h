@@ -29,9 +29,9 @@ at::Tensor DequantizeFp8(const at::Tensor& w8, const at::Tensor& scale, int64_t 
 
 bool IsFp8(const at::Tensor& w);
 
-// Forwards of at least this many rows may take the FP8 GEMM below: prefill chunks and large
-// decode batches; a single-token step keeps the dequantizing linear.
-inline constexpr int64_t kFp8GemmMinRows = 64;
+// Forwards of at least this many rows may take the FP8 GEMM below: prefill chunks and decode
+// batches of 16 and more; fewer rows take decode's FP8 GEMV (kernels/fused_gemv.h).
+inline constexpr int64_t kFp8GemmMinRows = 16;
 
 // CUDA only, and only when it applies (bf16 x [N >= kFp8GemmMinRows, in], per-channel scales,
 // in and out multiples of 16): x W^T (+ b) as one FP8 GEMM (cuBLASLt through at::_scaled_mm)

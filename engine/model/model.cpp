@@ -144,22 +144,28 @@ at::Tensor Linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b)
   return at::linear(x, w, b);
 }
 
-// Linear with a weight that may be FP8 (scale defined). CUDA prefill-sized forwards take the FP8
-// GEMM with per-token activation scales (fp8.h). Everything else dequantizes to x's dtype and runs
-// the linear a plain weight gets: the logits are then those of the weights w8 * scale exactly (up
-// to the activation dtype's rounding), which is what the CPU measures against the full model and
-// HF, and what the GPU paths are tested against.
-at::Tensor LinearMaybeFp8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
-                          int64_t group_k, const at::Tensor& b) {
-  if (!scale.defined()) return Linear(x, w, b);
-  if (auto y = Fp8ScaledMm(x, w, scale, b)) return *std::move(y);
-  return Linear(x, DequantizeFp8(w, scale, group_k).to(x.scalar_type()), b);
-}
-
 // The fused GEMVs read x in 16-byte pieces: the backend's attention output must allow it.
 bool RowsAligned16(const at::Tensor& t) {
   return t.stride(1) == 1 && (t.stride(0) * t.element_size()) % 16 == 0 &&
          reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+}
+
+// Linear with a weight that may be FP8 (scale defined). On CUDA, forwards of kFp8GemmMinRows
+// rows and more take the FP8 GEMM with per-token activation scales (fp8.h), fewer rows (decode)
+// read the FP8 weight as it is (kernels::Fp8Gemv, fp32 math over w8 * scale). Everything else (the
+// CPU, block scales) dequantizes to x's dtype and runs the linear a plain weight gets: the logits
+// are then those of the weights w8 * scale exactly (up to the activation dtype's rounding), which
+// is what the CPU measures against the full model and HF, and what the GPU paths are tested
+// against.
+at::Tensor LinearMaybeFp8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                          int64_t group_k, const at::Tensor& b) {
+  if (!scale.defined()) return Linear(x, w, b);
+  if (auto y = Fp8ScaledMm(x, w, scale, b)) return *std::move(y);
+  if (x.is_cuda() && x.dim() == 2 && x.size(0) <= kernels::kFp8GemvMaxRows && scale.size(1) == 1 &&
+      w.size(1) % 16 == 0 && RowsAligned16(x)) {
+    if (auto y = kernels::Fp8Gemv(x, w, scale, b); y.ok()) return *std::move(y);
+  }
+  return Linear(x, DequantizeFp8(w, scale, group_k).to(x.scalar_type()), b);
 }
 
 at::Tensor RotateHalf(const at::Tensor& x) {

@@ -999,9 +999,9 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const RunnerOpt
   ASSIGN_OR_RETURN(WeightQuantization quant, ParseWeightQuantization(options.quantization));
   if (quant == WeightQuantization::kFp8 && device.is_cuda()) {
     LogWarn(
-        "quantization fp8 on CUDA: prefill runs FP8 GEMMs, but decode still dequantizes every "
-        "projection weight each step (no FP8 GEMV yet): an 8B model decodes ~12x slower than "
-        "bf16 on an H200 (docs/model-runtime.md, FP8 weights); it saves weight memory only");
+        "quantization fp8 on CUDA: decode at batch 1 is faster than bf16, but batches of 2 and "
+        "more are slower (an 8B model on an H200: 1.5x at 16 rows; docs/model-runtime.md, FP8 "
+        "weights)");
   }
   if (options.block_size <= 0) return absl::InvalidArgumentError("block_size must be > 0");
   std::unique_ptr<Model> model;

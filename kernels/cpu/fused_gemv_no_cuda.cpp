@@ -24,4 +24,9 @@ absl::StatusOr<at::Tensor> GemvRopeWriteKv(const at::Tensor&, const at::Tensor&,
   return NotBuilt();
 }
 
+absl::StatusOr<at::Tensor> Fp8Gemv(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                   const at::Tensor&) {
+  return NotBuilt();
+}
+
 }  // namespace dropkv::kernels

@@ -17,6 +17,7 @@
 #include "engine/model/fp8.h"
 #include "engine/model/safetensors.h"
 #include "engine/runner/model_runner.h"
+#include "kernels/fused_gemv.h"
 #include "tests/common/test_env.h"
 
 namespace dropkv {
@@ -113,6 +114,44 @@ std::vector<int32_t> Prompt(int n, int salt) {
   std::vector<int32_t> t;
   for (int i = 0; i < n; ++i) t.push_back(3 + (i * 131 + salt * 17) % 500);
   return t;
+}
+
+// Decode's FP8 GEMV (kernels/fused_gemv.h) against fp32 math over the dequantized weights: only
+// the accumulation order and the output's rounding differ (bf16: 2^-9 relative). Rows of
+// different magnitudes in w (a scale on the wrong row shows), 1 / 3 / 16 rows of x, K of the
+// 8B model's down projection, strided x rows, bias on and off, and the same bits twice.
+TEST(Fp8GpuTest, Fp8GemvEqualsFp32MathOverDequantizedWeights) {
+  SKIP_WITHOUT_CUDA();
+  at::manual_seed(5);
+  const auto cuda = at::TensorOptions().device(at::kCUDA);
+  for (const int64_t k : {576, 14336}) {
+    auto w = (at::randn({1000, k}) * at::linspace(0.01, 0.3, 1000).unsqueeze(1)).to(cuda);
+    auto [w8, scale] = QuantizeFp8PerChannel(w);
+    const at::Tensor wf = DequantizeFp8(w8, scale, 0);
+    for (const int64_t m : {1, 3, 16}) {
+      for (const bool with_bias : {false, true}) {
+        // Rows of a wider tensor: the GEMV reads x through its row stride.
+        auto wide = at::randn({m, k + 64}).to(cuda.dtype(at::kBFloat16));
+        auto x = wide.narrow(1, 0, k);
+        auto b = with_bias ? at::randn({1000}).to(cuda.dtype(at::kBFloat16)) : at::Tensor();
+        auto y = kernels::Fp8Gemv(x, w8, scale, b);
+        ASSERT_TRUE(y.ok()) << y.status();
+        EXPECT_EQ(y->scalar_type(), at::kBFloat16);
+        auto want = at::linear(x.to(at::kFloat), wf, with_bias ? b.to(at::kFloat) : at::Tensor());
+        const double rel = RelDiff(*y, want);
+        EXPECT_LT(rel, 4e-3) << "k " << k << " m " << m << " bias " << with_bias;
+        auto again = kernels::Fp8Gemv(x, w8, scale, b);
+        EXPECT_TRUE(at::equal(*y, *again)) << "not deterministic";
+        if (m == 16 && with_bias)
+          std::printf("[fp8 gpu] GEMV k %lld vs fp32 %.2e\n", static_cast<long long>(k), rel);
+      }
+    }
+  }
+  // Refused: 17 rows, K not a multiple of 16, fp32 x.
+  auto w8 = QuantizeFp8PerChannel(at::randn({64, 64}).to(cuda)).first;
+  auto s = at::ones({64, 1}, cuda.dtype(at::kFloat));
+  EXPECT_FALSE(kernels::Fp8Gemv(at::randn({17, 64}).to(cuda.dtype(at::kBFloat16)), w8, s, {}).ok());
+  EXPECT_FALSE(kernels::Fp8Gemv(at::randn({2, 64}).to(cuda), w8, s, {}).ok());
 }
 
 TEST(Fp8GpuTest, CudaBf16ForwardFollowsTheCpuDequantizingForward) {
