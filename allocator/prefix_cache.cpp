@@ -21,6 +21,12 @@ PrefixCache::~PrefixCache() {
   Clear();
 }
 
+int64_t PrefixCache::CacheOnlyBlocks(std::span<const int32_t> blocks) const {
+  int64_t n = 0;
+  for (int32_t b : blocks) n += pool_.ref_count(b) == 1 ? 1 : 0;
+  return n;
+}
+
 void PrefixCache::Touch(Entry& e, uint64_t tick) {
   lru_.erase(LruOf(e));
   e.last_used = tick;
@@ -50,8 +56,7 @@ PrefixMatch PrefixCache::Match(std::span<const int32_t> tokens, int64_t max_toke
 
 int64_t PrefixCache::ReclaimableBlocksOf(const PrefixMatch& match) const {
   int64_t n = 0;
-  for (const auto& blocks : match.layer_blocks)
-    for (int32_t b : blocks) n += pool_.ref_count(b) == 1 ? 1 : 0;
+  for (const auto& blocks : match.layer_blocks) n += CacheOnlyBlocks(blocks);
   return n;
 }
 
@@ -113,8 +118,7 @@ int64_t PrefixCache::Reclaim(int64_t num_blocks) {
   for (auto it = lru_.begin(); it != lru_.end() && freed < num_blocks;) {
     const int64_t id = it->second;
     ++it;  // Evict erases this element
-    int64_t reclaimable = 0;
-    for (int32_t b : entries_.at(id).blocks) reclaimable += pool_.ref_count(b) == 1 ? 1 : 0;
+    const int64_t reclaimable = CacheOnlyBlocks(entries_.at(id).blocks);
     if (reclaimable == 0) continue;  // a running sequence holds it
     Evict(id);
     freed += reclaimable;

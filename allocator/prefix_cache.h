@@ -29,6 +29,8 @@ struct PrefixMatch {
   int64_t num_tokens = 0;                          // a multiple of the block size
   std::vector<std::vector<int32_t>> layer_blocks;  // [num_layers][num_tokens / block_size]
   std::vector<int64_t> entries;                    // the matched entries, in order
+  // Pool blocks over all layers.
+  int64_t num_blocks() const { return static_cast<int64_t>(layer_blocks.size() * entries.size()); }
 };
 
 struct PrefixCacheStats {
@@ -103,6 +105,8 @@ class PrefixCache {
   // Eviction order: oldest use first, then deepest.
   using LruKey = std::pair<uint64_t, std::pair<int32_t, int64_t>>;  // (tick, (-depth, id))
   LruKey LruOf(const Entry& e) const { return {e.last_used, {-e.depth, e.id}}; }
+  // Of `blocks` (cached ones), those only the cache holds: what unpinning them frees.
+  int64_t CacheOnlyBlocks(std::span<const int32_t> blocks) const;
   void Touch(Entry& e, uint64_t tick);
   void Evict(int64_t id);
 

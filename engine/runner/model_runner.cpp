@@ -585,16 +585,7 @@ class TorchModelRunner : public ModelRunner {
     auto it = positions_.find(seq);
     if (it != positions_.end() && it->second.size() > static_cast<size_t>(layer_idx) &&
         it->second[layer_idx].defined()) {
-      const at::Tensor& kept = it->second[layer_idx];
-      // Decode appends one entry a step at the next position without recording it: the entries
-      // past the recorded ones are the last logical positions (a continued conversation).
-      const int64_t missing = s - kept.size(1);
-      if (missing <= 0) return kept;
-      const int64_t end = pool_->logical_len(seq);
-      return at::cat({kept, at::arange(end - missing, end, kept.options())
-                                .unsqueeze(0)
-                                .expand({kept.size(0), missing})},
-                     1);
+      return WithDecodedPositions(it->second[layer_idx], s, pool_->logical_len(seq));
     }
     return at::arange(s, at::TensorOptions().dtype(at::kLong).device(model_->device()))
         .unsqueeze(0)
@@ -718,17 +709,22 @@ class TorchModelRunner : public ModelRunner {
       return;  // implicit arange: still valid
     }
     at::Tensor& kept = it->second[layer_idx];
-    // Entries decode appended since (one a step, not recorded) sit at the positions before the
-    // chunk's start, which is the logical length until the chunk commits.
-    const int64_t missing = pool_->stored_len(seq, layer_idx) - chunk_pos.size(1) - kept.size(1);
-    if (missing > 0) {
-      const int64_t start = pool_->logical_len(seq);
-      kept = at::cat({kept, at::arange(start - missing, start, kept.options())
-                                .unsqueeze(0)
-                                .expand({kept.size(0), missing})},
-                     1);
-    }
-    kept = at::cat({kept, chunk_pos}, 1);
+    // Until the chunk commits, the logical length is the chunk's start.
+    const int64_t before_chunk = pool_->stored_len(seq, layer_idx) - chunk_pos.size(1);
+    kept =
+        at::cat({WithDecodedPositions(kept, before_chunk, pool_->logical_len(seq)), chunk_pos}, 1);
+  }
+
+  // `kept` ([Hkv, n] recorded positions) extended to `num_entries` columns: decode appends one
+  // entry a step at the next position without recording it, so the entries past the recorded
+  // ones sit at the last logical positions before `end` (a continued conversation).
+  static at::Tensor WithDecodedPositions(const at::Tensor& kept, int64_t num_entries, int64_t end) {
+    const int64_t missing = num_entries - kept.size(1);
+    if (missing <= 0) return kept;
+    return at::cat({kept, at::arange(end - missing, end, kept.options())
+                              .unsqueeze(0)
+                              .expand({kept.size(0), missing})},
+                   1);
   }
 
   BlockPool& block_pool() { return *pool_; }

@@ -120,18 +120,30 @@ struct Scheduler::Impl {
       prefix_cache = std::make_unique<PrefixCache>(pool, options.prefix_cache_salt);
   }
 
+  // The tokens whose K/V `seq`'s cache holds: its prompt chunks so far, or the prompt and the
+  // generated tokens fed back (the last sampled one never is).
+  static std::vector<int32_t> TokensInCache(const Sequence& seq) {
+    const std::vector<int32_t>& prompt = seq.request.prompt_ids;
+    if (!seq.prefill_done) return {prompt.begin(), prompt.begin() + seq.num_prefilled};
+    std::vector<int32_t> tokens = prompt;
+    tokens.insert(tokens.end(), seq.generated.begin(),
+                  seq.generated.begin() + seq.num_generated_fed);
+    return tokens;
+  }
+
+  static bool KeepsConversation(const Sequence& seq) {
+    return seq.request.keep_conversation && seq.request.compression.method != ScoreMethod::kNone;
+  }
+
   // A compressed request that asked to keep its conversation leaves its sequence parked.
   void ParkOrRelease(Sequence& seq) {
-    if (!seq.request.keep_conversation || seq.request.compression.method == ScoreMethod::kNone ||
-        !seq.prefill_done) {
+    if (!KeepsConversation(seq) || !seq.prefill_done) {
       ReleaseSequence(seq);
       return;
     }
     ParkedConversation p;
     p.seq_id = seq.seq_id;
-    p.tokens = seq.request.prompt_ids;
-    p.tokens.insert(p.tokens.end(), seq.generated.begin(),
-                    seq.generated.begin() + seq.num_generated_fed);
+    p.tokens = TokensInCache(seq);
     const SequenceCacheInfo info = runner.CacheInfo(seq.seq_id);
     for (size_t l = 0; l < info.stored_len_per_layer.size(); ++l) {
       if (runner.pool().capacity(static_cast<int32_t>(l)) == 0)
@@ -157,9 +169,7 @@ struct Scheduler::Impl {
   std::list<ParkedConversation>::iterator FindConversation(const Sequence& seq) {
     auto best = parked.end();
     const std::vector<int32_t>& prompt = seq.request.prompt_ids;
-    if (!seq.request.keep_conversation || seq.request.compression.method == ScoreMethod::kNone ||
-        !seq.generated.empty())
-      return best;
+    if (!KeepsConversation(seq) || !seq.generated.empty()) return best;
     for (auto it = parked.begin(); it != parked.end(); ++it) {
       const auto n = static_cast<int64_t>(it->tokens.size());
       if (static_cast<int64_t>(prompt.size()) - n < std::max(1, seq.request.compression.window) ||
@@ -174,21 +184,10 @@ struct Scheduler::Impl {
     return prefix_cache != nullptr && seq.request.compression.method == ScoreMethod::kNone;
   }
 
-  // Registers what `seq` holds with the prefix cache (its prompt chunks so far, or the prompt
-  // and the generated tokens fed), then releases it.
+  // Registers what `seq` holds with the prefix cache, then releases it.
   void ReleaseSequence(Sequence& seq) {
-    if (UsesPrefixCache(seq) && seq.seq_id >= 0) {
-      const std::vector<int32_t>& prompt = seq.request.prompt_ids;
-      if (!seq.prefill_done || seq.num_generated_fed == 0) {
-        prefix_cache->Insert(seq.seq_id, std::span(prompt.data(), seq.num_prefilled),
-                             seq.cache_cursor);
-      } else {
-        std::vector<int32_t> tokens = prompt;
-        tokens.insert(tokens.end(), seq.generated.begin(),
-                      seq.generated.begin() + seq.num_generated_fed);
-        prefix_cache->Insert(seq.seq_id, tokens, seq.cache_cursor);
-      }
-    }
+    if (UsesPrefixCache(seq) && seq.seq_id >= 0)
+      prefix_cache->Insert(seq.seq_id, TokensInCache(seq), seq.cache_cursor);
     runner.Release(seq.seq_id);
   }
 
@@ -491,9 +490,7 @@ struct Scheduler::Impl {
           if (conversation != parked.end()) {
             num_new_blocks -= conversation->num_blocks;
           } else if (match.num_tokens > 0) {
-            num_new_blocks -=
-                static_cast<int64_t>(match.layer_blocks.size() * match.entries.size()) -
-                prefix_cache->ReclaimableBlocksOf(match);
+            num_new_blocks -= match.num_blocks() - prefix_cache->ReclaimableBlocksOf(match);
           }
         }
         if (!planned.ok() || head.plan->blocks_needed() > counts.num_total) {
