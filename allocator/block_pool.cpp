@@ -288,6 +288,21 @@ absl::Status BlockPool::ReplaceLayer(int64_t seq, int32_t layer_idx, int64_t sto
   return absl::OkStatus();
 }
 
+absl::Status BlockPool::TruncateLayer(int64_t seq, int32_t layer_idx, int64_t stored_len,
+                                      std::vector<int32_t>* dropped_block_ids) {
+  if (!HasSequence(seq)) return absl::NotFoundError(absl::StrCat("unknown sequence ", seq));
+  auto& t = mutable_sequence(seq).layers.at(layer_idx);
+  if (stored_len < 0 || stored_len > t.stored_len) {
+    return absl::InvalidArgumentError(absl::StrCat("truncate layer ", layer_idx, " to ", stored_len,
+                                                   " of ", t.stored_len, " entries"));
+  }
+  const auto keep = static_cast<size_t>(BlocksFor(stored_len));
+  dropped_block_ids->assign(t.block_ids.begin() + keep, t.block_ids.end());
+  t.block_ids.resize(keep);
+  t.stored_len = stored_len;
+  return absl::OkStatus();
+}
+
 void BlockPool::Restore(int64_t seq, SequenceBlocks snapshot) {
   auto& cur = mutable_sequence(seq);
   std::unordered_set<int32_t> keep;

@@ -148,6 +148,10 @@ class BlockPool {
   absl::Status ReplaceLayer(int64_t seq, int32_t layer_idx, int64_t stored_len,
                             std::vector<int32_t>* old_block_ids);
 
+  // Shrinks one layer to its first `stored_len` slots; the blocks past them go to the caller in
+  // `dropped_block_ids` (to free). INVALID_ARGUMENT when stored_len is not in [0, stored_len].
+  absl::Status TruncateLayer(int64_t seq, int32_t layer_idx, int64_t stored_len,
+                             std::vector<int32_t>* dropped_block_ids);
   // A copy of `seq`'s tables; Restore(seq, snapshot) puts them back and frees every block the
   // current tables hold that the snapshot does not. Together they undo a failed multi-step update.
   SequenceBlocks Snapshot(int64_t seq) const { return sequence(seq); }

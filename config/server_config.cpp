@@ -468,6 +468,10 @@ std::vector<Setting> MakeSettings() {
   v.push_back(IntSetting<int64_t>(
       "compression.budget_cap_tokens", "chunk_policy budget: compress when a layer passes this",
       [](C& c) -> int64_t& { return c.compression.budget_cap_tokens; }, 0, 1LL << 32));
+  v.push_back(IntSetting<int32_t>(
+      "compression.decode_margin",
+      "compress during decode past a layer's budget by this many entries; 0 = prefill only",
+      [](C& c) -> int32_t& { return c.compression.decode_margin; }, 0, 1 << 24));
   v.push_back(IntSetting<int64_t>(
       "compression.random_seed", "seed of the random scorer",
       [](C& c) -> int64_t& { return reinterpret_cast<int64_t&>(c.compression.random_seed); }, 0,

@@ -307,6 +307,7 @@ void FillFinal(const GenerationEvent& event, v1::GenerateResponse* response) {
   usage->set_kv_bytes_saved(s.kv_bytes_saved);
   usage->set_num_preemptions(s.num_preemptions);
   usage->set_cached_prompt_tokens(s.num_cached_prompt_tokens);
+  usage->set_decode_evicted_kv_tokens(s.num_decode_evicted_kv_tokens);
   v1::Timings* t = response->mutable_timings();
   t->set_queue_ms(s.queue_ms);
   t->set_prefill_ms(s.prefill_ms);

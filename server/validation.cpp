@@ -258,6 +258,7 @@ absl::StatusOr<CompressionParams> MapCompression(const v1::CompressionSettings& 
   if (c.has_protect_sinks()) p.protect_sinks = c.protect_sinks();
   if (c.has_num_sinks()) p.num_sinks = c.num_sinks();
   if (c.has_random_seed()) p.random_seed = c.random_seed();
+  if (c.has_decode_margin()) p.decode_margin = c.decode_margin();
   // Ranges and consistency: compression's one validator (with the model's depth when known).
   absl::Status valid = compression::ValidateCompression(p, num_layers);
   // The validator's messages start with the field ("window: ...").

@@ -335,12 +335,13 @@ absl::Status AddSyntheticSequence(ModelRunner& runner, SequenceId seq, int64_t c
   return absl::OkStatus();
 }
 
-CompressionParams Compression(double keep, const std::string& allocator,
-                              const std::string& profile) {
+CompressionParams Compression(double keep, const std::string& allocator, const std::string& profile,
+                              int32_t decode_margin) {
   CompressionParams c;
   if (keep >= 1.0) return c;
   c.method = ScoreMethod::kDropKV;
   c.keep_ratio = keep;
+  c.decode_margin = decode_margin;
   c.allocator = allocator == "mga" ? BudgetAllocator::kMGA : BudgetAllocator::kUniform;
   c.profile_path = profile;
   return c;
@@ -354,6 +355,7 @@ int Run(int argc, char** argv) {
   std::string allocator = "uniform", profile, hf_python, hf_script = "bench/e2e/hf_peer.py";
   bool random_weights = false, json_out = false, interleave = false, synthetic_context = false;
   int repeats = 3, decode_steps = 32;
+  int32_t decode_margin = 0;
   std::string graphs_arg = "both", fused_arg = "on", gemv_arg = "plain";
   bool gemv_table = false;
   int64_t throughput_context = 0;
@@ -380,6 +382,9 @@ int Run(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--allocator", allocator, "uniform or mga")->capture_default_str();
   app.add_option("--profile", profile, "InfoNCE profile for mga");
+  app.add_option("--decode-margin", decode_margin,
+                 "compressed rows also compress during decode past the budget by this (0 = off; "
+                 "needs real prefills, not --synthetic-context)");
   app.add_option("--repeats", repeats, "timed repeats (median)")->capture_default_str();
   app.add_option("--kv-gib", kv_gib, "KV pool size in GiB (0 = runner default)");
   app.add_option("--hf-python", hf_python,
@@ -526,7 +531,7 @@ int Run(int argc, char** argv) {
 
   for (const auto& keep_s : split(keep_arg)) {
     const double keep = std::stod(keep_s);
-    const CompressionParams comp = Compression(keep, allocator, profile);
+    const CompressionParams comp = Compression(keep, allocator, profile, decode_margin);
     const bool with_peer = peer && keep >= 1.0;  // HF keeps everything
     for (const auto& n_s : split(prefill_arg)) {
       const int64_t n = std::stoll(n_s);

@@ -85,6 +85,10 @@ void AddCompressionFlags(CLI::App& app, CompressionParams* p) {
                  "chunk-policy budget: compress when stored + next chunk exceed this")
       ->capture_default_str()
       ->envname("DROPKV_BUDGET_CAP_TOKENS");
+  app.add_option("--decode-margin", p->decode_margin,
+                 "Compress during decode when a layer passes its budget by this (0 = off)")
+      ->capture_default_str()
+      ->envname("DROPKV_DECODE_MARGIN");
   app.add_option("--compression-seed", p->random_seed, "Seed of --method random")
       ->capture_default_str()
       ->envname("DROPKV_COMPRESSION_SEED");

@@ -53,6 +53,15 @@ absl::Status ValidateCompression(const CompressionParams& p, int32_t num_layers)
   if (p.chunk_policy == ChunkPolicy::kBudget && p.budget_cap_tokens == 0) {
     return Invalid("budget_cap_tokens: chunk_policy budget needs a cap > 0, got 0");
   }
+  if (p.decode_margin < 0 || p.decode_margin > kMaxCompressionTokens ||
+      (p.decode_margin > 0 && p.decode_margin < p.window)) {
+    return Invalid(absl::StrCat("decode_margin: must be 0 or in [window (", p.window, "), ",
+                                kMaxCompressionTokens, "], got ", p.decode_margin,
+                                " (the last window decode steps' queries score the cache)"));
+  }
+  if (p.decode_margin > 0 && p.method == ScoreMethod::kNone) {
+    return Invalid("decode_margin: compression during decode needs a method other than none");
+  }
   if (AllocatorNeedsProfile(p.allocator) && p.profile_path.empty()) {
     return Invalid(absl::StrCat("profile_path: required by allocator ",
                                 std::string(BudgetAllocatorName(p.allocator))));

@@ -53,6 +53,10 @@ struct CompressionParams {
   int32_t chunk_size = 0;         // 0 = whole prompt in one pass
   int64_t budget_cap_tokens = 0;  // for kBudget
   uint64_t random_seed = 0;       // for kRandom
+  // > 0: compression during decode. When a layer holds more than its budget for the tokens seen
+  // so far plus this many entries, the press re-scores it with the queries of the last `window`
+  // decode steps and evicts back to the budget (docs/compression.md). 0 = prefill only.
+  int32_t decode_margin = 0;
 };
 
 inline constexpr std::array<NamedValue<ScoreMethod>, 9> kScoreMethodNames{{

@@ -56,6 +56,14 @@ class Press final : public KvSelector {
     return params_.method == ScoreMethod::kDropKV ? params_.window : 0;
   }
 
+  absl::StatusOr<std::vector<int64_t>> Budgets(int64_t logical_len) const override {
+    absl::StatusOr<BudgetOptions> bo = ResolveBudgetOptions(params_, model_.num_layers, logical_len,
+                                                            profile_ ? &*profile_ : nullptr);
+    if (!bo.ok()) return bo.status();
+    bo->rounding = overrides_.rounding;
+    return AllocateLayerBudgets(*bo, model_.num_layers, logical_len);
+  }
+
   absl::StatusOr<std::optional<at::Tensor>> Select(const LayerKvView& view) override {
     try {
       return SelectImpl(view);
@@ -157,12 +165,7 @@ class Press final : public KvSelector {
     }
     if (!ShouldCompress(v, n)) return std::optional<at::Tensor>();
 
-    absl::StatusOr<BudgetOptions> bo = ResolveBudgetOptions(
-        params_, model_.num_layers, v.logical_len, profile_ ? &*profile_ : nullptr);
-    if (!bo.ok()) return bo.status();
-    bo->rounding = overrides_.rounding;
-    absl::StatusOr<std::vector<int64_t>> budgets =
-        AllocateLayerBudgets(*bo, model_.num_layers, v.logical_len);
+    absl::StatusOr<std::vector<int64_t>> budgets = Budgets(v.logical_len);
     if (!budgets.ok()) return budgets.status();
     const int64_t keep = std::min<int64_t>((*budgets)[v.layer_idx], n);
     if (keep >= n) return std::optional<at::Tensor>();

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 
@@ -47,6 +48,12 @@ class KvSelector {
   // prompt queries). The runner gives min(this, chunk_len) rows.
   static constexpr int64_t kAllAttentionRows = INT64_MAX;
   virtual int64_t num_attention_rows() const { return 0; }
+  // The entries each layer (LayerKvView::layer_idx numbering) keeps for a sequence that has seen
+  // `logical_len` tokens, as Select would keep them; empty = no budget (everything is kept).
+  // Compression during decode asks it to know when a layer has grown past its budget.
+  virtual absl::StatusOr<std::vector<int64_t>> Budgets(int64_t logical_len) const {
+    return std::vector<int64_t>();
+  }
 };
 
 }  // namespace dropkv

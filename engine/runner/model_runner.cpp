@@ -26,6 +26,7 @@
 #include "engine/model/log.h"
 #include "engine/model/model.h"
 #include "engine/runner/cuda_graph.h"
+#include "engine/runner/decode_query_ring.h"
 #include "engine/runner/demo_model.h"
 #include "engine/runner/kv_selector.h"
 #include "kernels/cache_ops.h"
@@ -102,9 +103,11 @@ struct DecodeLayout {
   int64_t batch = 0;
   int64_t num_layers = 0;
   int64_t max_blocks = 0;
+  bool query_rows = false;  // some row keeps its queries (DecodeQueryRing)
 
-  // int64: tokens [B] | positions [B] | slots [L, B]; then int32: lens [L, B] | tables [L, B, M].
-  int64_t num_int64() const { return 2 * batch + num_layers * batch; }
+  // int64: tokens [B] | positions [B] | slots [L, B] | query rows [B] (with query_rows); then
+  // int32: lens [L, B] | tables [L, B, M].
+  int64_t num_int64() const { return (query_rows ? 3 : 2) * batch + num_layers * batch; }
   int64_t num_int32() const { return num_layers * batch * (1 + max_blocks); }
   int64_t num_bytes() const { return 8 * num_int64() + 4 * num_int32(); }
   bool operator==(const DecodeLayout&) const = default;
@@ -112,11 +115,12 @@ struct DecodeLayout {
 
 // Typed views into a packed buffer (host or device).
 struct DecodeInputs {
-  at::Tensor tokens;     // int64 [B]
-  at::Tensor positions;  // int64 [B]
-  at::Tensor slots;      // int64 [L, B]: where each row's new K/V goes
-  at::Tensor lens;       // int32 [L, B]: stored entries after this step (0 = padding row)
-  at::Tensor tables;     // int32 [L, B, M]
+  at::Tensor tokens;      // int64 [B]
+  at::Tensor positions;   // int64 [B]
+  at::Tensor slots;       // int64 [L, B]: where each row's new K/V goes
+  at::Tensor query_rows;  // int64 [B]: each row's query ring row (undefined: no ring)
+  at::Tensor lens;        // int32 [L, B]: stored entries after this step (0 = padding row)
+  at::Tensor tables;      // int32 [L, B, M]
 
   static DecodeInputs View(const at::Tensor& bytes, const DecodeLayout& lay) {
     const int64_t b = lay.batch, l = lay.num_layers;
@@ -126,6 +130,7 @@ struct DecodeInputs {
     in.tokens = i64.narrow(0, 0, b);
     in.positions = i64.narrow(0, b, b);
     in.slots = i64.narrow(0, 2 * b, l * b).view({l, b});
+    if (lay.query_rows) in.query_rows = i64.narrow(0, 2 * b + l * b, b);
     in.lens = i32.narrow(0, 0, l * b).view({l, b});
     in.tables = i32.narrow(0, l * b, l * b * lay.max_blocks).view({l, b, lay.max_blocks});
     return in;
@@ -139,14 +144,17 @@ class DecodeBackend : public AttentionBackend {
   // kernel); else the ATen reference on the device (CUDA geometries the kernel lacks).
   // model_stores_kv: the model stores each row's K/V fused with RoPE (kv_slots); off in a mixed
   // step, whose forward also carries prefill rows: Attend stores them.
+  // query_ring: DecodeQueryRing::storage(), where each global layer's queries go (rows
+  // in.query_rows); undefined without.
   DecodeBackend(BlockPool& pool, const ModelConfig& config, DecodeInputs in, int32_t max_seq_len,
-                bool use_kernel, bool model_stores_kv = true)
+                bool use_kernel, bool model_stores_kv = true, at::Tensor query_ring = {})
       : pool_(pool),
         config_(config),
         in_(std::move(in)),
         max_seq_len_(max_seq_len),
         use_kernel_(use_kernel),
-        model_stores_kv_(model_stores_kv) {}
+        model_stores_kv_(model_stores_kv),
+        query_ring_(in_.query_rows.defined() ? std::move(query_ring) : at::Tensor()) {}
   bool wants_contiguous() const override { return false; }
   std::optional<KvSlots> kv_slots(int32_t layer_idx) override {
     if (!model_stores_kv_) return std::nullopt;
@@ -156,6 +164,8 @@ class DecodeBackend : public AttentionBackend {
                                     const at::Tensor& v) override {
     const auto& kc = pool_.key_cache();
     const auto& vc = pool_.value_cache();
+    if (query_ring_.defined() && !config_.is_sliding(layer_idx))
+      query_ring_[layer_idx].index_copy_(0, in_.query_rows, q);
     if (k.defined()) {  // else the model stored them with RoPE (kv_slots)
       const int64_t hkv = kc.size(2);
       const int64_t d = kc.size(3);
@@ -192,6 +202,7 @@ class DecodeBackend : public AttentionBackend {
   int32_t max_seq_len_;
   bool use_kernel_;
   bool model_stores_kv_;
+  at::Tensor query_ring_;
 };
 
 // Attention of a mixed step (ModelRunner::Step): rows [0, num_decode) are decode rows, then each
@@ -255,6 +266,8 @@ class TorchModelRunner : public ModelRunner {
       : options_(std::move(options)),
         model_(std::move(model)),
         pool_(std::move(pool)),
+        query_ring_(config().num_layers, config().num_heads, config().head_dim,
+                    at::TensorOptions().dtype(model_->dtype()).device(model_->device())),
         scratch_block_(scratch_block) {
     for (int32_t l = 0, g = 0; l < config().num_layers; ++l)
       global_index_.push_back(config().is_sliding(l) ? -1 : g++);
@@ -309,8 +322,12 @@ class TorchModelRunner : public ModelRunner {
     auto logits = Forward(ids, decode_tokens, work);
     // A press lives from a sequence's first chunk to its last (H2O sums over every chunk).
     if (logits.ok()) {
-      for (const PrefillChunk& c : chunks)
-        if (c.is_last_chunk) selectors_.erase(c.seq);
+      for (const PrefillChunk& c : chunks) {
+        if (!c.is_last_chunk) continue;
+        selectors_.erase(c.seq);
+        SetDecodeCompression(c.seq, *c.compression);
+      }
+      CompressDuringDecode(ids);
     }
     return logits;
   }
@@ -348,13 +365,14 @@ class TorchModelRunner : public ModelRunner {
       if (!logits.defined()) {
         DecodeInputs in = UploadDecodeInputs(ids, tokens, ext);
         DecodeBackend backend(*pool_, config(), in, static_cast<int32_t>(ext.max_len),
-                              UseDecodeKernel());
+                              UseDecodeKernel(), /*model_stores_kv=*/true, query_ring_.storage());
         auto hidden = model_->Forward(in.tokens, in.positions, ext.max_pos, backend);
         if (!hidden.ok()) return undo(hidden.status());
         logits = model_->Logits(*hidden);  // fp32 [B, vocab]
       }
       for (int64_t s : ids) pool_->set_logical_len(s, pool_->logical_len(s) + 1);
       host_times_.total_us = MicrosSince(start);
+      CompressDuringDecode(ids);
       return logits;
     } catch (const std::exception& e) {
       return undo(absl::InternalError(absl::StrCat("decode failed: ", e.what())));
@@ -383,7 +401,8 @@ class TorchModelRunner : public ModelRunner {
   // An eager decode batch's inputs: packed on the host, one copy to the device.
   DecodeInputs UploadDecodeInputs(std::span<const int64_t> ids, std::span<const int32_t> tokens,
                                   const DecodeExtents& ext) const {
-    const DecodeLayout lay{static_cast<int64_t>(ids.size()), config().num_layers, ext.max_blocks};
+    const DecodeLayout lay{static_cast<int64_t>(ids.size()), config().num_layers, ext.max_blocks,
+                           KeepsQueries(ids)};
     auto host = at::empty({lay.num_bytes()}, at::kByte);
     FillDecodeInputs(host.data_ptr<uint8_t>(), lay, ids, tokens);
     return DecodeInputs::View(ToDeviceAsync(host, model_->device()), lay);
@@ -414,6 +433,122 @@ class TorchModelRunner : public ModelRunner {
       selector = std::move(*created);
     }
     return selector.get();
+  }
+
+  // --- compression during decode (CompressionParams::decode_margin) ----------------------------
+  // A sequence that compresses during decode: its press, and the budgets it last computed.
+  struct DecodePress {
+    std::unique_ptr<KvSelector> press;
+    int32_t margin = 0;
+    int32_t window = 0;
+    int64_t num_decoded = 0;       // decode steps since its last prefill chunk
+    std::vector<int64_t> budgets;  // per global layer, at the logical length of the last check
+    int64_t evicted_entries = 0;
+  };
+
+  bool KeepsQueries(std::span<const int64_t> ids) const {
+    if (query_ring_.empty()) return false;
+    return std::any_of(ids.begin(), ids.end(), [&](int64_t s) { return query_ring_.Has(s); });
+  }
+
+  // At a sequence's last prefill chunk: compression during decode on (with a press of its own
+  // and W query rows) when `compression` asks for it, else off.
+  void SetDecodeCompression(SequenceId seq, const CompressionParams& compression) {
+    decode_presses_.erase(seq);
+    query_ring_.Remove(seq);
+    if (compression.method == ScoreMethod::kNone || compression.decode_margin <= 0) return;
+    auto press = factory_(compression, config());  // SelectorFor made one already: a factory
+    absl::Status st = press.ok() ? query_ring_.Add(seq, compression.window) : press.status();
+    if (!st.ok()) {
+      LogWarn(absl::StrCat("sequence ", seq, ": no compression during decode: ", st.ToString()));
+      return;
+    }
+    DecodePress& d = decode_presses_[seq];
+    d.press = std::move(*press);
+    d.margin = compression.decode_margin;
+    d.window = compression.window;
+  }
+
+  // After a decode step of `ids` (logical lengths moved on): every sequence that compresses
+  // during decode and has a layer holding more than its budget + margin entries has each layer
+  // over its budget scored with the queries of its last W decode steps and compacted to the
+  // budget. Budgets grow with the tokens seen, so a check against the budgets of an earlier
+  // length is a cheap necessary condition; they are computed again only when it passes. A failed
+  // eviction leaves the layer as it was (the next step tries again).
+  void CompressDuringDecode(std::span<const int64_t> ids) {
+    if (decode_presses_.empty()) return;
+    for (int64_t seq : ids) {
+      auto it = decode_presses_.find(seq);
+      if (it == decode_presses_.end()) continue;
+      DecodePress& d = it->second;
+      if (++d.num_decoded < d.window) continue;  // the ring holds fewer than W decode queries
+      if (!OverBudget(seq, d)) continue;
+      const int64_t end = pool_->logical_len(seq);
+      auto budgets = d.press->Budgets(end);
+      if (!budgets.ok() || budgets->empty()) continue;
+      d.budgets = std::move(*budgets);
+      if (!OverBudget(seq, d)) continue;
+      const auto start = std::chrono::steady_clock::now();
+      for (int32_t l = 0; l < config().num_layers; ++l) {
+        const int32_t g = global_index(l);
+        if (g < 0 || pool_->stored_len(seq, l) <= d.budgets[g]) continue;
+        absl::StatusOr<int64_t> evicted = EvictDuringDecode(seq, l, d);
+        if (!evicted.ok()) {
+          LogWarn(
+              absl::StrCat("sequence ", seq, " layer ", l,
+                           ": compression during decode failed: ", evicted.status().ToString()));
+          continue;
+        }
+        d.evicted_entries += *evicted;
+        ++decode_stats_.num_evictions;
+        decode_stats_.num_evicted_entries += *evicted;
+      }
+      decode_stats_.seconds += MicrosSince(start) * 1e-6;
+    }
+  }
+
+  bool OverBudget(SequenceId seq, const DecodePress& d) const {
+    if (d.budgets.empty()) return true;  // none computed yet
+    for (int32_t l = 0; l < config().num_layers; ++l) {
+      const int32_t g = global_index(l);
+      if (g >= 0 && pool_->stored_len(seq, l) > d.budgets[g] + d.margin) return true;
+    }
+    return false;
+  }
+
+  // Whether no other sequence or the prefix cache holds a block of this layer of `seq`.
+  bool OwnsEveryBlock(SequenceId seq, int32_t layer_idx) const {
+    for (int32_t b : pool_->table(seq, layer_idx).block_ids) {
+      if (pool_->ref_count(b) != 1 || pool_->is_cached(b)) return false;
+    }
+    return true;
+  }
+
+  // One layer of `seq` scored by its press with the last W decode queries and compacted to what
+  // the press keeps (in place when it owns its blocks, as a compressed sequence does: no free
+  // block is needed); returns the entries dropped.
+  absl::StatusOr<int64_t> EvictDuringDecode(SequenceId seq, int32_t layer_idx, DecodePress& d) {
+    c10::InferenceMode guard;
+    try {
+      LayerKvView view;
+      view.layer_idx = global_index(layer_idx);
+      view.num_layers = config().num_global_layers();
+      view.logical_len = pool_->logical_len(seq);
+      view.queries = query_ring_.Queries(seq, layer_idx, view.logical_len);
+      std::tie(view.keys, view.values) = GatherLayer(seq, layer_idx);
+      ASSIGN_OR_RETURN(view.positions, StoredPositions(seq, layer_idx));
+      view.is_last_chunk = true;
+      ASSIGN_OR_RETURN(std::optional<at::Tensor> kept, d.press->Select(view));
+      if (!kept) return 0;
+      const int64_t before = pool_->stored_len(seq, layer_idx);
+      std::vector<int32_t> old;
+      RETURN_IF_ERROR(StoreKept(seq, layer_idx, view.keys, view.values, view.positions, *kept,
+                                OwnsEveryBlock(seq, layer_idx), &old));
+      pool_->FreeBlocks(old);
+      return before - pool_->stored_len(seq, layer_idx);
+    } catch (const std::exception& e) {
+      return absl::InternalError(e.what());
+    }
   }
 
   // One forward over decode rows (one token each, appended at each sequence's next position) and
@@ -480,7 +615,7 @@ class TorchModelRunner : public ModelRunner {
         tokens.push_back(in.tokens);
         positions.push_back(in.positions);
         decode.emplace(*pool_, config(), in, static_cast<int32_t>(ext.max_len), UseDecodeKernel(),
-                       /*model_stores_kv=*/false);
+                       /*model_stores_kv=*/false, query_ring_.storage());
         segments.push_back({&*decode, num_decode});
       }
       std::vector<std::unique_ptr<PrefillBackend>> prefills;
@@ -545,6 +680,8 @@ class TorchModelRunner : public ModelRunner {
     info.num_blocks = pool_->num_blocks_of(seq);
     if (auto it = compression_seconds_.find(seq); it != compression_seconds_.end())
       info.compression_seconds = it->second;
+    if (auto it = decode_presses_.find(seq); it != decode_presses_.end())
+      info.decode_evicted_entries = it->second.evicted_entries;
     return info;
   }
 
@@ -553,7 +690,11 @@ class TorchModelRunner : public ModelRunner {
     positions_.erase(seq);
     selectors_.erase(seq);
     compression_seconds_.erase(seq);
+    decode_presses_.erase(seq);
+    query_ring_.Remove(seq);
   }
+
+  DecodeCompressionStats decode_compression_stats() const override { return decode_stats_; }
 
   absl::Status CompactLayer(SequenceId seq, int32_t layer_idx, const at::Tensor& kept) override {
     if (!pool_->HasSequence(seq))
@@ -570,7 +711,7 @@ class TorchModelRunner : public ModelRunner {
       auto [k, v] = GatherLayer(seq, layer_idx);
       ASSIGN_OR_RETURN(at::Tensor pos, StoredPositions(seq, layer_idx));
       std::vector<int32_t> old;
-      RETURN_IF_ERROR(StoreKept(seq, layer_idx, k, v, pos, kept, &old));
+      RETURN_IF_ERROR(StoreKept(seq, layer_idx, k, v, pos, kept, /*in_place=*/false, &old));
       pool_->FreeBlocks(old);
       return absl::OkStatus();
     } catch (const std::exception& e) {
@@ -672,11 +813,13 @@ class TorchModelRunner : public ModelRunner {
     return kernels::WriteKv(kc, vc, new_k, new_v, slots);
   }
 
-  // Replaces a layer's contents by the kept entries of k/v/pos ([Hkv, n, D], [Hkv, n]); the old
-  // blocks go to `old` (the caller frees them on commit).
+  // Replaces a layer's contents by the kept entries of k/v/pos ([Hkv, n, D], [Hkv, n]): into
+  // fresh blocks, the old ones going to `old` (the caller frees them on commit), or `in_place`
+  // over the layer's first slots, its blocks past them freed (k and v must be copies, as
+  // GatherLayer's are; only for blocks no other sequence or cache holds).
   absl::Status StoreKept(SequenceId seq, int32_t layer_idx, const at::Tensor& k,
                          const at::Tensor& v, const at::Tensor& pos, const at::Tensor& kept,
-                         std::vector<int32_t>* old) {
+                         bool in_place, std::vector<int32_t>* old) {
     const int64_t hkv = k.size(0);
     const int64_t n = k.size(1);
     if (kept.dim() != 2 || kept.size(0) != hkv) {
@@ -692,8 +835,15 @@ class TorchModelRunner : public ModelRunner {
     auto kk = k.gather(1, gather_idx).transpose(0, 1).contiguous();  // [m, Hkv, D]
     auto vv = v.gather(1, gather_idx).transpose(0, 1).contiguous();
     auto pp = pos.gather(1, idx);  // [Hkv, m]
-    RETURN_IF_ERROR(pool_->ReplaceLayer(seq, layer_idx, m, old));
-    RETURN_IF_ERROR(WriteSlots(seq, layer_idx, 0, kk, vv));
+    if (in_place) {
+      RETURN_IF_ERROR(WriteSlots(seq, layer_idx, 0, kk, vv));
+      std::vector<int32_t> dropped;
+      RETURN_IF_ERROR(pool_->TruncateLayer(seq, layer_idx, m, &dropped));
+      pool_->FreeBlocks(dropped);
+    } else {
+      RETURN_IF_ERROR(pool_->ReplaceLayer(seq, layer_idx, m, old));
+      RETURN_IF_ERROR(WriteSlots(seq, layer_idx, 0, kk, vv));
+    }
     auto& per_layer = positions_[seq];
     per_layer.resize(config().num_layers);
     per_layer[layer_idx] = pp;
@@ -744,11 +894,14 @@ class TorchModelRunner : public ModelRunner {
     auto* tok_p = i64;
     auto* pos_p = i64 + batch;
     auto* slots_p = i64 + 2 * batch;
+    auto* query_rows_p = lay.query_rows ? slots_p + num_layers * batch : nullptr;
     auto* i32 = reinterpret_cast<int32_t*>(base + 8 * lay.num_int64());
     auto* lens_p = i32;
     auto* tables_p = i32 + num_layers * batch;
     const int64_t real = static_cast<int64_t>(ids.size());
     for (int64_t b = 0; b < batch; ++b) {
+      if (query_rows_p != nullptr)
+        query_rows_p[b] = b < real ? query_ring_.RowOf(ids[b], pool_->logical_len(ids[b])) : 0;
       if (b >= real) {
         tok_p[b] = 0;
         pos_p[b] = 0;
@@ -804,8 +957,14 @@ class TorchModelRunner : public ModelRunner {
   absl::StatusOr<at::Tensor> DecodeWithGraph(std::span<const int64_t> ids,
                                              std::span<const int32_t> tokens, int64_t max_blocks) {
     const int64_t batch = static_cast<int64_t>(ids.size());
-    const DecodeLayout lay{BatchBucket(batch), config().num_layers, BlocksBucket(max_blocks)};
-    const auto key = std::make_pair(lay.batch, lay.max_blocks);
+    const DecodeLayout lay{BatchBucket(batch), config().num_layers, BlocksBucket(max_blocks),
+                           KeepsQueries(ids)};
+    const auto key = std::make_tuple(lay.batch, lay.max_blocks, lay.query_rows);
+    if (graphs_ring_version_ != query_ring_.version()) {
+      // Graphs that keep queries write them into the ring's storage as it was at their capture.
+      std::erase_if(graphs_, [](const auto& g) { return std::get<2>(g.first); });
+      graphs_ring_version_ = query_ring_.version();
+    }
     auto it = graphs_.find(key);
     if (it == graphs_.end()) {
       if (graphs_.size() >= kMaxGraphs) {
@@ -831,7 +990,8 @@ class TorchModelRunner : public ModelRunner {
       const int32_t max_seq_len = static_cast<int32_t>(lay.max_blocks * pool_->block_size());
       const int64_t max_position = config().max_position_embeddings;  // unused: not dynamic
       auto forward = [this, in, max_seq_len, max_position]() -> absl::StatusOr<at::Tensor> {
-        DecodeBackend backend(*pool_, config(), in, max_seq_len, true);
+        DecodeBackend backend(*pool_, config(), in, max_seq_len, true, /*model_stores_kv=*/true,
+                              query_ring_.storage());
         ASSIGN_OR_RETURN(at::Tensor hidden,
                          model_->Forward(in.tokens, in.positions, max_position, backend));
         return model_->Logits(hidden);  // fp32 [B_bucket, vocab]
@@ -877,6 +1037,9 @@ class TorchModelRunner : public ModelRunner {
   KvSelectorFactory factory_;
   std::unordered_map<SequenceId, std::unique_ptr<KvSelector>> selectors_;  // until the last chunk
   std::unordered_map<SequenceId, double> compression_seconds_;  // selector time of committed chunks
+  std::unordered_map<SequenceId, DecodePress> decode_presses_;
+  DecodeQueryRing query_ring_;
+  DecodeCompressionStats decode_stats_;
   // Per sequence, per layer: positions [Hkv, stored] once a layer was compacted (undefined =
   // arange(stored_len), the uncompressed case). Tracked through prefill; decode does not extend
   // them.
@@ -886,8 +1049,10 @@ class TorchModelRunner : public ModelRunner {
   int32_t scratch_block_ = -1;  // reserved block padded rows write into (-1: no graphs)
   bool graphs_disabled_ = false;
   CudaGraphPool graph_pool_;
-  std::map<std::pair<int64_t, int64_t>, std::unique_ptr<DecodeGraph>> graphs_;
-  DecodeHostTimes host_times_;  // of the last Decode
+  // Keyed by (batch bucket, block-table columns bucket, writes query rows).
+  std::map<std::tuple<int64_t, int64_t, bool>, std::unique_ptr<DecodeGraph>> graphs_;
+  int64_t graphs_ring_version_ = 0;  // the query ring's storage the graphs write into
+  DecodeHostTimes host_times_;       // of the last Decode
 };
 
 absl::StatusOr<at::Tensor> PrefillBackend::Attend(int32_t layer_idx, const at::Tensor& q,
@@ -954,7 +1119,8 @@ absl::StatusOr<at::Tensor> PrefillBackend::Attend(int32_t layer_idx, const at::T
   }
   if (kept) {
     std::vector<int32_t> old;
-    RETURN_IF_ERROR(runner_.StoreKept(seq_, layer_idx, all_k, all_v, all_pos, *kept, &old));
+    RETURN_IF_ERROR(
+        runner_.StoreKept(seq_, layer_idx, all_k, all_v, all_pos, *kept, /*in_place=*/false, &old));
     deferred_free_.insert(deferred_free_.end(), old.begin(), old.end());
   } else {
     RETURN_IF_ERROR(pool.AppendLayerSlots(seq_, layer_idx, t_len));

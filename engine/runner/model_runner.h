@@ -35,6 +35,15 @@ struct SequenceCacheInfo {
   // Time the KvSelector spent scoring and selecting over the prefill so far (device time on CUDA,
   // wall time on CPU); 0 without compression.
   double compression_seconds = 0;
+  // KV entries (token x layer) compression during decode evicted since the last prefill.
+  int64_t decode_evicted_entries = 0;
+};
+
+// Compression during decode (CompressionParams::decode_margin), cumulative over the runner's life.
+struct DecodeCompressionStats {
+  int64_t num_evictions = 0;        // a layer of a sequence compacted back to its budget
+  int64_t num_evicted_entries = 0;  // KV entries (token x layer) dropped by them
+  double seconds = 0;               // scoring, selection and compaction (host wall time)
 };
 
 // The compression hook (issue 6). The runner asks the registered factory for a selector when a
@@ -106,6 +115,7 @@ class ModelRunner {
     double prepare_us = 0, fill_us = 0, upload_us = 0, launch_us = 0, total_us = 0;
   };
   virtual DecodeHostTimes last_decode_host_times() const { return {}; }
+  virtual DecodeCompressionStats decode_compression_stats() const { return {}; }
 
   // Starts `seq` from a cached prefix (allocator/prefix_cache.h): `tokens`, whole blocks, whose
   // K/V every layer l holds in the pool blocks `layer_blocks[l]` (shared: a reference is taken).

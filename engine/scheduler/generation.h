@@ -52,6 +52,8 @@ struct GenerationSummary {
   int64_t num_kv_tokens_kept = 0;        // over all layers, right after prefill
   std::vector<int64_t> kv_tokens_kept_per_layer;
   int64_t kv_bytes_saved = 0;
+  // KV entries (token x layer) compression during decode evicted (decode_margin), all admissions.
+  int64_t num_decode_evicted_kv_tokens = 0;
   int32_t num_preemptions = 0;
   double queue_ms = 0;     // arrival -> first admission
   double prefill_ms = 0;   // first admission -> prefill done (last admission after preemption)

@@ -188,6 +188,7 @@ struct Scheduler::Impl {
   void ReleaseSequence(Sequence& seq) {
     if (UsesPrefixCache(seq) && seq.seq_id >= 0)
       prefix_cache->Insert(seq.seq_id, TokensInCache(seq), seq.cache_cursor);
+    seq.summary.num_decode_evicted_kv_tokens += runner.CacheInfo(seq.seq_id).decode_evicted_entries;
     runner.Release(seq.seq_id);
   }
 
@@ -203,6 +204,9 @@ struct Scheduler::Impl {
     const SteadyTime now = Clock::now();
     if (seq.first_token_seen) seq.summary.decode_ms = MsBetween(seq.first_token_time, now);
     event.summary = seq.summary;
+    // (ReleaseSequence adds the runner's count to seq.summary after this, for a preemption.)
+    event.summary.num_decode_evicted_kv_tokens +=
+        runner.CacheInfo(seq.seq_id).decode_evicted_entries;
     seq.channel->Push(std::move(event));
   }
 
@@ -794,6 +798,9 @@ struct Scheduler::Impl {
     stats.kv_blocks_free = counts.num_free;
     stats.num_finished += report.num_finished;
     stats.num_conversation_hits = num_conversation_hits;
+    const DecodeCompressionStats dc = runner.decode_compression_stats();
+    stats.num_decode_evictions = dc.num_evictions;
+    stats.num_decode_evicted_entries = dc.num_evicted_entries;
     stats.num_parked_conversations = static_cast<int64_t>(parked.size());
     if (prefix_cache) {
       const PrefixCacheStats& pc = prefix_cache->stats();

@@ -112,6 +112,9 @@ struct SchedulerStats {
   // (cumulative), and how many are parked now (their blocks count as used until released).
   int64_t num_conversation_hits = 0;
   int64_t num_parked_conversations = 0;
+  // Compression during decode (cumulative): layers compacted, KV entries (token x layer) evicted.
+  int64_t num_decode_evictions = 0;
+  int64_t num_decode_evicted_entries = 0;
 };
 
 // What one Step() did (tests script iterations against it).

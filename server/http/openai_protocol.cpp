@@ -400,6 +400,7 @@ json UsageJson(const UsageTotals& u) {
           {"kv_tokens_kept", u.kv_tokens_kept},
           {"kv_tokens_kept_per_layer", u.kv_tokens_kept_per_layer},
           {"kv_bytes_saved", u.kv_bytes_saved},
+          {"decode_evicted_kv_tokens", u.decode_evicted_kv_tokens},
           {"num_preemptions", u.num_preemptions}};
 }
 
@@ -622,6 +623,7 @@ void UsageTotals::Add(const GenerationSummary& s, bool count_prompt) {
   for (size_t l = 0; l < s.kv_tokens_kept_per_layer.size(); ++l)
     kv_tokens_kept_per_layer[l] += s.kv_tokens_kept_per_layer[l];
   kv_bytes_saved += s.kv_bytes_saved;
+  decode_evicted_kv_tokens += s.num_decode_evicted_kv_tokens;
   num_preemptions += s.num_preemptions;
   if (count_prompt) cached_prompt_tokens += s.num_cached_prompt_tokens;
 }

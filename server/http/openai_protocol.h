@@ -88,6 +88,7 @@ struct UsageTotals {
   int64_t kv_tokens_kept = 0;
   std::vector<int64_t> kv_tokens_kept_per_layer;
   int64_t kv_bytes_saved = 0;
+  int64_t decode_evicted_kv_tokens = 0;
   int64_t num_preemptions = 0;
   int64_t cached_prompt_tokens = 0;
   // Adds one finished choice; `count_prompt` false for the 2nd.. choice of the same prompt.

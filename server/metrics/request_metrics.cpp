@@ -172,6 +172,12 @@ void SchedulerStatsPoller::PollOnce() {
   }
   metrics_->SetPrefixCacheBlocks(s.prefix_cache_blocks);
   metrics_->SetParkedConversations(s.num_parked_conversations);
+  if (s.num_decode_evictions > decode_evictions_seen_.num_decode_evictions) {
+    metrics_->OnDecodeEvictions(
+        s.num_decode_evictions - decode_evictions_seen_.num_decode_evictions,
+        s.num_decode_evicted_entries - decode_evictions_seen_.num_decode_evicted_entries);
+    decode_evictions_seen_ = s;
+  }
   if (s.num_conversation_hits > conversation_hits_seen_) {
     metrics_->OnConversationHits(s.num_conversation_hits - conversation_hits_seen_);
     conversation_hits_seen_ = s.num_conversation_hits;

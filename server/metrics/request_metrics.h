@@ -84,6 +84,7 @@ class SchedulerStatsPoller {
   SchedulerStats decode_seen_;  // the decode counters last passed on
   SchedulerStats prefix_seen_;  // the prefix-cache counters last passed on
   int64_t conversation_hits_seen_ = 0;
+  SchedulerStats decode_evictions_seen_;  // the decode-time eviction counters last passed on
   std::mutex mu_;
   std::condition_variable cv_;
   bool stop_ = false;

@@ -136,6 +136,8 @@ struct ServerMetrics::Impl {
   Gauge* prefix_blocks = nullptr;
   Counter* conversation_hits = nullptr;
   Gauge* parked_conversations = nullptr;
+  Counter* decode_evictions = nullptr;
+  Counter* decode_evicted_tokens = nullptr;
   Counter* kv_tokens_evicted = nullptr;
   Counter* kv_tokens_kept = nullptr;
   Histogram* compression_ratio = nullptr;
@@ -225,6 +227,12 @@ ServerMetrics::ServerMetrics(std::string model_name, int32_t max_layer_labels)
   m.parked_conversations = gauge("dropkv_conversations_kept",
                                  "Compressed conversations kept for a continuation now (their "
                                  "blocks count as used until released).");
+  m.decode_evictions = counter("dropkv_decode_evictions_total",
+                               "Layers of a sequence compacted back to their budget by compression "
+                               "during decode (decode_margin).");
+  m.decode_evicted_tokens = counter("dropkv_decode_evicted_kv_tokens_total",
+                                    "KV entries (token x layer) evicted by compression during "
+                                    "decode.");
   m.kv_tokens_evicted = counter("dropkv_kv_tokens_evicted_total",
                                 "KV entries (token x layer) dropped by compression at prefill.");
   m.kv_tokens_kept = counter("dropkv_kv_tokens_kept_total",
@@ -299,6 +307,11 @@ void ServerMetrics::SetPrefixCacheBlocks(int64_t num_blocks) {
 }
 void ServerMetrics::OnConversationHits(int64_t num_hits) {
   impl_->conversation_hits->Increment(static_cast<double>(std::max<int64_t>(0, num_hits)));
+}
+void ServerMetrics::OnDecodeEvictions(int64_t num_evictions, int64_t num_evicted_entries) {
+  impl_->decode_evictions->Increment(static_cast<double>(std::max<int64_t>(0, num_evictions)));
+  impl_->decode_evicted_tokens->Increment(
+      static_cast<double>(std::max<int64_t>(0, num_evicted_entries)));
 }
 void ServerMetrics::SetParkedConversations(int64_t num_parked) {
   impl_->parked_conversations->Set(static_cast<double>(num_parked));

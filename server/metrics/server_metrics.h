@@ -54,6 +54,8 @@ class ServerMetrics {
   // Compressed conversations (keep_conversation): requests that continued a kept one (delta),
   // and how many are kept now.
   void OnConversationHits(int64_t num_hits);
+  // Compression during decode: layers compacted and KV entries (token x layer) they evicted.
+  void OnDecodeEvictions(int64_t num_evictions, int64_t num_evicted_entries);
   void SetParkedConversations(int64_t num_parked);
 
   // --- KV compression at prefill: one call per compressed sequence ---

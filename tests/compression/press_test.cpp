@@ -459,6 +459,15 @@ TEST(Press, BadSettingsAreErrorsNamingTheField) {
   expect_error(p, "budget_cap_tokens");
   p = {};
   p.method = ScoreMethod::kDropKV;
+  p.decode_margin = p.window - 1;  // fewer decode steps than W queries between evictions
+  expect_error(p, "decode_margin");
+  p.decode_margin = p.window;
+  EXPECT_TRUE(ValidateCompression(p, g.num_layers).ok());
+  p.method = ScoreMethod::kNone;  // nothing to compress with (a press for none keeps everything)
+  EXPECT_NE(ValidateCompression(p, g.num_layers).message().find("decode_margin"),
+            std::string::npos);
+  p = {};
+  p.method = ScoreMethod::kDropKV;
   p.allocator = BudgetAllocator::kMGA;
   expect_error(p, "profile");
   p.profile_path = "/nonexistent/profile.json";

@@ -149,6 +149,8 @@ TEST(ServerConfigTest, EachKeyReachesItsField) {
        [](const ServerConfig& c) { return c.compression.chunk_size == 256; }},
       {"compression: {budget_cap_tokens: 4096}",
        [](const ServerConfig& c) { return c.compression.budget_cap_tokens == 4096; }},
+      {"compression: {decode_margin: 64}",
+       [](const ServerConfig& c) { return c.compression.decode_margin == 64; }},
       {"compression: {random_seed: 42}",
        [](const ServerConfig& c) { return c.compression.random_seed == 42u; }},
   };

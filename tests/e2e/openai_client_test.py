@@ -234,6 +234,15 @@ def test_default_model(args, pb, pb_grpc, grpc):
               turn2.usage.prompt_tokens_details.cached_tokens == len(story_ids) + 5,
               f"keep_conversation: turn 2 continues turn 1's compressed cache "
               f"({turn2.usage.prompt_tokens_details.cached_tokens} tokens)")
+        # Compression during decode: 48 tokens onto a prompt kept at 25% evict ~4 times.
+        decoding = client.completions.create(
+            model=model, prompt=story_ids, max_tokens=48, temperature=0,
+            extra_body={"ignore_eos": True, "kv_compression": {
+                "method": "dropkv", "keep_ratio": 0.25, "decode_margin": 8}})
+        evicted = decoding.usage.model_extra["decode_evicted_kv_tokens"]
+        check(decoding.usage.completion_tokens == 48 and evicted > 0 and
+              first.usage.model_extra["decode_evicted_kv_tokens"] == 0,
+              f"decode_margin: {evicted} KV entries evicted during decode")
         ids_prompt = client.completions.create(model=model, prompt=list(grpc_c.token_ids[:4]) or [1],
                                                max_tokens=2, temperature=0)
         check(ids_prompt.usage.prompt_tokens == min(4, len(grpc_c.token_ids)) or
@@ -262,6 +271,9 @@ def test_default_model(args, pb, pb_grpc, grpc):
                      400, "kv_compression.bogus", "unknown compression field")
         expect_error(lambda: cc(model=model, prompt="x", extra_body={"kv_compression": {"pooling_kernel": 4}}),
                      400, "kv_compression.pooling_kernel", "even pooling kernel")
+        expect_error(lambda: cc(model=model, prompt="x", extra_body={"kv_compression": {
+                         "method": "dropkv", "window": 8, "decode_margin": 4}}),
+                     400, "kv_compression.decode_margin", "decode_margin below the window")
         expect_error(lambda: cc(model=model, prompt="x", extra_body={"priority": 2**31}), 400,
                      "priority", "priority beyond int32")
         expect_error(lambda: cc(model=model, prompt="x", extra_body={"priority": "high"}), 400,

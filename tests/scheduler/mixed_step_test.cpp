@@ -1,7 +1,8 @@
 // The scheduler on the real runner and a trained model (SmolLM2-135M-Instruct as set-up converts
 // it, fp32 on the CPU): requests that run together, with their prefill chunks in the same
 // forwards as each other's decode rows, produce the tokens each produces alone. Compressed
-// (DropKV at 25%, SnapKV under every_chunk with its own chunk size) and uncompressed prompts,
+// (DropKV at 25%, also compressing during decode; SnapKV under every_chunk with its own chunk
+// size) and uncompressed prompts,
 // chunked by the step budget and whole; once with room for all, once in a pool small enough to
 // preempt with a request cancelled midway. The pool is all free after each run. With the prefix
 // cache, later turns and shared prefixes produce the tokens a cache-less server produces.
@@ -52,12 +53,15 @@ std::vector<Case> Cases() {
   snap_every.keep_ratio = 0.5;
   snap_every.chunk_size = 48;
   snap_every.chunk_policy = ChunkPolicy::kEveryChunk;
+  CompressionParams dropkv_decode = dropkv;  // evicts again after ~11 decode steps
+  dropkv_decode.decode_margin = 8;
   add(1, "The capital of France is", {});
   add(6, "In the green book, the keeper wrote", {});        // chunked by the step
   add(6, "Every evening the keeper", dropkv);               // split under last_chunk
   add(2, "What did the keeper count? He counted", dropkv);  // one pass
   add(5, "The book was", snap_every);                       // its own chunks
   add(3, "Write a short poem about the sea:\n", {});
+  add(2, "The ships that came at night were", dropkv_decode);
   return cases;
 }
 

@@ -365,6 +365,9 @@ TEST_F(ValidationTest, CompressionIntegersAreBoundedAbove) {
   r = ok_;
   r.mutable_compression()->set_budget_cap_tokens(int64_t{1} << 40);
   ExpectInvalid(r, "compression.budget_cap_tokens");
+  r = ok_;
+  r.mutable_compression()->set_decode_margin(kHuge);
+  ExpectInvalid(r, "compression.decode_margin");
 }
 
 TEST_F(ValidationTest, StopStrings) {

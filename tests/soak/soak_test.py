@@ -122,6 +122,8 @@ def random_request(pb, rng, vocab, ctx_len, idx):
             c.protect_sinks = True
             c.num_sinks = rng.randint(0, 4)
         c.random_seed = rng.randrange(1 << 30)
+        if rng.random() < 0.3:
+            c.decode_margin = rng.choice([window, 16])  # compression during decode too
     return req
 
 
