@@ -963,6 +963,9 @@ class TorchModelRunner : public ModelRunner {
     if (graphs_ring_version_ != query_ring_.version()) {
       // Graphs that keep queries write them into the ring's storage as it was at their capture.
       std::erase_if(graphs_, [](const auto& g) { return std::get<2>(g.first); });
+      // The graphs share one memory pool, gone with the last of them: a new capture needs a new
+      // one (capturing into a released pool trips the caching allocator's assert).
+      if (graphs_.empty()) graph_pool_ = CudaGraphPool{};
       graphs_ring_version_ = query_ring_.version();
     }
     auto it = graphs_.find(key);
