@@ -162,6 +162,35 @@ absl::Status BlockPool::AddSequenceSharing(int64_t seq, int64_t num_tokens,
   return absl::OkStatus();
 }
 
+absl::Status BlockPool::ForkSequence(int64_t src, int64_t dst, std::vector<BlockCopy>* copies) {
+  if (!HasSequence(src)) return absl::NotFoundError(absl::StrCat("unknown sequence ", src));
+  if (HasSequence(dst)) return absl::AlreadyExistsError(absl::StrCat("sequence ", dst, " exists"));
+  SequenceBlocks s = sequence(src);
+  int64_t num_partial = 0;
+  for (int32_t l = 0; l < num_layers(); ++l) {
+    if (capacity(l) > 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "fork: layer ", l, " is a ring (rewritten in place): nothing can be shared"));
+    }
+    num_partial += s.layers[l].stored_len % block_size() != 0;
+  }
+  auto fresh = AllocateBlocks(num_partial);
+  if (!fresh.ok()) return fresh.status();
+  copies->clear();
+  size_t next = 0;
+  for (auto& t : s.layers) {
+    const auto num_full = static_cast<size_t>(t.stored_len / block_size());
+    t.block_ids.resize(BlocksFor(t.stored_len));  // (a table may hold an empty block past them)
+    RetainBlocks(std::span(t.block_ids).first(num_full));
+    if (num_full < t.block_ids.size()) {
+      copies->push_back({t.block_ids.back(), (*fresh)[next]});
+      t.block_ids.back() = (*fresh)[next++];
+    }
+  }
+  seqs_.emplace(dst, std::move(s));
+  return absl::OkStatus();
+}
+
 void BlockPool::FreeSequence(int64_t seq) {
   auto it = seqs_.find(seq);
   if (it == seqs_.end()) return;

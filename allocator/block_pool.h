@@ -115,6 +115,16 @@ class BlockPool {
   // layer unbounded with num_tokens / block_size blocks. ALREADY_EXISTS / INVALID_ARGUMENT.
   absl::Status AddSequenceSharing(int64_t seq, int64_t num_tokens,
                                   std::span<const std::vector<int32_t>> layer_blocks);
+  // A block whose slots a fork must copy (ForkSequence).
+  struct BlockCopy {
+    int32_t from = -1, to = -1;
+  };
+  // Registers `dst` holding what `src` holds (same lengths, every layer unbounded): its full blocks
+  // shared (a reference is taken), each layer's last partial block replaced by a fresh one that
+  // the caller fills with `copies` (from -> to) before either sequence writes again, so appends of
+  // either never touch a block the other holds. All-or-nothing (RESOURCE_EXHAUSTED for the fresh
+  // blocks); FAILED_PRECONDITION for a pool with bounded layers.
+  absl::Status ForkSequence(int64_t src, int64_t dst, std::vector<BlockCopy>* copies);
   // Drops `seq`'s reference to each of its blocks and forgets it; unknown ids are ignored.
   void FreeSequence(int64_t seq);
   int64_t num_sequences() const { return static_cast<int64_t>(seqs_.size()); }

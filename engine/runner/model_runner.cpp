@@ -671,6 +671,28 @@ class TorchModelRunner : public ModelRunner {
     return pool_->AddSequenceSharing(seq, static_cast<int64_t>(tokens.size()), layer_blocks);
   }
 
+  absl::Status ForkSequence(SequenceId src, SequenceId dst) override {
+    std::vector<BlockPool::BlockCopy> copies;
+    RETURN_IF_ERROR(pool_->ForkSequence(src, dst, &copies));
+    if (!copies.empty()) {
+      c10::InferenceMode guard;
+      std::vector<int64_t> from, to;
+      for (const auto& c : copies) {
+        from.push_back(c.from);
+        to.push_back(c.to);
+      }
+      const auto dev = pool_->key_cache().device();
+      const auto from_t = ToDeviceAsync(at::tensor(from, at::kLong), dev);
+      const auto to_t = ToDeviceAsync(at::tensor(to, at::kLong), dev);
+      for (const at::Tensor* cache : {&pool_->key_cache(), &pool_->value_cache()}) {
+        at::Tensor c = *cache;  // a handle on the pool's storage
+        c.index_copy_(0, to_t, c.index_select(0, from_t));
+      }
+    }
+    if (auto it = positions_.find(src); it != positions_.end()) positions_[dst] = it->second;
+    return absl::OkStatus();
+  }
+
   SequenceCacheInfo CacheInfo(SequenceId seq) const override {
     SequenceCacheInfo info;
     if (!pool_->HasSequence(seq)) return info;

@@ -124,6 +124,14 @@ class ModelRunner {
   virtual absl::Status AdoptPrefix(SequenceId seq, std::span<const int32_t> tokens,
                                    std::span<const std::vector<int32_t>> layer_blocks) = 0;
 
+  // Starts `dst` holding what `src` holds (a compressed conversation shared by several requests):
+  // the full blocks shared, each layer's last partial block copied, the entries' positions the
+  // same; either then goes on alone. NOT_FOUND / ALREADY_EXISTS; RESOURCE_EXHAUSTED (nothing
+  // changed) without blocks for the copies; UNIMPLEMENTED where the runner cannot.
+  virtual absl::Status ForkSequence(SequenceId src, SequenceId dst) {
+    return absl::UnimplementedError("ForkSequence");
+  }
+
   virtual SequenceCacheInfo CacheInfo(SequenceId seq) const = 0;
   // Drops `seq` and its references to its blocks; unknown ids are ignored.
   virtual void Release(SequenceId seq) = 0;

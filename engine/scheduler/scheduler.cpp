@@ -107,8 +107,9 @@ struct Scheduler::Impl {
   std::atomic<bool> stop{false};
 
   std::unique_ptr<PrefixCache> prefix_cache;  // null: off
-  std::list<ParkedConversation> parked;       // oldest first
+  std::list<ParkedConversation> parked;       // oldest first (least recently used)
   int64_t num_conversation_hits = 0;
+  bool can_fork = false;  // parked conversations can be shared (no ring layers)
 
   Impl(ModelRunner& r, const Tokenizer* t, KvBlockCountsFn k, SchedulerOptions o)
       : runner(r), tokenizer(t), kv_counts(std::move(k)), options(std::move(o)) {
@@ -118,6 +119,7 @@ struct Scheduler::Impl {
     // A sliding-window layer rewrites its ring's blocks in place: nothing there can be shared.
     if (options.prefix_cache && !rings)
       prefix_cache = std::make_unique<PrefixCache>(pool, options.prefix_cache_salt);
+    can_fork = !rings;
   }
 
   // The tokens whose K/V `seq`'s cache holds: its prompt chunks so far, or the prompt and the
@@ -165,11 +167,15 @@ struct Scheduler::Impl {
   }
 
   // The parked conversation `seq` continues: the longest one whose tokens its prompt extends by
-  // at least the observation window (the new part's last W queries score the whole cache).
+  // at least the observation window (the new part's last W queries score the whole cache). A
+  // request that keeps its own conversation takes the parked one over; a compressed request that
+  // does not reads a fork of it (ModelRunner::ForkSequence), leaving it parked for others (a
+  // document compressed once for many questions).
   std::list<ParkedConversation>::iterator FindConversation(const Sequence& seq) {
     auto best = parked.end();
     const std::vector<int32_t>& prompt = seq.request.prompt_ids;
-    if (!KeepsConversation(seq) || !seq.generated.empty()) return best;
+    if (seq.request.compression.method == ScoreMethod::kNone || !seq.generated.empty()) return best;
+    if (!KeepsConversation(seq) && !can_fork) return best;
     for (auto it = parked.begin(); it != parked.end(); ++it) {
       const auto n = static_cast<int64_t>(it->tokens.size());
       if (static_cast<int64_t>(prompt.size()) - n < std::max(1, seq.request.compression.window) ||
@@ -492,7 +498,8 @@ struct Scheduler::Impl {
         if (planned.ok()) {
           num_new_blocks = head.plan->blocks_needed();
           if (conversation != parked.end()) {
-            num_new_blocks -= conversation->num_blocks;
+            num_new_blocks -=
+                KeepsConversation(head) ? conversation->num_blocks : SharedBlocksOf(*conversation);
           } else if (match.num_tokens > 0) {
             num_new_blocks -= match.num_blocks() - prefix_cache->ReclaimableBlocksOf(match);
           }
@@ -522,7 +529,7 @@ struct Scheduler::Impl {
       }
       if (seq_error.ok()) {
         if (conversation != parked.end()) {
-          ContinueConversation(*seq, conversation, report);
+          seq_error = ContinueConversation(*seq, conversation, report);
         } else {
           seq_error = StartFromPrefix(*seq, match, next_seq_id++, report);
         }
@@ -543,16 +550,34 @@ struct Scheduler::Impl {
     }
   }
 
-  // An admitted sequence takes over the parked conversation its prompt extends: its runner
-  // sequence, whose cache holds the conversation so far; the prefill goes on from its end.
-  void ContinueConversation(Sequence& seq, std::list<ParkedConversation>::iterator conversation,
-                            StepReport& report) {
-    seq.seq_id = conversation->seq_id;
-    seq.num_prefilled = static_cast<int64_t>(conversation->tokens.size());
-    seq.summary.num_cached_prompt_tokens = static_cast<int32_t>(seq.num_prefilled);
-    report.num_cached_prompt_tokens += seq.num_prefilled;
+  // The blocks a fork of `c` shares instead of allocating: every layer's full ones.
+  int64_t SharedBlocksOf(const ParkedConversation& c) const {
+    int64_t n = 0;
+    for (int64_t stored : c.stored_per_layer) n += stored / runner.pool().block_size();
+    return n;
+  }
+
+  // An admitted sequence continues the parked conversation its prompt extends, whose cache holds
+  // the conversation so far; the prefill goes on from its end. With keep_conversation it takes the
+  // runner sequence over (it parks its own continuation later); without, it gets a fork (full
+  // blocks shared, the partial ones copied) and the conversation stays parked, now most recent.
+  absl::Status ContinueConversation(Sequence& seq,
+                                    std::list<ParkedConversation>::iterator conversation,
+                                    StepReport& report) {
+    const auto num_cached = static_cast<int64_t>(conversation->tokens.size());
+    if (KeepsConversation(seq)) {
+      seq.seq_id = conversation->seq_id;
+      parked.erase(conversation);
+    } else {
+      seq.seq_id = next_seq_id++;
+      RETURN_IF_ERROR(runner.ForkSequence(conversation->seq_id, seq.seq_id));
+      parked.splice(parked.end(), parked, conversation);
+    }
+    seq.num_prefilled = num_cached;
+    seq.summary.num_cached_prompt_tokens = static_cast<int32_t>(num_cached);
+    report.num_cached_prompt_tokens += num_cached;
     ++num_conversation_hits;
-    parked.erase(conversation);
+    return absl::OkStatus();
   }
 
   // Gives an admitted sequence its runner id and, on a prefix-cache hit, the cached blocks.

@@ -135,6 +135,49 @@ TEST(BlockPoolTest, ReplaceLayerAndRestoreUndo) {
   EXPECT_EQ(pool->num_free_blocks(), 12);
 }
 
+// A fork shares the full blocks and gets a fresh block for each layer's partial one (the caller
+// copies it); appends of either side never touch the other's blocks; each side frees only its
+// own; an in-place truncation gives the blocks past the new length back.
+TEST(BlockPoolTest, ForkSharesFullBlocksAndCopiesThePartialOne) {
+  auto pool = MakePool(20);
+  ASSERT_TRUE(pool->AddSequence(1).ok());
+  ASSERT_TRUE(pool->AppendSlots(std::vector<int64_t>{1}, 6).ok());  // 1 full + 1 partial a layer
+  pool->set_logical_len(1, 6);
+  std::vector<BlockPool::BlockCopy> copies;
+  ASSERT_TRUE(pool->ForkSequence(1, 2, &copies).ok());
+  ASSERT_EQ(copies.size(), 3u);
+  EXPECT_EQ(pool->num_used_blocks(), 9);
+  for (int32_t l = 0; l < 3; ++l) {
+    const auto& a = pool->table(1, l).block_ids;
+    const auto& b = pool->table(2, l).block_ids;
+    EXPECT_EQ(a[0], b[0]);
+    EXPECT_EQ(pool->ref_count(a[0]), 2);
+    EXPECT_EQ(copies[l].from, a[1]);
+    EXPECT_EQ(copies[l].to, b[1]);
+    EXPECT_EQ(pool->stored_len(2, l), 6);
+  }
+  EXPECT_EQ(pool->logical_len(2), 6);
+  EXPECT_EQ(pool->ForkSequence(1, 2, &copies).code(), absl::StatusCode::kAlreadyExists);
+  ASSERT_TRUE(pool->AppendSlots(std::vector<int64_t>{2}, 3).ok());  // fills the copy, then new
+  EXPECT_EQ(pool->table(1, 0).block_ids.size(), 2u);
+  std::vector<int32_t> dropped;
+  ASSERT_TRUE(pool->TruncateLayer(2, 0, 4, &dropped).ok());
+  EXPECT_EQ(dropped.size(), 2u);
+  pool->FreeBlocks(dropped);
+  EXPECT_EQ(pool->TruncateLayer(2, 0, 5, &dropped).code(), absl::StatusCode::kInvalidArgument);
+  pool->FreeSequence(1);
+  EXPECT_EQ(pool->ref_count(pool->table(2, 1).block_ids[0]), 1);
+  pool->FreeSequence(2);
+  EXPECT_EQ(pool->num_free_blocks(), 20);
+  // Not enough blocks for the copies: nothing changes.
+  auto tight = MakePool(6);
+  ASSERT_TRUE(tight->AddSequence(1).ok());
+  ASSERT_TRUE(tight->AppendSlots(std::vector<int64_t>{1}, 6).ok());
+  EXPECT_EQ(tight->ForkSequence(1, 2, &copies).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_FALSE(tight->HasSequence(2));
+  EXPECT_EQ(tight->num_free_blocks(), 0);
+}
+
 // The decode step's undo: an append that took new blocks (a block boundary crossed) and one that
 // did not, for two sequences at once, each taken back to the exact tables and free count.
 TEST(BlockPoolTest, UndoAppendSlotsRestoresTablesAndFreeBlocks) {

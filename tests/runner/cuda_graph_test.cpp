@@ -1,8 +1,9 @@
 // CUDA graphs of the decode step (engine/runner/cuda_graph.h through ModelRunner): a runner that
 // replays captured graphs gives the same logits as an eager runner over many steps with ragged
 // batches that change size (padded rows) and cross a context bucket, with the fused kernels and
-// against the ATen ops; the CUDA KV pool default follows the device's free memory. Label gpu:
-// skipped without a CUDA device.
+// against the ATen ops; a prefix adopted from another sequence's blocks equals its prefill; the
+// CUDA KV pool default follows the device's free memory. Label gpu: skipped without a CUDA
+// device.
 #include "engine/runner/cuda_graph.h"
 
 #include <gtest/gtest.h>
@@ -173,6 +174,43 @@ TEST(CudaGraphDecodeTest, MixedStepEqualsEachPartAlone) {
       }
     }
   }
+}
+
+// The prefix cache's path on CUDA (ModelRunner::AdoptPrefix): a sequence that starts from another
+// one's first blocks and prefills only the rest gives the logits of prefilling the whole prompt,
+// then the same graph decode steps; the shared blocks go back to the pool with the last holder.
+TEST(CudaGraphDecodeTest, AdoptedPrefixEqualsPrefilledPrompt) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  auto r = MakeRunner(true);
+  ASSERT_TRUE(r);
+  const std::vector<int32_t> prompt = Prompt(100, 9);
+  const std::span<const int32_t> all(prompt);
+  auto whole = r->Prefill(1, all, true, {});
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  constexpr int kCached = 96;  // 6 blocks of 16
+  std::vector<std::vector<int32_t>> blocks;
+  for (int32_t l = 0; l < r->pool().num_layers(); ++l) {
+    const auto& ids = r->pool().table(1, l).block_ids;
+    blocks.emplace_back(ids.begin(), ids.begin() + kCached / 16);
+  }
+  ASSERT_TRUE(r->AdoptPrefix(2, all.first(kCached), blocks).ok());
+  auto rest = r->Prefill(2, all.subspan(kCached), true, {});
+  ASSERT_TRUE(rest.ok()) << rest.status();
+  auto rel = [](const at::Tensor& a, const at::Tensor& b) {
+    return ((b.cpu() - a.cpu()).norm() / a.cpu().norm()).item<double>();
+  };
+  EXPECT_LT(rel(*whole, *rest), 1e-2);
+  int32_t next = static_cast<int32_t>(whole->argmax().item<int64_t>());
+  for (int step = 0; step < 8; ++step) {
+    auto out = r->Decode(std::vector<SequenceId>{1, 2}, std::vector<int32_t>{next, next});
+    ASSERT_TRUE(out.ok()) << out.status();
+    EXPECT_LT(rel((*out)[0], (*out)[1]), 1e-2) << "step " << step;
+    next = static_cast<int32_t>((*out)[0].argmax().item<int64_t>());
+  }
+  r->Release(1);
+  EXPECT_EQ(r->pool().ref_count(blocks[0][0]), 1);  // seq 2 still holds the prefix
+  r->Release(2);
+  EXPECT_EQ(r->pool().num_free_blocks() + r->num_reserved_blocks(), r->pool().num_blocks());
 }
 
 TEST(CudaGraphDecodeTest, DefaultKvPoolIsFreeMemoryLessTheReserve) {

@@ -188,6 +188,14 @@ class FakeRunner : public ModelRunner {
     return absl::OkStatus();
   }
 
+  absl::Status ForkSequence(SequenceId src, SequenceId dst) override {
+    std::vector<BlockPool::BlockCopy> copies;  // no storage: nothing to copy
+    RETURN_IF_ERROR(pool_->ForkSequence(src, dst, &copies));
+    history_[dst] = history_.at(src);
+    ++num_forks;
+    return absl::OkStatus();
+  }
+
   SequenceCacheInfo CacheInfo(SequenceId seq) const override {
     SequenceCacheInfo info;
     if (!pool_->HasSequence(seq)) return info;
@@ -205,6 +213,7 @@ class FakeRunner : public ModelRunner {
 
   int64_t num_live_sequences() const { return static_cast<int64_t>(history_.size()); }
   int num_prefill_calls = 0;
+  int num_forks = 0;
   int num_adopted_prefixes = 0;
   std::vector<int64_t> prefill_chunk_lens;  // every Prefill call's chunk length, in order
   CompressionParams last_prefill_params;

@@ -163,8 +163,8 @@ class MixedStepTest : public ::testing::Test {
     std::vector<int32_t> tokens;
     int32_t num_cached = 0;
   };
-  // kNewTokens greedy tokens of `prompt`; the pool is all free after it unless the request keeps
-  // its conversation.
+  // kNewTokens greedy tokens of `prompt`; the pool is all free after it unless a conversation is
+  // kept.
   static Output Generate(Served& s, const std::vector<int32_t>& prompt,
                          const CompressionParams& compression = {},
                          bool keep_conversation = false) {
@@ -184,7 +184,7 @@ class MixedStepTest : public ::testing::Test {
       out.tokens.insert(out.tokens.end(), event->token_ids.begin(), event->token_ids.end());
       if (event->finished) out.num_cached = event->summary.num_cached_prompt_tokens;
     }
-    if (!keep_conversation)
+    if (!keep_conversation && s.scheduler->Stats().num_parked_conversations == 0)
       EXPECT_EQ(s.runner->pool().num_free_blocks(), s.runner->pool().num_blocks());
     return out;
   }
@@ -311,6 +311,39 @@ TEST_F(MixedStepTest, ContinuedConversationEqualsItsDefinition) {
     s.scheduler->Step();
     EXPECT_EQ(s.runner->pool().num_free_blocks(), s.runner->pool().num_blocks());
   }
+}
+
+// A document compressed once and kept, then questions that do not keep their conversations:
+// each continues a fork of the kept cache (full blocks shared, the partial ones copied) and must
+// produce what taking the kept conversation over produces (the definition above), while the
+// document stays kept for the next question and its blocks are untouched.
+TEST_F(MixedStepTest, SharedDocumentForksEqualTakingItOver) {
+  CompressionParams quarter;
+  quarter.method = ScoreMethod::kDropKV;
+  quarter.keep_ratio = 0.25;
+  const std::vector<int32_t> document = Encode(Cases()[3].text);
+  const std::vector<std::string> questions = {" Then he closed the green book and said that",
+                                              " The ships that came at night were counted by"};
+  Served shared = Serve(/*prefix_cache=*/true, /*step_tokens=*/4096);
+  const Output doc = Generate(shared, document, quarter, /*keep_conversation=*/true);
+  const int64_t free_with_document = shared.runner->pool().num_free_blocks();
+  for (const std::string& q : questions) {
+    const std::vector<int32_t> prompt = Concat(Concat(document, doc.tokens), Encode(q));
+    const Output forked = Generate(shared, prompt, quarter, /*keep_conversation=*/false);
+    EXPECT_EQ(forked.num_cached, static_cast<int32_t>(document.size()) + kNewTokens - 1);
+    EXPECT_EQ(shared.scheduler->Stats().num_parked_conversations, 1);
+    EXPECT_EQ(shared.runner->pool().num_free_blocks(), free_with_document);
+
+    Served alone = Serve(/*prefix_cache=*/true, /*step_tokens=*/4096);
+    EXPECT_EQ(Generate(alone, document, quarter, true).tokens, doc.tokens);
+    const Output taken = Generate(alone, prompt, quarter, /*keep_conversation=*/true);
+    EXPECT_EQ(taken.num_cached, forked.num_cached);
+    EXPECT_EQ(forked.tokens, taken.tokens) << q;
+  }
+  EXPECT_EQ(shared.scheduler->Stats().num_conversation_hits, 2);
+  shared.scheduler->CancelAll();
+  shared.scheduler->Step();
+  EXPECT_EQ(shared.runner->pool().num_free_blocks(), shared.runner->pool().num_blocks());
 }
 
 }  // namespace

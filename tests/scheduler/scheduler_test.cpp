@@ -790,8 +790,9 @@ TEST_F(SchedulerTest, PrefixCacheEvictsLeastRecentlyUsed) {
 // A kept compressed conversation is continued by a request whose prompt extends it: only the new
 // tokens are prefilled, onto the kept cache, and each layer then keeps the budget of the whole
 // prompt; outputs are the reference's (the fake model reads the token history). A request that
-// does not ask, or whose prompt does not extend it, prefills its whole prompt; a prompt that needs
-// the blocks gets them back from the kept conversation.
+// keeps its own conversation takes the kept one over; one that does not continues a fork of it
+// (full blocks shared) and leaves it kept for others. A prompt that does not extend it by W
+// prefills its whole prompt; a prompt that needs the blocks gets them back from the kept ones.
 TEST_F(SchedulerTest, KeptConversationIsContinued) {
   SchedulerOptions o;
   o.decode_reserve_tokens = 0;
@@ -831,16 +832,25 @@ TEST_F(SchedulerTest, KeptConversationIsContinued) {
   EXPECT_EQ(scheduler_->Stats().num_conversation_hits, 1);
   EXPECT_EQ(scheduler_->Stats().num_parked_conversations, 1);  // turn 2's, now
 
-  // Not asked, or fewer new tokens than W: the whole prompt is prefilled.
-  const std::vector<int32_t> turn3 = Concat(Concat(turn2, b.tokens), Prompt(10, 3));
-  EXPECT_EQ(ask(turn3, 2, false).tokens, FakeRunner::Greedy(turn3, 2));
-  EXPECT_EQ(runner_->prefill_chunk_lens,
-            (std::vector<int64_t>{static_cast<int64_t>(turn3.size())}));
+  // Two requests that do not keep their conversation (two questions about one document): each
+  // continues a fork of turn 2's kept cache, which stays kept; the forks are released after.
+  const int64_t free_before = runner_->pool().num_free_blocks();
+  for (int q : {3, 5}) {
+    const std::vector<int32_t> question = Concat(Concat(turn2, b.tokens), Prompt(10, q));
+    EXPECT_EQ(ask(question, 2, false).tokens, FakeRunner::Greedy(question, 2));
+    EXPECT_EQ(runner_->prefill_chunk_lens, (std::vector<int64_t>{11}));
+  }
+  EXPECT_EQ(runner_->num_forks, 2);
+  EXPECT_EQ(scheduler_->Stats().num_conversation_hits, 3);
+  EXPECT_EQ(scheduler_->Stats().num_parked_conversations, 1);
+  EXPECT_EQ(runner_->pool().num_free_blocks(), free_before);
+
+  // Fewer new tokens than W: the whole prompt is prefilled.
   const std::vector<int32_t> short_turn = Concat(Concat(turn2, b.tokens), Prompt(4, 3));
   EXPECT_EQ(ask(short_turn, 2, true).tokens, FakeRunner::Greedy(short_turn, 2));
   EXPECT_EQ(runner_->prefill_chunk_lens,
             (std::vector<int64_t>{static_cast<int64_t>(short_turn.size())}));
-  EXPECT_EQ(scheduler_->Stats().num_conversation_hits, 1);
+  EXPECT_EQ(scheduler_->Stats().num_conversation_hits, 3);
 
   // A prompt that needs 60 of the 64 blocks: the kept conversations give theirs back.
   EXPECT_EQ(scheduler_->Stats().num_parked_conversations, 2);
