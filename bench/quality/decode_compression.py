@@ -48,20 +48,23 @@ def chat(url, model, prompt, tokens, compression):
     return choice["token_ids"], choice["message"]["content"], out["usage"]
 
 
-def settings(keeps, budgets, margins):
+def settings(methods, keeps, budgets, margins):
     """Keep ratios compress the prompt too (a row without decode_margin shows what that alone
     costs); a token budget above the prompt's length leaves the prompt whole, so its rows show
     what compression during decode alone costs."""
     rows = [("full cache", None)]
-    for keep in keeps:
-        base = {"method": "dropkv", "keep_ratio": keep}
-        rows.append((f"keep {keep:g}, prefill only", base))
-        for m in margins:
-            rows.append((f"keep {keep:g}, decode_margin {m}", dict(base, decode_margin=m)))
-    for budget in budgets:
-        base = {"method": "dropkv", "budget_tokens": budget}
-        for m in margins:
-            rows.append((f"budget {budget} tokens, decode_margin {m}", dict(base, decode_margin=m)))
+    for method in methods:
+        for keep in keeps:
+            base = {"method": method, "keep_ratio": keep}
+            rows.append((f"{method} keep {keep:g}, prefill only", base))
+            for m in margins:
+                rows.append((f"{method} keep {keep:g}, decode_margin {m}",
+                             dict(base, decode_margin=m)))
+        for budget in budgets:
+            base = {"method": method, "budget_tokens": budget}
+            for m in margins:
+                rows.append((f"{method} budget {budget} tokens, decode_margin {m}",
+                             dict(base, decode_margin=m)))
     return rows
 
 
@@ -70,6 +73,7 @@ def main():
     ap.add_argument("--url", default="http://127.0.0.1:8000")
     ap.add_argument("--num", type=int, default=20)
     ap.add_argument("--tokens", type=int, default=384)
+    ap.add_argument("--methods", default="dropkv", help="scorers, comma-separated")
     ap.add_argument("--keeps", default="", help="keep ratios (prompt compressed too)")
     ap.add_argument("--budgets", default="96,192", help="budget_tokens (above the prompt)")
     ap.add_argument("--margins", default="16,64")
@@ -85,8 +89,8 @@ def main():
                               f"{rng.choice(TOPICS)}. Use {name}'s name often."))
     def numbers(s, kind):
         return [kind(x) for x in s.split(",") if x]
-    rows = settings(numbers(args.keeps, float), numbers(args.budgets, int),
-                    numbers(args.margins, int))
+    rows = settings(numbers(args.methods, str), numbers(args.keeps, float),
+                    numbers(args.budgets, int), numbers(args.margins, int))
     results = {}
     with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
         for label, comp in rows:

@@ -844,13 +844,26 @@ TEST_F(SchedulerTest, KeptConversationIsContinued) {
   EXPECT_EQ(scheduler_->Stats().num_conversation_hits, 3);
   EXPECT_EQ(scheduler_->Stats().num_parked_conversations, 1);
   EXPECT_EQ(runner_->pool().num_free_blocks(), free_before);
+  // A question cancelled midway gives back its own blocks and its share of the kept ones.
+  {
+    GenerationRequest r =
+        MakeRequest(Concat(Concat(turn2, b.tokens), Prompt(10, 7)), /*max_new_tokens=*/50);
+    r.compression = half;
+    auto ch = Submit(std::move(r));
+    for (int i = 0; i < 4; ++i) scheduler_->Step();
+    EXPECT_LT(runner_->pool().num_free_blocks(), free_before);
+    ch->Cancel();
+    RunAll();
+    EXPECT_EQ(runner_->pool().num_free_blocks(), free_before);
+    EXPECT_EQ(runner_->num_forks, 3);
+  }
 
   // Fewer new tokens than W: the whole prompt is prefilled.
   const std::vector<int32_t> short_turn = Concat(Concat(turn2, b.tokens), Prompt(4, 3));
   EXPECT_EQ(ask(short_turn, 2, true).tokens, FakeRunner::Greedy(short_turn, 2));
   EXPECT_EQ(runner_->prefill_chunk_lens,
             (std::vector<int64_t>{static_cast<int64_t>(short_turn.size())}));
-  EXPECT_EQ(scheduler_->Stats().num_conversation_hits, 3);
+  EXPECT_EQ(scheduler_->Stats().num_conversation_hits, 4);
 
   // A prompt that needs 60 of the 64 blocks: the kept conversations give theirs back.
   EXPECT_EQ(scheduler_->Stats().num_parked_conversations, 2);
