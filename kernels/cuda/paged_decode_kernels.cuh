@@ -32,6 +32,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/cuda/attention_common.cuh"
 #include "kernels/cuda/dropkv_score_warp.cuh"  // LdMatrixX4(Trans), Mma16816, PackPair
@@ -512,8 +513,11 @@ constexpr int PagedDecodeMmaSmemBytes() {
 // softmax is skipped and their P is 0). The 4 warps merge through shared memory; then the split
 // merge as above (the output directly when the sequence has one split).
 // C = e4m3 (an FP8 cache): the ring holds the e4m3 bytes (half the copies); after a slab lands,
-// each lane converts the pieces it copied into the warp's T slab (E4m3x16To), a __syncwarp, and
-// the tensor cores read that slab as they read a bf16 / fp16 one.
+// each lane converts the pieces it copied into the warp's slab (E4m3x16To), a __syncwarp, and the
+// tensor cores read that slab as they read a bf16 / fp16 one. The products are then fp16 (M)
+// whatever T is: e4m3 -> fp16 is one cvt per pair (bf16 took four: the conversion, not the bytes,
+// bounded the kernel), every e4m3 value and every bf16 query in [2^-14, 65504] is an fp16 value
+// (queries are clamped there), and P rounds to fp16's 11 bits instead of bf16's 8.
 template <typename T, int D, bool kHigh, typename C = T>
 __global__ void __launch_bounds__(kDecMmaThreads, 3)
     PagedDecodeMmaKernel(const PagedDecodeParams<T, C> p) {
@@ -532,9 +536,10 @@ __global__ void __launch_bounds__(kDecMmaThreads, 3)
   constexpr int kNd = D / 8;  // accumulator n-tiles
   constexpr int kHalves = kHigh ? 2 : 1;
   static_assert(sizeof(T) == 2 && (D == 64 || D == 128), "bf16 / fp16, head_dim 64 or 128");
+  using M = std::conditional_t<kFp8, __half, T>;  // the tensor cores' operand type
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  T* q_s = reinterpret_cast<T*>(smem_raw);              // [16, kLd]
-  T* ring_all = q_s + 16 * kLd;                         // [warps][stages][kSlabElems]
+  M* q_s = reinterpret_cast<M*>(smem_raw);              // [16, kLd]
+  M* ring_all = q_s + 16 * kLd;                         // [warps][stages][kSlabElems]
   float* merge_s = reinterpret_cast<float*>(ring_all);  // after the loop: [warps][16][D + 2]
   int32_t* table_s =
       reinterpret_cast<int32_t*>(smem_raw + PagedDecodeMmaSmemBytes<T, D, C>());  // [table_len]
@@ -562,9 +567,9 @@ __global__ void __launch_bounds__(kDecMmaThreads, 3)
   // kKeysPerCopy (each warp-wide copy covers whole rows: coalesced). Lane j < 16 looks up the
   // slot of key j of the slab once; the copies take it by shuffle. Slots fit in 32 bits: a pool
   // of 2^32 slots would not fit in device memory.
-  // T: the warp's ring of kStages T slabs. e4m3: `ring` is the warp's one T slab and `ring8` its
+  // T: the warp's ring of kStages T slabs. e4m3: `ring` is the warp's one fp16 slab and `ring8` its
   // ring of e4m3 slabs.
-  T* ring = ring_all + warp * (kFp8 ? 1 : kStages) * kSlabElems;
+  M* ring = ring_all + warp * (kFp8 ? 1 : kStages) * kSlabElems;
   C* ring8 = reinterpret_cast<C*>(ring_all + kWarps * kSlabElems) + warp * kStages * kRingSlabElems;
   const int c_lane = (lane % kCacheVecsPerRow) * (16 / static_cast<int>(sizeof(C)));
   const int key_lane = lane / kCacheVecsPerRow;
@@ -631,7 +636,20 @@ __global__ void __launch_bounds__(kDecMmaThreads, 3)
   const T* q_head = p.q + static_cast<int64_t>(bh) * g * D;
   for (int idx = tid; idx < 16 * kVecsPerRow; idx += kThreads) {
     const int r = idx / kVecsPerRow, c = (idx % kVecsPerRow) * 8;
-    CpAsync16(q_s + r * kLd + c, q_head + (r < g ? r * D + c : 0), r < g);
+    if constexpr (std::is_same_v<M, T>) {
+      CpAsync16(q_s + r * kLd + c, q_head + (r < g ? r * D + c : 0), r < g);
+    } else {  // bf16 queries as fp16 for an e4m3 cache (see above), stored by this thread
+      union {
+        uint4 raw;
+        M vals[8];
+      } out;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const float x = r < g ? ToFloat(q_head[r * D + c + e]) : 0.f;
+        out.vals[e] = FromFloat<M>(fminf(fmaxf(x, -65504.f), 65504.f));
+      }
+      *reinterpret_cast<uint4*>(q_s + r * kLd + c) = out.raw;
+    }
   }
   CpAsyncCommit();
   if (!kv_early) {
@@ -665,7 +683,7 @@ __global__ void __launch_bounds__(kDecMmaThreads, 3)
     CpAsyncCommit();
     CpAsyncWait<kStages - 1>();  // this lane's copies of `stage` have landed
     if constexpr (kFp8) {
-      // This lane's own pieces (landed: no barrier needed to read them) into the T slab, whose
+      // This lane's own pieces (landed: no barrier needed to read them) into the fp16 slab, whose
       // previous contents every lane finished reading at the loop's last __syncwarp.
       const C* src = ring8 + stage * kRingSlabElems;
 #pragma unroll
@@ -675,15 +693,15 @@ __global__ void __launch_bounds__(kDecMmaThreads, 3)
         for (int kv = 0; kv < 2; ++kv) {
           const int row = kv * kSlabKeys + j;
           uint4 wide[2];
-          E4m3x16To<T>(*reinterpret_cast<const uint4*>(src + row * kRingLd + c_lane), wide);
+          E4m3x16To<M>(*reinterpret_cast<const uint4*>(src + row * kRingLd + c_lane), wide);
           *reinterpret_cast<uint4*>(ring + row * kLd + c_lane) = wide[0];
           *reinterpret_cast<uint4*>(ring + row * kLd + c_lane + 8) = wide[1];
         }
       }
     }
     __syncwarp();  // every other lane's copies (T) or conversions (e4m3)
-    const T* k_s = kFp8 ? ring : ring + stage * kSlabElems;
-    const T* v_s = k_s + kSlabKeys * kLd;
+    const M* k_s = kFp8 ? ring : ring + stage * kSlabElems;
+    const M* v_s = k_s + kSlabKeys * kLd;
     const int key0 = key_begin + slab * kSlabKeys;
 
     float sc[2][2][4];  // [chain (even / odd k-step)][key n-tile][fragment]
@@ -697,8 +715,8 @@ __global__ void __launch_bounds__(kDecMmaThreads, 3)
     for (int kk = 0; kk < D / 16; ++kk) {
       uint32_t kb[4];
       LdMatrixX4(kb, k_s + b_key * kLd + kk * 16 + b_col);
-      Mma16816<T>(sc[kk % 2][0], qa[kk], kb[0], kb[1]);
-      Mma16816<T>(sc[kk % 2][1], qa[kk], kb[2], kb[3]);
+      Mma16816<M>(sc[kk % 2][0], qa[kk], kb[0], kb[1]);
+      Mma16816<M>(sc[kk % 2][1], qa[kk], kb[2], kb[3]);
     }
     uint32_t pa[4] = {0u, 0u, 0u, 0u};  // P as A fragments: {nt0 row, nt0 row + 8, nt1 row, ..}
 #pragma unroll
@@ -730,13 +748,13 @@ __global__ void __launch_bounds__(kDecMmaThreads, 3)
         }
       }
       float sum = 0.f;
-      T pt[2][2];
+      M pt[2][2];
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const float prob = SoftmaxProb<ExpBase::k2>(sv[nt][e], m_row[half]);
-          pt[nt][e] = FromFloat<T>(prob);
+          pt[nt][e] = FromFloat<M>(prob);
           sum += ToFloat(pt[nt][e]);  // l sums the rounded p that P V uses
         }
       }
@@ -748,8 +766,8 @@ __global__ void __launch_bounds__(kDecMmaThreads, 3)
     for (int dp = 0; dp < D / 16; ++dp) {  // acc[:, 16 dp : 16 dp + 16] += P V
       uint32_t vb[4];
       LdMatrixX4Trans(vb, v_s + vt_key * kLd + dp * 16 + vt_col);
-      Mma16816<T>(acc[2 * dp], pa, vb[0], vb[1]);
-      Mma16816<T>(acc[2 * dp + 1], pa, vb[2], vb[3]);
+      Mma16816<M>(acc[2 * dp], pa, vb[0], vb[1]);
+      Mma16816<M>(acc[2 * dp + 1], pa, vb[2], vb[3]);
     }
     __syncwarp();  // every lane is done with `stage` before it is refilled
     stage = stage + 1 == kStages ? 0 : stage + 1;
