@@ -1,8 +1,8 @@
 // The FP8 KV cache on CUDA (label gpu; skips without a device): the fused RoPE + K/V store and the
 // qkv GEMV's RoPE epilogue write the bytes QuantizeKv gives for their bf16 values, the cache writes
 // equal the CPU's, the paged decode kernel over an e4m3 pool against the CPU reference over the
-// dequantized values, and the runner in bf16 with an FP8 cache (graph replay equal to eager, the
-// logits near a bf16 cache's).
+// dequantized values, and the runner in bf16 with an FP8 cache (graph replay within bf16 noise of
+// eager, the logits near a bf16 cache's).
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
@@ -188,7 +188,7 @@ at::Tensor Logits(ModelRunner& r, const std::vector<int32_t>& prompt,
 }
 
 // The runner on CUDA with an FP8 cache (RoPE + store fused, the qkv GEMV's epilogue at batch 1,
-// the e4m3 decode kernel): CUDA-graph replay equal to eager, and the logits near a bf16 cache's.
+// the e4m3 decode kernel): CUDA-graph replay near eager, and the logits near a bf16 cache's.
 // (Random weights: the KL / agreement of a trained model are the CPU test's, on SmolLM2.)
 TEST_F(KvFp8GpuTest, RunnerDecodeGraphsAndAgainstABf16Cache) {
   auto bf16 = CudaRunner("auto", true);
@@ -202,11 +202,13 @@ TEST_F(KvFp8GpuTest, RunnerDecodeGraphsAndAgainstABf16Cache) {
   auto l8 = Logits(*fp8, prompt, forced);
   auto l8e = Logits(*fp8_eager, prompt, forced);
   ASSERT_FALSE(l8.isnan().any().item<bool>());
-  EXPECT_TRUE(at::equal(l8, l8e)) << "graph replay differs from eager by "
-                                  << (l8 - l8e).abs().max().item<double>();
+  // bf16 tolerance, as runner_cuda_graph_test: the graph's split-K grid comes from the context
+  // bucket, eager's from the batch's longest sequence (another summation order).
+  const double graph_rel = ((l8e - l8).norm() / l8e.norm()).item<double>();
+  EXPECT_LT(graph_rel, 1e-2) << "graph replay vs eager";
   const double rel = ((l8 - lb).norm() / lb.norm()).item<double>();
   std::cout << "[fp8 kv, cuda bf16, random weights] logits vs a bf16 cache: relative L2 " << rel
-            << "\n";
+            << "; graph replay vs eager " << graph_rel << "\n";
   EXPECT_LT(rel, 0.1);
 }
 
