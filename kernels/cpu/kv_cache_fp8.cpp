@@ -31,7 +31,7 @@ at::Tensor GatherRows(const at::Tensor& cache_rows, const at::Tensor& slots, at:
 }
 
 void ScatterRows(at::Tensor& cache_rows, const at::Tensor& slots, const at::Tensor& rows) {
-  AsBytes(cache_rows).index_copy_(0, slots, AsBytes(rows.contiguous()));
+  AsBytes(cache_rows).index_copy_(0, slots, AsBytes(rows));
 }
 
 }  // namespace dropkv::kernels
