@@ -273,6 +273,14 @@ std::vector<Setting> MakeSettings() {
       [](absl::string_view t) {
         return CheckNamed(t, {"none", "fp8"});
       }));
+  v.push_back(StringSetting(
+      "kv_cache_dtype",
+      "auto|fp8 (auto: the model dtype; fp8: the paged KV pool in float8 e4m3 with scale 1.0, "
+      "half the bytes of bf16 per token; CUDA needs compute capability 8.9+)",
+      [](C& c) -> std::string& { return c.kv_cache_dtype; },
+      [](absl::string_view t) {
+        return CheckNamed(t, {"auto", "fp8"});
+      }));
   // network
   v.push_back(StringSetting(
       "host", "gRPC bind address (0.0.0.0 = all interfaces)",

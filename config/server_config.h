@@ -31,7 +31,8 @@ struct ServerConfig {
   std::string device = "auto";  // auto | cpu | cuda | cuda:N (auto = cuda:0 when present, else cpu)
   std::string dtype =
       "auto";  // auto | float32 | bfloat16 | float16 (auto = bf16 on GPU, fp32 on CPU)
-  std::string quantization = "none";  // none | fp8 (projection weights in FP8 e4m3, per channel)
+  std::string quantization = "none";    // none | fp8 (projection weights in FP8 e4m3, per channel)
+  std::string kv_cache_dtype = "auto";  // auto | fp8 (the paged KV pool in FP8 e4m3, scale 1.0)
 
   // --- network ---
   std::string host = "127.0.0.1";  // gRPC bind address (0.0.0.0 to serve other hosts)

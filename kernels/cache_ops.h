@@ -1,6 +1,7 @@
 // Writes into the paged KV pool. Pool layout (allocator/ owns the blocks): K and V tensors each
 // [num_blocks, block_size, Hkv, D]; slot = block_idx * block_size + offset. CPU reference in
-// ATen; CUDA tensors go to kernels/cuda/cache_ops.cu. Pool and inputs share dtype and device.
+// ATen; CUDA tensors go to kernels/cuda/cache_ops.cu. Pool and inputs share a device; the inputs
+// are cast to the pool's dtype (an FP8 pool stores them quantized: kernels/kv_cache_fp8.h).
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -32,6 +32,7 @@ absl::StatusOr<ServedEngine> CreateServedEngine(const ServerConfig& config) {
   ro.device = config.device;
   ro.dtype = config.dtype;
   ro.quantization = config.quantization;
+  ro.kv_cache_dtype = config.kv_cache_dtype;
   ro.block_size = config.block_size;
   ro.kv_cache_bytes = config.kv_memory_bytes;
   ro.num_kv_blocks = config.kv_blocks;
@@ -41,9 +42,9 @@ absl::StatusOr<ServedEngine> CreateServedEngine(const ServerConfig& config) {
   so.max_batch = config.max_batch;
   so.max_prefill_tokens_per_step = config.prefill_tokens_per_step;
   so.prefix_cache = config.prefix_cache;
-  so.prefix_cache_salt =
-      absl::StrCat(config.demo_model ? "demo" : config.model_dir, "|", config.dtype, "|",
-                   config.quantization, "|", config.random_weights ? "random" : "");
+  so.prefix_cache_salt = absl::StrCat(
+      config.demo_model ? "demo" : config.model_dir, "|", config.dtype, "|", config.quantization,
+      "|", config.kv_cache_dtype, "|", config.random_weights ? "random" : "");
   so.max_waiting_requests = config.max_queue_requests;
   so.max_waiting_prompt_tokens =
       config.max_queue_prompt_tokens > 0 ? config.max_queue_prompt_tokens : INT64_MAX;

@@ -41,6 +41,7 @@
 #include "engine/model/config.h"
 #include "engine/model/log.h"
 #include "engine/runner/model_runner.h"
+#include "kernels/kv_cache_fp8.h"
 
 #ifdef DROPKV_BENCH_CUDA
 #include <ATen/cuda/CUDAGraph.h>
@@ -350,7 +351,7 @@ CompressionParams Compression(double keep, const std::string& allocator, const s
 int Run(int argc, char** argv) {
   CLI::App app{"dropkv-bench-e2e: engine-level prefill / decode timings at real model geometry"};
   std::string model_dir, geometry, write_config, device = "cuda", dtype = "bfloat16";
-  std::string quantization = "none";
+  std::string quantization = "none", kv_cache_dtype = "auto";
   std::string prefill_arg = "8192,32768", decode_arg = "1x8192", keep_arg = "1.0,0.1";
   std::string allocator = "uniform", profile, hf_python, hf_script = "bench/e2e/hf_peer.py";
   bool random_weights = false, json_out = false, interleave = false, synthetic_context = false;
@@ -371,6 +372,8 @@ int Run(int argc, char** argv) {
   app.add_option("--device", device, "cpu or cuda")->capture_default_str();
   app.add_option("--dtype", dtype, "bfloat16, float16 or float32")->capture_default_str();
   app.add_option("--quantization", quantization, "projection weights: none or fp8")
+      ->capture_default_str();
+  app.add_option("--kv-cache-dtype", kv_cache_dtype, "the paged KV pool: auto or fp8")
       ->capture_default_str();
   app.add_option("--prefill", prefill_arg, "prompt lengths to prefill, comma-separated")
       ->capture_default_str();
@@ -459,6 +462,7 @@ int Run(int argc, char** argv) {
   options.dtype = dtype;
   options.random_weights = random_weights;
   options.quantization = quantization;
+  options.kv_cache_dtype = kv_cache_dtype;
   options.cuda_fused_ops = fused_arg == "on";
   options.cuda_decode_gemv = gemv_arg == "plain";
   if (kv_gib > 0) options.kv_cache_bytes = static_cast<int64_t>(kv_gib * (1LL << 30));
@@ -525,8 +529,18 @@ int Run(int argc, char** argv) {
   };
   if (synthetic_context) {
     // Random K/V in every slot, once: decode then reads finite values of the usual magnitude.
-    runner.pool().key_cache().normal_();
-    runner.pool().value_cache().normal_();
+    // (An FP8 pool has no normal_: drawn in bf16 and quantized, 4096 blocks at a time.)
+    for (at::Tensor cache : {runner.pool().key_cache(), runner.pool().value_cache()}) {
+      if (!kernels::IsFp8Cache(cache)) {
+        cache.normal_();
+        continue;
+      }
+      for (int64_t b = 0; b < cache.size(0); b += 4096) {
+        at::Tensor part = cache.narrow(0, b, std::min<int64_t>(4096, cache.size(0) - b));
+        part.copy_(
+            kernels::QuantizeKv(at::randn(part.sizes(), part.options().dtype(at::kBFloat16))));
+      }
+    }
   }
 
   for (const auto& keep_s : split(keep_arg)) {

@@ -7,6 +7,7 @@
 #include <optional>
 #include <vector>
 
+#include "kernels/kv_cache_fp8.h"
 #include "kernels/tuning.h"
 
 namespace dropkv {
@@ -263,8 +264,9 @@ at::Tensor PagedDecodeAttention(const at::Tensor& q, const at::Tensor& key_cache
                      .flatten()
                      .narrow(0, 0, len)
                      .to(key_cache.device());
-    auto k = k_flat.index_select(0, slots).transpose(0, 1);  // [Hkv, len, D]
-    auto v = v_flat.index_select(0, slots).transpose(0, 1);
+    // (An FP8 cache's rows dequantized to q's dtype: kernels/kv_cache_fp8.h.)
+    auto k = kernels::GatherRows(k_flat, slots, q.scalar_type()).transpose(0, 1);  // [Hkv, len, D]
+    auto v = kernels::GatherRows(v_flat, slots, q.scalar_type()).transpose(0, 1);
     out[b].copy_(ContiguousDecodeAttention(q[b], k, v, scale, softcap));
   }
   return out;

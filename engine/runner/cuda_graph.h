@@ -42,6 +42,9 @@ absl::StatusOr<std::unique_ptr<CapturedGraph>> CaptureCudaGraph(
 // Free and total bytes of `device` after returning the caching allocator's unused blocks.
 absl::StatusOr<std::pair<int64_t, int64_t>> CudaMemoryInfo(int device_index);
 
+// 10 * major + minor of `device`'s compute capability (80: A100, 90: H100 / H200).
+absl::StatusOr<int> CudaComputeCapability(int device_index);
+
 // Copies `host` (a pinned CPU tensor) to `device_buffer` on the current stream without waiting,
 // and makes the next call on the same staging buffer wait until this copy has read it.
 class StagedUpload {

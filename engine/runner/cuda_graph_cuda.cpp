@@ -10,6 +10,14 @@
 #include "engine/runner/cuda_graph.h"
 
 namespace dropkv {
+absl::StatusOr<int> CudaComputeCapability(int device_index) {
+  cudaDeviceProp prop{};
+  if (cudaGetDeviceProperties(&prop, device_index) != cudaSuccess) {
+    return absl::InternalError(absl::StrCat("cudaGetDeviceProperties(", device_index, ") failed"));
+  }
+  return 10 * prop.major + prop.minor;
+}
+
 namespace {
 
 class CudaCapturedGraph : public CapturedGraph {

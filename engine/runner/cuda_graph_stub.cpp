@@ -12,6 +12,10 @@ absl::StatusOr<std::pair<int64_t, int64_t>> CudaMemoryInfo(int) {
   return absl::UnimplementedError("CUDA memory info: this build has no CUDA");
 }
 
+absl::StatusOr<int> CudaComputeCapability(int) {
+  return absl::UnimplementedError("CUDA compute capability: this build has no CUDA");
+}
+
 absl::StatusOr<std::unique_ptr<DeviceTimer>> CreateCudaTimer() {
   return absl::UnimplementedError("CUDA timer: this build has no CUDA");
 }

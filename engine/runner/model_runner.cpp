@@ -30,6 +30,7 @@
 #include "engine/runner/demo_model.h"
 #include "engine/runner/kv_selector.h"
 #include "kernels/cache_ops.h"
+#include "kernels/kv_cache_fp8.h"
 #include "kernels/paged_attention.h"
 #include "kernels/tuning.h"
 
@@ -57,6 +58,14 @@ absl::StatusOr<at::ScalarType> ParseDtype(const std::string& s, bool cuda) {
   if (s == "float16" || s == "fp16") return at::kHalf;
   return absl::InvalidArgumentError(
       absl::StrCat("dtype: '", s, "' is not one of auto, float32, bfloat16, float16"));
+}
+
+// The pool's storage dtype for kv_cache_dtype `s`: the model's, or float8 e4m3.
+absl::StatusOr<at::ScalarType> ParseKvCacheDtype(const std::string& s, at::ScalarType model_dtype) {
+  if (s == "auto") return model_dtype;
+  if (s == "fp8") return kernels::kFp8KvDtype;
+  return absl::InvalidArgumentError(
+      absl::StrCat("kv_cache_dtype: '", s, "' is not one of auto, fp8"));
 }
 
 void SetCpuThreadsOnce() {
@@ -170,8 +179,10 @@ class DecodeBackend : public AttentionBackend {
       const int64_t hkv = kc.size(2);
       const int64_t d = kc.size(3);
       const auto slots = in_.slots[layer_idx];  // int64 [B]
-      kc.view({-1, hkv, d}).index_copy_(0, slots, k);
-      vc.view({-1, hkv, d}).index_copy_(0, slots, v);
+      auto k_rows = kc.view({-1, hkv, d});
+      auto v_rows = vc.view({-1, hkv, d});
+      kernels::ScatterRows(k_rows, slots, kernels::ToCacheDtype(k, kc));
+      kernels::ScatterRows(v_rows, slots, kernels::ToCacheDtype(v, vc));
     }
     const double scale = config_.attention_scale(layer_idx);
     if (use_kernel_) {
@@ -789,8 +800,12 @@ class TorchModelRunner : public ModelRunner {
                                 ? RingSlots(seq, layer_idx, end - s, end)
                                 : pool_->SlotIndices(seq, layer_idx, 0, s);
     auto slots = ToDeviceAsync(host_slots, kc.device());
-    return {kc.view({-1, hkv, d}).index_select(0, slots).transpose(0, 1),
-            pool_->value_cache().view({-1, hkv, d}).index_select(0, slots).transpose(0, 1)};
+    // In the model dtype (an FP8 cache's entries dequantized): prefill attention and the
+    // selectors read them beside the chunk's K/V.
+    const at::ScalarType dtype = model_->dtype();
+    return {
+        kernels::GatherRows(kc.view({-1, hkv, d}), slots, dtype).transpose(0, 1),
+        kernels::GatherRows(pool_->value_cache().view({-1, hkv, d}), slots, dtype).transpose(0, 1)};
   }
 
   // Slot indices (int64 [end - begin], CPU) of positions [begin, end) in a sliding layer's ring,
@@ -1086,8 +1101,13 @@ absl::StatusOr<at::Tensor> PrefillBackend::Attend(int32_t layer_idx, const at::T
   const ModelConfig& config = runner_.config();
   const int64_t t_len = q.size(0);
   const int64_t stored = pool.stored_len(seq_, layer_idx);
-  auto chunk_k = k.transpose(0, 1);  // [Hkv, T, D]
-  auto chunk_v = v.transpose(0, 1);
+  // An FP8 cache: the chunk's K/V as the cache will hold them, so that its attention, the
+  // selector's scores and every later read (decode, later chunks) see the same values.
+  const bool fp8 = kernels::IsFp8Cache(pool.key_cache());
+  const at::Tensor k_used = fp8 ? kernels::RoundTripKv(k) : k;
+  const at::Tensor v_used = fp8 ? kernels::RoundTripKv(v) : v;
+  auto chunk_k = k_used.transpose(0, 1);  // [Hkv, T, D]
+  auto chunk_v = v_used.transpose(0, 1);
   at::Tensor all_k = chunk_k;
   at::Tensor all_v = chunk_v;
   if (stored > 0) {
@@ -1101,7 +1121,7 @@ absl::StatusOr<at::Tensor> PrefillBackend::Attend(int32_t layer_idx, const at::T
                               PrefillAttentionImpl::kAuto, LimitsOf(config, layer_idx));
   if (config.is_sliding(layer_idx)) {
     // Outside compression: the ring keeps the window.
-    RETURN_IF_ERROR(runner_.WriteRing(seq_, layer_idx, start_pos_, k, v));
+    RETURN_IF_ERROR(runner_.WriteRing(seq_, layer_idx, start_pos_, k_used, v_used));
     return out;
   }
   const int64_t hkv = k.size(1);
@@ -1149,7 +1169,7 @@ absl::StatusOr<at::Tensor> PrefillBackend::Attend(int32_t layer_idx, const at::T
     deferred_free_.insert(deferred_free_.end(), old.begin(), old.end());
   } else {
     RETURN_IF_ERROR(pool.AppendLayerSlots(seq_, layer_idx, t_len));
-    RETURN_IF_ERROR(runner_.WriteSlots(seq_, layer_idx, stored, k, v));
+    RETURN_IF_ERROR(runner_.WriteSlots(seq_, layer_idx, stored, k_used, v_used));
     runner_.AppendPositions(seq_, layer_idx, chunk_pos);
   }
   return out;
@@ -1184,6 +1204,25 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const RunnerOpt
   }
   ASSIGN_OR_RETURN(at::ScalarType dtype, ParseDtype(options.dtype, device.is_cuda()));
   ASSIGN_OR_RETURN(WeightQuantization quant, ParseWeightQuantization(options.quantization));
+  ASSIGN_OR_RETURN(at::ScalarType kv_dtype, ParseKvCacheDtype(options.kv_cache_dtype, dtype));
+  if (kv_dtype == kernels::kFp8KvDtype && device.is_cuda()) {
+    // Below sm_89 the kernels' e4m3 conversions are emulated (several instructions per element)
+    // and the FP8 KV path is not measured there: refused rather than guessed.
+    ASSIGN_OR_RETURN(const int cc, CudaComputeCapability(device.has_index() ? device.index() : 0));
+    if (cc < 89) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "kv_cache_dtype: fp8 needs a GPU of compute capability 8.9 or newer (Ada, Hopper), this "
+          "one is ",
+          cc / 10, ".", cc % 10,
+          ": its e4m3 conversions are emulated and the FP8 KV path is not measured there; use "
+          "kv_cache_dtype: auto"));
+    }
+    if (dtype == at::kFloat) {
+      return absl::FailedPreconditionError(
+          "kv_cache_dtype: fp8 on CUDA needs dtype bfloat16 or float16 (the e4m3 decode kernel "
+          "takes 16-bit queries), got float32");
+    }
+  }
   if (quant == WeightQuantization::kFp8 && device.is_cuda()) {
     LogWarn(
         "quantization fp8 on CUDA: decode at batch 1 is faster than bf16, but batches of 2 and "
@@ -1210,10 +1249,11 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const RunnerOpt
     for (int32_t l = 0; l < config.num_layers; ++l)
       po.layer_capacity.push_back(config.is_sliding(l) ? config.sliding_window : 0);
   }
-  po.dtype = dtype;
+  po.dtype = kv_dtype;
   po.device = device;
+  // K + V of one block in the pool's dtype (FP8: one byte per element).
   const int64_t block_bytes = int64_t{2} * options.block_size * config.num_kv_heads *
-                              config.head_dim * static_cast<int64_t>(c10::elementSize(dtype));
+                              config.head_dim * static_cast<int64_t>(c10::elementSize(kv_dtype));
   if (options.num_kv_blocks > 0) {
     po.num_blocks = options.num_kv_blocks;
   } else {
@@ -1245,7 +1285,8 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const RunnerOpt
   }
   ASSIGN_OR_RETURN(auto pool, BlockPool::Create(po));
   LogInfo(absl::StrCat("runner: KV pool of ", po.num_blocks, " blocks x ", po.block_size,
-                       " slots (", po.num_blocks * block_bytes / (1 << 20), " MiB)"));
+                       " slots (", po.num_blocks * block_bytes / (1 << 20), " MiB, ",
+                       c10::toString(kv_dtype), ")"));
   // CUDA graphs pad the batch to a bucket; the padded rows write their K/V into this block.
   int32_t scratch_block = -1;
   if (device.is_cuda() && options.cuda_graphs && po.num_blocks > 1) {

@@ -21,6 +21,9 @@ struct RunnerOptions {
   // scale per output channel, quantized at load; engine/model/fp8.h). An FP8 checkpoint's
   // projections stay FP8 either way.
   std::string quantization = "none";
+  // The paged KV pool's storage: "auto" (the model dtype) or "fp8" (float8 e4m3, scale 1.0, one
+  // byte per element: kernels/kv_cache_fp8.h). CUDA: compute capability 8.9 or newer.
+  std::string kv_cache_dtype = "auto";
   int32_t block_size = 16;       // KV slots per block
   int64_t kv_cache_bytes = 0;    // 0 = a default (CPU: 1 GiB; CUDA: free memory after weights
                                  // minus an activation reserve, see kv_reserve_bytes)

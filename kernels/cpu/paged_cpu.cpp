@@ -8,6 +8,7 @@
 #include "kernels/check.h"
 #include "kernels/cpu/paged_attention_cpu.h"
 #include "kernels/cuda/launchers.h"
+#include "kernels/kv_cache_fp8.h"
 #include "kernels/paged_attention.h"
 
 namespace dropkv::kernels {
@@ -70,8 +71,8 @@ absl::Status WriteKv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor&
     auto slots = slot_mapping.index_select(0, valid);
     auto kf = k_cache.view({num_slots, k_cache.size(2), k_cache.size(3)});
     auto vf = v_cache.view({num_slots, v_cache.size(2), v_cache.size(3)});
-    kf.index_copy_(0, slots, k_new.index_select(0, valid).to(k_cache.scalar_type()));
-    vf.index_copy_(0, slots, v_new.index_select(0, valid).to(v_cache.scalar_type()));
+    ScatterRows(kf, slots, ToCacheDtype(k_new.index_select(0, valid), k_cache));
+    ScatterRows(vf, slots, ToCacheDtype(v_new.index_select(0, valid), v_cache));
     return absl::OkStatus();
   });
 }
@@ -114,8 +115,8 @@ absl::Status WriteKeptKv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Ten
     auto v_kept = at::gather(v, 1, idx).transpose(0, 1);
     auto kf = k_cache.view({num_slots, hkv, d});
     auto vf = v_cache.view({num_slots, hkv, d});
-    kf.index_copy_(0, slot_mapping, k_kept.to(k_cache.scalar_type()));
-    vf.index_copy_(0, slot_mapping, v_kept.to(v_cache.scalar_type()));
+    ScatterRows(kf, slot_mapping, ToCacheDtype(k_kept, k_cache));
+    ScatterRows(vf, slot_mapping, ToCacheDtype(v_kept, v_cache));
     return absl::OkStatus();
   });
 }
@@ -178,6 +179,22 @@ absl::Status CheckPagedDecode(const at::Tensor& q, const at::Tensor& k_cache,
   return absl::OkStatus();
 }
 
+// An FP8 cache for the CPU kernel: the blocks the tables name, dequantized to q's dtype
+// ([used_blocks, block_size, Hkv, D] each), and the tables renumbered into them. One pass over the
+// batch's blocks per call (the kernel itself reads bf16 / fp16 / fp32).
+struct DequantizedBlocks {
+  at::Tensor k, v, tables;
+};
+DequantizedBlocks DequantizeUsedBlocks(const at::Tensor& q, const at::Tensor& k_cache,
+                                       const at::Tensor& v_cache, const at::Tensor& block_tables) {
+  auto [ids, inverse, counts] =
+      at::_unique2(block_tables, /*sorted=*/true, /*return_inverse=*/true);
+  (void)counts;
+  const auto ids64 = ids.to(at::kLong);
+  return {GatherRows(k_cache, ids64, q.scalar_type()), GatherRows(v_cache, ids64, q.scalar_type()),
+          inverse.to(at::kInt)};
+}
+
 double ScaleOf(const at::Tensor& q, const PagedAttentionParams& params) {
   return params.scale > 0 ? params.scale : 1.0 / std::sqrt(static_cast<double>(q.size(2)));
 }
@@ -198,6 +215,13 @@ absl::StatusOr<at::Tensor> PagedDecodeAttention(const at::Tensor& q, const at::T
           absl::StrCat("softcap ", params.softcap, ": the CUDA kernel does not cap logits"));
     }
     return cuda::PagedDecodeAttention(q, k_cache, v_cache, block_tables, seq_lens, params);
+  }
+  if (IsFp8Cache(k_cache)) {
+    return CatchTorch("PagedDecodeAttention(fp8)", [&]() -> absl::StatusOr<at::Tensor> {
+      const DequantizedBlocks d = DequantizeUsedBlocks(q, k_cache, v_cache, block_tables);
+      return cpu::PagedDecodeAttention(q, d.k, d.v, d.tables, seq_lens, ScaleOf(q, params),
+                                       params.softcap);
+    });
   }
   if (!cpu::PagedDecodeKernelApplies(k_cache, v_cache)) {
     return PagedDecodeAttentionReference(q, k_cache, v_cache, block_tables, seq_lens, params);

@@ -7,6 +7,7 @@
 #include "kernels/check.h"
 #include "kernels/cuda/cache_ops_kernels.cuh"
 #include "kernels/cuda/launchers.h"
+#include "kernels/kv_cache_fp8.h"
 
 namespace dropkv::kernels::cuda {
 namespace {
@@ -29,8 +30,8 @@ absl::Status WriteKv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor&
   if (auto s = CheckVectorisable(k_cache, row_elems); !s.ok()) return s;
   return internal::CatchTorch("WriteKv(cuda)", [&]() -> absl::Status {
     c10::cuda::CUDAGuard guard(k_cache.device());
-    auto kn = k_new.to(k_cache.scalar_type()).contiguous();
-    auto vn = v_new.to(k_cache.scalar_type()).contiguous();
+    auto kn = ToCacheDtype(k_new, k_cache).contiguous();
+    auto vn = ToCacheDtype(v_new, k_cache).contiguous();
     auto slots = slot_mapping.contiguous();
     const int64_t t = kn.size(0);
     if (t == 0) return absl::OkStatus();
@@ -50,8 +51,8 @@ absl::Status WriteKeptKv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Ten
   if (auto s = CheckVectorisable(k_cache, k_cache.size(3)); !s.ok()) return s;
   return internal::CatchTorch("WriteKeptKv(cuda)", [&]() -> absl::Status {
     c10::cuda::CUDAGuard guard(k_cache.device());
-    auto kc = k.to(k_cache.scalar_type()).contiguous();
-    auto vc = v.to(k_cache.scalar_type()).contiguous();
+    auto kc = ToCacheDtype(k, k_cache).contiguous();
+    auto vc = ToCacheDtype(v, k_cache).contiguous();
     auto idx = kept_idx.contiguous();
     auto slots = slot_mapping.contiguous();
     const int64_t hkv = kc.size(0), n = kc.size(1), num_kept = idx.size(1);

@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -30,6 +31,7 @@
 #include "kernels/cuda/pdl.cuh"
 #include "kernels/cuda/rope.cuh"
 #include "kernels/fused_ops.h"
+#include "kernels/kv_cache_fp8.h"
 
 // Returns a failed status from the enclosing function (kernels/ does not depend on engine/'s
 // macros).
@@ -127,13 +129,14 @@ __global__ void AddRmsNormKernel(T* __restrict__ residual, const T* __restrict__
 // (copied).
 //   qkv: [N, (Hq + 2 Hkv) * D] with row stride qkv_stride; positions int64 [N]; inv_freq fp32 [D/2]
 //   q_out: [N, Hq, D]. k_out, v_out: [rows, Hkv, D] with row = slots[t] (skipped when negative),
-//   or row = t when slots is nullptr.
-template <typename T, int kVec>
+//   or row = t when slots is nullptr; of type C: T, or e4m3 for an FP8 cache (each element
+//   converted from its T value, saturating: kernels/kv_cache_fp8.h).
+template <typename T, typename C, int kVec>
 __global__ void RopeQkvKernel(const T* __restrict__ qkv, int64_t qkv_stride,
                               const int64_t* __restrict__ positions,
                               const float* __restrict__ inv_freq, int num_heads, int num_kv_heads,
                               int head_dim, const int64_t* __restrict__ slots,
-                              T* __restrict__ q_out, T* __restrict__ k_out, T* __restrict__ v_out) {
+                              T* __restrict__ q_out, C* __restrict__ k_out, C* __restrict__ v_out) {
   using P = Pack<T, kVec>;
   const int64_t t = blockIdx.x;
   const int h = blockIdx.y * blockDim.y + threadIdx.y;
@@ -146,23 +149,36 @@ __global__ void RopeQkvKernel(const T* __restrict__ qkv, int64_t qkv_stride,
   if (h >= num_heads + 2 * num_kv_heads) return;
   const T* src = qkv + t * qkv_stride + static_cast<int64_t>(h) * head_dim;
   P x1 = *reinterpret_cast<const P*>(src + j), x2 = *reinterpret_cast<const P*>(src + j + half);
-  T* dst;
-  if (h < num_heads) {
-    dst = q_out + (t * num_heads + h) * head_dim;
-  } else {
-    const int64_t row = slots != nullptr ? slots[t] : t;
-    if (row < 0) return;
-    const bool is_k = h < num_heads + num_kv_heads;
-    const int kv_head = h - num_heads - (is_k ? 0 : num_kv_heads);
-    dst = (is_k ? k_out : v_out) + (row * num_kv_heads + kv_head) * head_dim;
-  }
   if (h < num_heads + num_kv_heads) {
     const float position = static_cast<float>(positions[t]);
 #pragma unroll
     for (int k = 0; k < kVec; ++k) cuda::RotateHalfPair(x1.v[k], x2.v[k], position, freq[k]);
   }
-  *reinterpret_cast<P*>(dst + j) = x1;
-  *reinterpret_cast<P*>(dst + j + half) = x2;
+  if (h < num_heads) {
+    T* dst = q_out + (t * num_heads + h) * head_dim;
+    *reinterpret_cast<P*>(dst + j) = x1;
+    *reinterpret_cast<P*>(dst + j + half) = x2;
+    return;
+  }
+  const int64_t row = slots != nullptr ? slots[t] : t;
+  if (row < 0) return;
+  const bool is_k = h < num_heads + num_kv_heads;
+  const int kv_head = h - num_heads - (is_k ? 0 : num_kv_heads);
+  C* dst = (is_k ? k_out : v_out) + (row * num_kv_heads + kv_head) * head_dim;
+  if constexpr (std::is_same_v<C, T>) {
+    *reinterpret_cast<P*>(dst + j) = x1;
+    *reinterpret_cast<P*>(dst + j + half) = x2;
+  } else {
+    using CP = Pack<C, kVec>;  // kVec bytes of e4m3
+    CP y1, y2;
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) {
+      y1.v[k] = FromFloat<C>(ToFloat(x1.v[k]));
+      y2.v[k] = FromFloat<C>(ToFloat(x2.v[k]));
+    }
+    *reinterpret_cast<CP*>(dst + j) = y1;
+    *reinterpret_cast<CP*>(dst + j + half) = y2;
+  }
 }
 
 // grid-stride over the N * I / kVec packs of the output: out[n, i] = act(gate[n, i]) * up[n, i],
@@ -224,7 +240,7 @@ void LaunchAddRmsNorm(at::Tensor& residual, const at::Tensor& delta, const at::T
                                             stream, r, d, d_stride, w, o, hidden, eps));
 }
 
-template <typename T>
+template <typename T, typename C = T>
 void LaunchRopeQkv(const at::Tensor& qkv, const QkvGeometry& geo, const at::Tensor& positions,
                    const at::Tensor& inv_freq, const int64_t* slots, at::Tensor& q_out,
                    at::Tensor& k_out, at::Tensor& v_out) {
@@ -234,8 +250,8 @@ void LaunchRopeQkv(const at::Tensor& qkv, const QkvGeometry& geo, const at::Tens
   // Rows, heads and the halves of a head on 4-element boundaries (the outputs are contiguous).
   const bool vec = half % kVec == 0 && Aligned(qkv.data_ptr(), kVec * sizeof(T)) &&
                    qkv.stride(0) % kVec == 0 && Aligned(q_out.data_ptr(), kVec * sizeof(T)) &&
-                   Aligned(k_out.data_ptr(), kVec * sizeof(T)) &&
-                   Aligned(v_out.data_ptr(), kVec * sizeof(T));
+                   Aligned(k_out.data_ptr(), kVec * sizeof(C)) &&
+                   Aligned(v_out.data_ptr(), kVec * sizeof(C));
   const int threads_per_head = vec ? half / kVec : half;
   const int heads_per_cta = std::max(1, 256 / threads_per_head);
   const int64_t total_heads = geo.num_heads + 2 * geo.num_kv_heads;
@@ -248,10 +264,10 @@ void LaunchRopeQkv(const at::Tensor& qkv, const QkvGeometry& geo, const at::Tens
         static_cast<const T*>(qkv.data_ptr()), qkv.stride(0), positions.data_ptr<int64_t>(),
         inv_freq.data_ptr<float>(), static_cast<int>(geo.num_heads),
         static_cast<int>(geo.num_kv_heads), static_cast<int>(geo.head_dim), slots,
-        static_cast<T*>(q_out.data_ptr()), static_cast<T*>(k_out.data_ptr()),
-        static_cast<T*>(v_out.data_ptr()));
+        static_cast<T*>(q_out.data_ptr()), static_cast<C*>(k_out.data_ptr()),
+        static_cast<C*>(v_out.data_ptr()));
   };
-  C10_CUDA_CHECK(vec ? launch(RopeQkvKernel<T, kVec>) : launch(RopeQkvKernel<T, 1>));
+  C10_CUDA_CHECK(vec ? launch(RopeQkvKernel<T, C, kVec>) : launch(RopeQkvKernel<T, C, 1>));
 }
 
 template <typename T, GateActivation kAct>
@@ -378,7 +394,8 @@ absl::Status internal::CheckRopeWriteKvArgs(const QkvGeometry& geo, int64_t rows
     FUSED_RETURN_IF_ERROR(internal::CheckDim(*t, name, 4, "[num_blocks, block_size, Hkv, D]"));
     FUSED_RETURN_IF_ERROR(internal::CheckSize(*t, name, 2, geo.num_kv_heads, "Hkv"));
     FUSED_RETURN_IF_ERROR(internal::CheckSize(*t, name, 3, geo.head_dim, "D"));
-    FUSED_RETURN_IF_ERROR(CheckDtype(*t, name, dtype));
+    // qkv's dtype, or e4m3 (an FP8 cache, kernels/kv_cache_fp8.h).
+    if (t->scalar_type() != kFp8KvDtype) FUSED_RETURN_IF_ERROR(CheckDtype(*t, name, dtype));
     if (!t->is_contiguous() || t->device() != device)
       return absl::InvalidArgumentError(
           absl::StrCat(name, ": must be contiguous, on qkv's device"));
@@ -445,9 +462,16 @@ absl::StatusOr<at::Tensor> RopeWriteKv(const at::Tensor& qkv, const QkvGeometry&
     c10::cuda::CUDAGuard guard(qkv.device());
     auto q = at::empty({qkv.size(0), geo.num_heads, geo.head_dim}, qkv.options());
     if (qkv.size(0) == 0) return q;
+    const bool fp8 = IsFp8Cache(key_cache);
     FUSED_RETURN_IF_ERROR(DispatchDtype(qkv.scalar_type(), "RopeWriteKv", [&](auto x) {
-      LaunchRopeQkv<decltype(x)>(qkv, geo, positions, inv_freq, slots.data_ptr<int64_t>(), q,
-                                 key_cache, value_cache);
+      using T = decltype(x);
+      if (fp8) {
+        LaunchRopeQkv<T, __nv_fp8_e4m3>(qkv, geo, positions, inv_freq, slots.data_ptr<int64_t>(), q,
+                                        key_cache, value_cache);
+      } else {
+        LaunchRopeQkv<T>(qkv, geo, positions, inv_freq, slots.data_ptr<int64_t>(), q, key_cache,
+                         value_cache);
+      }
     }));
     return q;
   });

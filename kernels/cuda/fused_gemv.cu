@@ -12,6 +12,7 @@
 #include "kernels/check.h"
 #include "kernels/cuda/fused_gemv_params.h"
 #include "kernels/fused_gemv.h"
+#include "kernels/kv_cache_fp8.h"
 
 #define GEMV_RETURN_IF_ERROR(expr)               \
   do {                                           \
@@ -216,6 +217,7 @@ absl::StatusOr<at::Tensor> GemvRopeWriteKv(const at::Tensor& x, const at::Tensor
     p.rope.slots = slots.data_ptr<int64_t>();
     p.rope.key_cache = key_cache.data_ptr();
     p.rope.value_cache = value_cache.data_ptr();
+    p.rope.cache_fp8 = IsFp8Cache(key_cache) ? 1 : 0;
     p.rope.num_heads = static_cast<int>(geo.num_heads);
     p.rope.num_kv_heads = static_cast<int>(geo.num_kv_heads);
     p.rope.head_dim = static_cast<int>(geo.head_dim);

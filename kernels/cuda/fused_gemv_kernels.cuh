@@ -160,8 +160,15 @@ __device__ __forceinline__ void ReduceRopeAndStore(const Params& p, const float*
       if (slot < 0) continue;
       const bool is_k = head < e.num_heads + e.num_kv_heads;
       const int kv_head = head - e.num_heads - (is_k ? 0 : e.num_kv_heads);
-      dst = static_cast<T*>(is_k ? e.key_cache : e.value_cache) +
-            (slot * e.num_kv_heads + kv_head) * e.head_dim;
+      const int64_t offset = (slot * e.num_kv_heads + kv_head) * e.head_dim;
+      void* cache = is_k ? e.key_cache : e.value_cache;
+      if (e.cache_fp8) {  // the T values converted, as RopeWriteKv stores them
+        __nv_fp8_e4m3* dst8 = static_cast<__nv_fp8_e4m3*>(cache) + offset;
+        dst8[j] = FromFloat<__nv_fp8_e4m3>(ToFloat(x1));
+        dst8[j + half] = FromFloat<__nv_fp8_e4m3>(ToFloat(x2));
+        continue;
+      }
+      dst = static_cast<T*>(cache) + offset;
     }
     dst[j] = x1;
     dst[j + half] = x2;

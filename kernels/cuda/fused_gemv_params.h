@@ -24,6 +24,7 @@ struct RopeEpilogue {
   const int64_t* slots = nullptr;      // [M]: block * block_size + offset; negative: not stored
   void* key_cache = nullptr;           // [slots, Hkv, D]
   void* value_cache = nullptr;         // [slots, Hkv, D]
+  int cache_fp8 = 0;  // 1: the caches hold e4m3 (kernels/kv_cache_fp8.h), else the weight's dtype
   int num_heads = 0, num_kv_heads = 0;
   int head_dim = 0;  // 0: no epilogue; else a multiple of 16
 };

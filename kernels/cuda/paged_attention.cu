@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <map>
 #include <mutex>
+#include <type_traits>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -18,6 +19,7 @@
 #include "kernels/cuda/launchers.h"
 #include "kernels/cuda/paged_decode_kernels.cuh"
 #include "kernels/cuda/pdl.cuh"
+#include "kernels/kv_cache_fp8.h"
 
 namespace dropkv::kernels::cuda {
 namespace {
@@ -107,14 +109,14 @@ SplitPlan PlanSplits(const DecodeArgs& a, int64_t ctas_per_split, int occupancy,
 
 // Kernel parameters; `part` receives the partials' scratch (kept alive by the caller until the
 // launch is queued; none when there is one split).
-template <typename T>
-PagedDecodeParams<T> BaseParams(const DecodeArgs& a, int64_t rows_pad, int64_t num_chunks,
-                                const SplitPlan& plan, at::Tensor& part) {
+template <typename T, typename C = T>
+PagedDecodeParams<T, C> BaseParams(const DecodeArgs& a, int64_t rows_pad, int64_t num_chunks,
+                                   const SplitPlan& plan, at::Tensor& part) {
   const int64_t block_size = a.k_cache.size(1), hkv = a.k_cache.size(2), d = a.q.size(2);
-  PagedDecodeParams<T> pa{};
+  PagedDecodeParams<T, C> pa{};
   pa.q = reinterpret_cast<const T*>(a.q.data_ptr());
-  pa.k = reinterpret_cast<const T*>(a.k_cache.data_ptr());
-  pa.v = reinterpret_cast<const T*>(a.v_cache.data_ptr());
+  pa.k = reinterpret_cast<const C*>(a.k_cache.data_ptr());
+  pa.v = reinterpret_cast<const C*>(a.v_cache.data_ptr());
   pa.block_tables = a.block_tables.data_ptr<int32_t>();
   pa.seq_lens = a.seq_lens.data_ptr<int32_t>();
   pa.stride_slot = hkv * d;
@@ -156,64 +158,65 @@ int Occupancy(Kernel kernel, int threads, int smem, int max_smem) {
   return std::max(1, blocks);
 }
 
-// CUDA cores, RC query heads per CTA (row chunks in z).
-template <typename T, int D, int RC>
+// CUDA cores, RC query heads per CTA (row chunks in z); C: the cache's element type.
+template <typename T, int D, int RC, typename C = T>
 void LaunchCudaCores(const DecodeArgs& a) {
   const int64_t hkv = a.k_cache.size(2), g = a.q.size(1) / hkv, bh = a.q.size(0) * hkv;
   const int64_t num_chunks = (g + RC - 1) / RC, rows_pad = num_chunks * RC;
-  auto kernel = PagedDecodeKernel<T, D, RC>;
-  constexpr int base_smem = PagedDecodeSmemBytes<T, D, RC>();
+  auto kernel = PagedDecodeKernel<T, D, RC, C>;
+  constexpr int base_smem = PagedDecodeSmemBytes<C, D, RC>();
   static const int occupancy =
       Occupancy(kernel, kDecThreads, base_smem + 1024, base_smem + kDecMaxTableEntries * 4);
   const SplitPlan plan = PlanSplits(a, bh * num_chunks, occupancy, SplitRule::kCudaCores);
   at::Tensor part;
-  const PagedDecodeParams<T> pa = BaseParams<T>(a, rows_pad, num_chunks, plan, part);
+  const PagedDecodeParams<T, C> pa = BaseParams<T, C>(a, rows_pad, num_chunks, plan, part);
   const int smem = base_smem + pa.table_len * 4;
   const dim3 grid(bh, plan.splits, num_chunks);
   C10_CUDA_CHECK(
       LaunchMaybePdl(kernel, grid, kDecThreads, smem, at::cuda::getCurrentCUDAStream(), pa));
 }
 
-// Tensor cores: the g <= 16 query heads of a KV head in one m16 tile.
-template <typename T, int D, bool kHigh>
+// Tensor cores: the g <= 16 query heads of a KV head in one m16 tile; C: the cache's elements.
+template <typename T, int D, bool kHigh, typename C = T>
 void LaunchMma(const DecodeArgs& a) {
   const int64_t hkv = a.k_cache.size(2), g = a.q.size(1) / hkv, bh = a.q.size(0) * hkv;
-  auto kernel = PagedDecodeMmaKernel<T, D, kHigh>;
-  constexpr int base_smem = PagedDecodeMmaSmemBytes<T, D>();
+  auto kernel = PagedDecodeMmaKernel<T, D, kHigh, C>;
+  constexpr int base_smem = PagedDecodeMmaSmemBytes<T, D, C>();
   static const int occupancy =
       Occupancy(kernel, kDecMmaThreads, base_smem + 1024, base_smem + kDecMaxTableEntries * 4);
   const SplitPlan plan = PlanSplits(a, bh, occupancy, SplitRule::kTensorCores);
   at::Tensor part;
-  const PagedDecodeParams<T> pa = BaseParams<T>(a, g, 1, plan, part);
+  const PagedDecodeParams<T, C> pa = BaseParams<T, C>(a, g, 1, plan, part);
   const int smem = base_smem + pa.table_len * 4;
   C10_CUDA_CHECK(LaunchMaybePdl(kernel, dim3(bh, plan.splits), kDecMmaThreads, smem,
                                 at::cuda::getCurrentCUDAStream(), pa));
 }
 
-template <typename T, int D>
+template <typename T, int D, typename C = T>
 void DispatchRows(int64_t g, const DecodeArgs& a) {
+  // (An e4m3 cache too: the tensor-core kernel converts its slabs to T in shared memory.)
   if constexpr (sizeof(T) == 2 && D <= 128) {
-    return g > 8 ? LaunchMma<T, D, true>(a) : LaunchMma<T, D, false>(a);
+    return g > 8 ? LaunchMma<T, D, true, C>(a) : LaunchMma<T, D, false, C>(a);
   }
   // CUDA cores: rows per CTA = the group rounded up to a power of two, at most 8 (more: row
   // chunks in z).
-  if (g == 1) return LaunchCudaCores<T, D, 1>(a);
-  if (g == 2) return LaunchCudaCores<T, D, 2>(a);
-  if (g <= 4) return LaunchCudaCores<T, D, 4>(a);
-  return LaunchCudaCores<T, D, kDecMaxRows>(a);
+  if (g == 1) return LaunchCudaCores<T, D, 1, C>(a);
+  if (g == 2) return LaunchCudaCores<T, D, 2, C>(a);
+  if (g <= 4) return LaunchCudaCores<T, D, 4, C>(a);
+  return LaunchCudaCores<T, D, kDecMaxRows, C>(a);
 }
 
-template <typename T>
+template <typename T, typename C = T>
 absl::Status DispatchHeadDim(int64_t d, int64_t g, const DecodeArgs& a) {
   switch (d) {
     case 64:
-      DispatchRows<T, 64>(g, a);
+      DispatchRows<T, 64, C>(g, a);
       break;
     case 128:
-      DispatchRows<T, 128>(g, a);
+      DispatchRows<T, 128, C>(g, a);
       break;
     case 256:
-      DispatchRows<T, 256>(g, a);
+      DispatchRows<T, 256, C>(g, a);
       break;
     default:
       return absl::InvalidArgumentError(
@@ -229,15 +232,22 @@ absl::StatusOr<at::Tensor> PagedDecodeAttention(const at::Tensor& q_in, const at
                                                 const at::Tensor& block_tables_in,
                                                 const at::Tensor& seq_lens_in,
                                                 const PagedAttentionParams& params) {
-  const auto dtype = k_cache.scalar_type();
+  // q's dtype; the cache holds it too, or e4m3 (kernels/kv_cache_fp8.h).
+  const auto dtype = q_in.scalar_type();
   if (dtype != at::kFloat && dtype != at::kHalf && dtype != at::kBFloat16) {
     return absl::InvalidArgumentError(absl::StrCat(
         "PagedDecodeAttention on CUDA: dtype must be float32, float16 or bfloat16, got ",
         c10::toString(dtype)));
   }
-  if (q_in.scalar_type() != dtype) {
+  const bool fp8 = IsFp8Cache(k_cache);
+  if (k_cache.scalar_type() != dtype && !fp8) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "PagedDecodeAttention on CUDA: the cache must hold q's dtype or float8 e4m3, got ",
+        c10::toString(k_cache.scalar_type()), " for q in ", c10::toString(dtype)));
+  }
+  if (fp8 && dtype == at::kFloat) {
     return absl::InvalidArgumentError(
-        "PagedDecodeAttention on CUDA: q and the cache must share a dtype");
+        "PagedDecodeAttention on CUDA: a float8 e4m3 cache takes bf16 or fp16 queries, got fp32");
   }
   if (!k_cache.is_contiguous() || !v_cache.is_contiguous()) {
     return absl::InvalidArgumentError(
@@ -271,7 +281,13 @@ absl::StatusOr<at::Tensor> PagedDecodeAttention(const at::Tensor& q_in, const at
                           uploaded,
                           params.older_keys_ready,
                           out};
-    auto launch = [&](auto type_tag) { return DispatchHeadDim<decltype(type_tag)>(d, g, args); };
+    auto launch = [&](auto type_tag) {
+      using T = decltype(type_tag);
+      if constexpr (sizeof(T) == 2) {
+        if (fp8) return DispatchHeadDim<T, __nv_fp8_e4m3>(d, g, args);
+      }
+      return DispatchHeadDim<T>(d, g, args);
+    };
     const absl::Status st = dtype == at::kFloat  ? launch(float{})
                             : dtype == at::kHalf ? launch(__half{})
                                                  : launch(__nv_bfloat16{});

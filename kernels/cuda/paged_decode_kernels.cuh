@@ -32,6 +32,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/cuda/attention_common.cuh"
 #include "kernels/cuda/dropkv_score_warp.cuh"  // LdMatrixX4(Trans), Mma16816, PackPair
@@ -47,11 +48,13 @@ constexpr int kDecMaxTableEntries = 4096;    // block ids cached in shared memor
 constexpr float kDecLazyRescale = 8.f;       // base-2 units, see the softmax step
 constexpr int kDecMaxRows = 8;               // rows (query heads) per CTA; more go to blockIdx.z
 
-template <typename T>
+// T: q and out. C: the pool's elements, T or e4m3 (an FP8 cache, kernels/kv_cache_fp8.h: scale
+// 1.0, so an element's value is its float conversion).
+template <typename T, typename C = T>
 struct PagedDecodeParams {
   const T* q;                   // [B, Hkv, g, D] contiguous (= q [B, Hq, D])
-  const T* k;                   // pool [num_blocks, block_size, Hkv, D]
-  const T* v;                   // pool, same layout
+  const C* k;                   // pool [num_blocks, block_size, Hkv, D]
+  const C* v;                   // pool, same layout
   const int32_t* block_tables;  // [B, max_blocks]
   const int32_t* seq_lens;      // [B]
   int64_t stride_slot;          // Hkv * D elements between consecutive slots
@@ -91,8 +94,8 @@ __device__ __forceinline__ int ActiveSplits(int n, int split_len, int num_splits
 // (returned) and, when the CTA caches them (table_len > 0), the split's block ids from table_g into
 // table_s, read without knowing the length so that those loads overlap its (entries past it are
 // never used).
-template <typename T>
-__device__ __forceinline__ int LoadSplitMetadata(const PagedDecodeParams<T>& p, int b, int blk0,
+template <typename P>
+__device__ __forceinline__ int LoadSplitMetadata(const P& p, int b, int blk0,
                                                  const int32_t* table_g, int32_t* table_s,
                                                  int num_threads) {
   const int n = p.seq_lens[b];
@@ -119,9 +122,9 @@ __device__ __forceinline__ int LoadSplitMetadata(const PagedDecodeParams<T>& p, 
 // split counts are <= 16 at batch 1, so one round trip instead of two) needs 96 registers for
 // the loads: the CUDA-core kernel's 4-CTA register budget keeps 8.
 constexpr int kMergeChunk = 8;
-template <typename T, int D, int kThreads, int kChunk = kMergeChunk>
-__device__ __forceinline__ void MergeSplitsIfLast(const PagedDecodeParams<T>& p, int bh, int chunk,
-                                                  int row0, int rows, int num_active) {
+template <typename T, int D, int kThreads, int kChunk = kMergeChunk, typename C = T>
+__device__ __forceinline__ void MergeSplitsIfLast(const PagedDecodeParams<T, C>& p, int bh,
+                                                  int chunk, int row0, int rows, int num_active) {
   __shared__ int last_s;
   __threadfence();
   __syncthreads();
@@ -187,21 +190,22 @@ __device__ __forceinline__ void MergeSplitsIfLast(const PagedDecodeParams<T>& p,
 // Per-thread work shape. kElems head-dim elements per thread per key: 16 for 1-2 rows (half the
 // lanes per key, so the shuffle reduction and the redundant exp of a lane group cost half as much
 // per key), else 8: q and acc are RC x kElems registers each, and 4 rows x 16 measured 203
-// registers (2 CTAs per SM) against 128 (4 CTAs per SM) with 8.
-template <typename T, int RC>
+// registers (2 CTAs per SM) against 128 (4 CTAs per SM) with 8. An e4m3 cache (C of one byte)
+// always takes 16, one 16-byte copy (its kernel gets 2 CTAs per SM from 4 rows up).
+template <typename C, int RC>
 struct DecodeShape {
-  static constexpr int kElems = RC <= 2 ? 16 : 8;
-  static constexpr int kVecs = kElems * sizeof(T) / 16;  // 16-byte copies per row piece
+  static constexpr int kElems = RC <= 2 || sizeof(C) == 1 ? 16 : 8;
+  static constexpr int kVecs = kElems * sizeof(C) / 16;  // 16-byte copies per row piece
   static constexpr int kUnroll =                         // key steps per stage
       kDecStageBytesPerThread / (2 * 16 * kVecs) > 0 ? kDecStageBytesPerThread / (2 * 16 * kVecs)
                                                      : 1;
   static constexpr int kStageBytes = kUnroll * 2 * kVecs * 16 * kDecThreads;
 };
 
-// Shared memory of PagedDecodeKernel<T, D, RC> in bytes, without the block-id cache.
-template <typename T, int D, int RC>
+// Shared memory of PagedDecodeKernel<T, D, RC, C> in bytes, without the block-id cache.
+template <typename C, int D, int RC>
 constexpr int PagedDecodeSmemBytes() {
-  constexpr int ring = kDecStages * DecodeShape<T, RC>::kStageBytes;
+  constexpr int ring = kDecStages * DecodeShape<C, RC>::kStageBytes;
   constexpr int combine = kDecWarps * RC * (D + 2) * 4;
   return ring > combine ? ring : combine;
 }
@@ -210,10 +214,10 @@ constexpr int PagedDecodeSmemBytes() {
 // [chunk*RC, chunk*RC + RC) of KV head bh % Hkv of sequence bh / Hkv over keys
 // [s*split_len, min(n, (s+1)*split_len)) and writes the output itself when the sequence has one
 // split, else one partial (m, l, acc) per row and MergeSplitsIfLast.
-template <typename T, int D, int RC>
-__global__ void __launch_bounds__(kDecThreads, RC <= 4 ? 4 : 2)
-    PagedDecodeKernel(const PagedDecodeParams<T> p) {
-  using Shape = DecodeShape<T, RC>;
+template <typename T, int D, int RC, typename C = T>
+__global__ void __launch_bounds__(kDecThreads, RC <= 2 || (RC <= 4 && sizeof(C) > 1) ? 4 : 2)
+    PagedDecodeKernel(const PagedDecodeParams<T, C> p) {
+  using Shape = DecodeShape<C, RC>;
   constexpr int kElems = Shape::kElems;
   constexpr int kVecs = Shape::kVecs;
   constexpr int kUnroll = Shape::kUnroll;
@@ -224,12 +228,12 @@ __global__ void __launch_bounds__(kDecThreads, RC <= 4 ? 4 : 2)
   constexpr int kKeysPerStep = kKeysPerWarp * kDecWarps;
   constexpr int kKeysPerStage = kKeysPerStep * kUnroll;
   constexpr int kStageVecs = kUnroll * 2 * kVecs * kDecThreads;  // uint4 per stage
-  constexpr int kTypeVec = 16 / sizeof(T);                       // elements per 16 bytes
+  constexpr int kTypeVec = 16 / sizeof(C);                       // elements per 16 bytes
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   uint4* ring_s = reinterpret_cast<uint4*>(smem_raw);  // [stages][unroll][K|V][vecs][threads]
   int32_t* table_s =
-      reinterpret_cast<int32_t*>(smem_raw + PagedDecodeSmemBytes<T, D, RC>());  // [table_len]
+      reinterpret_cast<int32_t*>(smem_raw + PagedDecodeSmemBytes<C, D, RC>());  // [table_len]
 
   const int bh = blockIdx.x, split = blockIdx.y, chunk = blockIdx.z;
   const int b = bh / p.num_kv_heads, h = bh % p.num_kv_heads;
@@ -267,8 +271,8 @@ __global__ void __launch_bounds__(kDecThreads, RC <= 4 ? 4 : 2)
   // This thread's key slot in a step and its 8 columns.
   const int slot = warp * kKeysPerWarp + lane / kLanesPerKey;
   const int c0 = (lane % kLanesPerKey) * kElems;
-  const T* k_head = p.k + static_cast<int64_t>(h) * D + c0;
-  const T* v_head = p.v + static_cast<int64_t>(h) * D + c0;
+  const C* k_head = p.k + static_cast<int64_t>(h) * D + c0;
+  const C* v_head = p.v + static_cast<int64_t>(h) * D + c0;
   const int num_stages = (key_end - key_begin + kKeysPerStage - 1) / kKeysPerStage;
 
   auto issue = [&](int stage) {
@@ -328,7 +332,7 @@ __global__ void __launch_bounds__(kDecThreads, RC <= 4 ? 4 : 2)
   }
   union Piece {
     uint4 raw[kVecs];
-    T vals[kElems];
+    C vals[kElems];
   };
 
   for (int s = 0; s < num_stages; ++s) {
@@ -485,12 +489,15 @@ constexpr int kDecMmaThreads = 32 * kDecMmaWarps;
 // same at the best split count and slower at 2 CTAs per SM (2026-12-01).
 constexpr int kDecMmaStages = 3;
 
-// Shared memory of PagedDecodeMmaKernel<T, D> in bytes, without the block-id cache: Q rows, then
-// the warps' rings (reused by the warp merge at the end).
-template <typename T, int D>
+// Shared memory of PagedDecodeMmaKernel<T, D, kHigh, C> in bytes, without the block-id cache: Q
+// rows, then the warps' rings (reused by the warp merge at the end). An e4m3 cache: per warp one
+// T slab that the tensor cores read, then its ring of e4m3 slabs (2 x 16 rows of D bytes).
+template <typename T, int D, typename C = T>
 constexpr int PagedDecodeMmaSmemBytes() {
   constexpr int q = 16 * (D + kTcPad) * 2;
-  constexpr int ring = kDecMmaWarps * kDecMmaStages * 2 * kSlabKeys * (D + kTcPad) * 2;
+  constexpr int slab = 2 * kSlabKeys * (D + kTcPad) * 2;
+  constexpr int ring = sizeof(C) == 1 ? kDecMmaWarps * (slab + kDecMmaStages * 2 * kSlabKeys * D)
+                                      : kDecMmaWarps * kDecMmaStages * slab;
   constexpr int merge = kDecMmaWarps * 16 * (D + 2) * 4;
   return q + (ring > merge ? ring : merge);
 }
@@ -505,26 +512,37 @@ constexpr int PagedDecodeMmaSmemBytes() {
 // through ldmatrix.trans. kHigh: g > 8, rows 8..15 of the tile hold query heads too (else their
 // softmax is skipped and their P is 0). The 4 warps merge through shared memory; then the split
 // merge as above (the output directly when the sequence has one split).
-template <typename T, int D, bool kHigh>
+// C = e4m3 (an FP8 cache): the ring holds the e4m3 bytes (half the copies); after a slab lands,
+// each lane converts the pieces it copied into the warp's slab (E4m3x16To), a __syncwarp, and the
+// tensor cores read that slab as they read a bf16 / fp16 one. The products are then fp16 (M)
+// whatever T is: e4m3 -> fp16 is one cvt per pair (bf16 took four: the conversion, not the bytes,
+// bounded the kernel), every e4m3 value and every bf16 query in [2^-14, 65504] is an fp16 value
+// (queries are clamped there), and P rounds to fp16's 11 bits instead of bf16's 8.
+template <typename T, int D, bool kHigh, typename C = T>
 __global__ void __launch_bounds__(kDecMmaThreads, 3)
-    PagedDecodeMmaKernel(const PagedDecodeParams<T> p) {
+    PagedDecodeMmaKernel(const PagedDecodeParams<T, C> p) {
   constexpr int kWarps = kDecMmaWarps;
   constexpr int kThreads = kDecMmaThreads;
   constexpr int kStages = kDecMmaStages;
   constexpr int kLd = D + kTcPad;                  // row stride in elements: conflict-free ldmatrix
   constexpr int kSlabElems = 2 * kSlabKeys * kLd;  // K rows, then V rows
-  constexpr int kVecsPerRow = D / 8;               // 16-byte pieces of a key row
-  constexpr int kKeysPerCopy = 32 / kVecsPerRow;   // keys one warp-wide cp.async covers
-  constexpr int kCopies = kSlabKeys / kKeysPerCopy;  // per lane per slab, K and V each
-  constexpr int kNd = D / 8;                         // accumulator n-tiles
+  constexpr bool kFp8 = sizeof(C) == 1;
+  constexpr int kVecsPerRow = D / 8;                    // 16-byte pieces of a T row (Q)
+  constexpr int kCacheVecsPerRow = D * sizeof(C) / 16;  // 16-byte pieces of a cached key row
+  constexpr int kKeysPerCopy = 32 / kCacheVecsPerRow;   // keys one warp-wide cp.async covers
+  constexpr int kCopies = kSlabKeys / kKeysPerCopy;     // per lane per slab, K and V each
+  constexpr int kRingLd = kFp8 ? D : kLd;               // ring row stride in cache elements
+  constexpr int kRingSlabElems = 2 * kSlabKeys * kRingLd;
+  constexpr int kNd = D / 8;  // accumulator n-tiles
   constexpr int kHalves = kHigh ? 2 : 1;
   static_assert(sizeof(T) == 2 && (D == 64 || D == 128), "bf16 / fp16, head_dim 64 or 128");
+  using M = std::conditional_t<kFp8, __half, T>;  // the tensor cores' operand type
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  T* q_s = reinterpret_cast<T*>(smem_raw);              // [16, kLd]
-  T* ring_all = q_s + 16 * kLd;                         // [warps][stages][kSlabElems]
+  M* q_s = reinterpret_cast<M*>(smem_raw);              // [16, kLd]
+  M* ring_all = q_s + 16 * kLd;                         // [warps][stages][kSlabElems]
   float* merge_s = reinterpret_cast<float*>(ring_all);  // after the loop: [warps][16][D + 2]
   int32_t* table_s =
-      reinterpret_cast<int32_t*>(smem_raw + PagedDecodeMmaSmemBytes<T, D>());  // [table_len]
+      reinterpret_cast<int32_t*>(smem_raw + PagedDecodeMmaSmemBytes<T, D, C>());  // [table_len]
 
   const int bh = blockIdx.x, split = blockIdx.y;
   const int b = bh / p.num_kv_heads, h = bh % p.num_kv_heads;
@@ -549,13 +567,21 @@ __global__ void __launch_bounds__(kDecMmaThreads, 3)
   // kKeysPerCopy (each warp-wide copy covers whole rows: coalesced). Lane j < 16 looks up the
   // slot of key j of the slab once; the copies take it by shuffle. Slots fit in 32 bits: a pool
   // of 2^32 slots would not fit in device memory.
-  T* ring = ring_all + warp * kStages * kSlabElems;
-  const int c_lane = (lane % kVecsPerRow) * 8;
-  const int key_lane = lane / kVecsPerRow;
-  const T* k_head = p.k + static_cast<int64_t>(h) * D + c_lane;
-  const T* v_head = p.v + static_cast<int64_t>(h) * D + c_lane;
+  // T: the warp's ring of kStages T slabs. e4m3: `ring` is the warp's one fp16 slab and `ring8` its
+  // ring of e4m3 slabs.
+  M* ring = ring_all + warp * (kFp8 ? 1 : kStages) * kSlabElems;
+  C* ring8 = reinterpret_cast<C*>(ring_all + kWarps * kSlabElems) + warp * kStages * kRingSlabElems;
+  const int c_lane = (lane % kCacheVecsPerRow) * (16 / static_cast<int>(sizeof(C)));
+  const int key_lane = lane / kCacheVecsPerRow;
+  const C* k_head = p.k + static_cast<int64_t>(h) * D + c_lane;
+  const C* v_head = p.v + static_cast<int64_t>(h) * D + c_lane;
   auto issue = [&](int slab, int stage) {
-    T* dst = ring + stage * kSlabElems;
+    C* dst;
+    if constexpr (kFp8) {
+      dst = ring8 + stage * kRingSlabElems;
+    } else {
+      dst = ring + stage * kSlabElems;
+    }
     const int key0 = key_begin + slab * kSlabKeys;
     const int j_own = key0 + lane % kSlabKeys;
     uint32_t slot_own = 0;
@@ -572,8 +598,8 @@ __global__ void __launch_bounds__(kDecMmaThreads, 3)
       const uint32_t slot = __shfl_sync(0xffffffffu, slot_own, j);
       const bool valid = key0 + j < key_end;
       const int64_t off = static_cast<int64_t>(slot) * p.stride_slot;
-      CpAsync16(dst + j * kLd + c_lane, k_head + off, valid);
-      CpAsync16(dst + (kSlabKeys + j) * kLd + c_lane, v_head + off, valid);
+      CpAsync16(dst + j * kRingLd + c_lane, k_head + off, valid);
+      CpAsync16(dst + (kSlabKeys + j) * kRingLd + c_lane, v_head + off, valid);
     }
   };
   int slab = warp;
@@ -610,7 +636,20 @@ __global__ void __launch_bounds__(kDecMmaThreads, 3)
   const T* q_head = p.q + static_cast<int64_t>(bh) * g * D;
   for (int idx = tid; idx < 16 * kVecsPerRow; idx += kThreads) {
     const int r = idx / kVecsPerRow, c = (idx % kVecsPerRow) * 8;
-    CpAsync16(q_s + r * kLd + c, q_head + (r < g ? r * D + c : 0), r < g);
+    if constexpr (std::is_same_v<M, T>) {
+      CpAsync16(q_s + r * kLd + c, q_head + (r < g ? r * D + c : 0), r < g);
+    } else {  // bf16 queries as fp16 for an e4m3 cache (see above), stored by this thread
+      union {
+        uint4 raw;
+        M vals[8];
+      } out;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const float x = r < g ? ToFloat(q_head[r * D + c + e]) : 0.f;
+        out.vals[e] = FromFloat<M>(fminf(fmaxf(x, -65504.f), 65504.f));
+      }
+      *reinterpret_cast<uint4*>(q_s + r * kLd + c) = out.raw;
+    }
   }
   CpAsyncCommit();
   if (!kv_early) {
@@ -643,9 +682,26 @@ __global__ void __launch_bounds__(kDecMmaThreads, 3)
     if (ahead < num_slabs) issue(ahead, fill);
     CpAsyncCommit();
     CpAsyncWait<kStages - 1>();  // this lane's copies of `stage` have landed
-    __syncwarp();                // and every other lane's
-    const T* k_s = ring + stage * kSlabElems;
-    const T* v_s = k_s + kSlabKeys * kLd;
+    if constexpr (kFp8) {
+      // This lane's own pieces (landed: no barrier needed to read them) into the fp16 slab, whose
+      // previous contents every lane finished reading at the loop's last __syncwarp.
+      const C* src = ring8 + stage * kRingSlabElems;
+#pragma unroll
+      for (int i = 0; i < kCopies; ++i) {
+        const int j = key_lane + i * kKeysPerCopy;
+#pragma unroll
+        for (int kv = 0; kv < 2; ++kv) {
+          const int row = kv * kSlabKeys + j;
+          uint4 wide[2];
+          E4m3x16To<M>(*reinterpret_cast<const uint4*>(src + row * kRingLd + c_lane), wide);
+          *reinterpret_cast<uint4*>(ring + row * kLd + c_lane) = wide[0];
+          *reinterpret_cast<uint4*>(ring + row * kLd + c_lane + 8) = wide[1];
+        }
+      }
+    }
+    __syncwarp();  // every other lane's copies (T) or conversions (e4m3)
+    const M* k_s = kFp8 ? ring : ring + stage * kSlabElems;
+    const M* v_s = k_s + kSlabKeys * kLd;
     const int key0 = key_begin + slab * kSlabKeys;
 
     float sc[2][2][4];  // [chain (even / odd k-step)][key n-tile][fragment]
@@ -659,8 +715,8 @@ __global__ void __launch_bounds__(kDecMmaThreads, 3)
     for (int kk = 0; kk < D / 16; ++kk) {
       uint32_t kb[4];
       LdMatrixX4(kb, k_s + b_key * kLd + kk * 16 + b_col);
-      Mma16816<T>(sc[kk % 2][0], qa[kk], kb[0], kb[1]);
-      Mma16816<T>(sc[kk % 2][1], qa[kk], kb[2], kb[3]);
+      Mma16816<M>(sc[kk % 2][0], qa[kk], kb[0], kb[1]);
+      Mma16816<M>(sc[kk % 2][1], qa[kk], kb[2], kb[3]);
     }
     uint32_t pa[4] = {0u, 0u, 0u, 0u};  // P as A fragments: {nt0 row, nt0 row + 8, nt1 row, ..}
 #pragma unroll
@@ -692,13 +748,13 @@ __global__ void __launch_bounds__(kDecMmaThreads, 3)
         }
       }
       float sum = 0.f;
-      T pt[2][2];
+      M pt[2][2];
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const float prob = SoftmaxProb<ExpBase::k2>(sv[nt][e], m_row[half]);
-          pt[nt][e] = FromFloat<T>(prob);
+          pt[nt][e] = FromFloat<M>(prob);
           sum += ToFloat(pt[nt][e]);  // l sums the rounded p that P V uses
         }
       }
@@ -710,8 +766,8 @@ __global__ void __launch_bounds__(kDecMmaThreads, 3)
     for (int dp = 0; dp < D / 16; ++dp) {  // acc[:, 16 dp : 16 dp + 16] += P V
       uint32_t vb[4];
       LdMatrixX4Trans(vb, v_s + vt_key * kLd + dp * 16 + vt_col);
-      Mma16816<T>(acc[2 * dp], pa, vb[0], vb[1]);
-      Mma16816<T>(acc[2 * dp + 1], pa, vb[2], vb[3]);
+      Mma16816<M>(acc[2 * dp], pa, vb[0], vb[1]);
+      Mma16816<M>(acc[2 * dp + 1], pa, vb[2], vb[3]);
     }
     __syncwarp();  // every lane is done with `stage` before it is refilled
     stage = stage + 1 == kStages ? 0 : stage + 1;

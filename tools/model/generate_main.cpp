@@ -60,6 +60,8 @@ int main(int argc, char** argv) {
   app.add_option("--dtype", ro.dtype, "auto, float32, bfloat16, float16")->capture_default_str();
   app.add_option("--quantization", ro.quantization, "none, fp8 (projection weights in FP8 e4m3)")
       ->capture_default_str();
+  app.add_option("--kv-cache-dtype", ro.kv_cache_dtype, "auto, fp8 (the KV pool in FP8 e4m3)")
+      ->capture_default_str();
   app.add_option("--block-size", ro.block_size, "KV slots per block")->capture_default_str();
   app.add_flag("--json", json_out, "print one JSON object {token_ids, text} at the end");
   dropkv::CompressionParams cp;  // --method none (the default) = full cache
