@@ -696,8 +696,8 @@ class TorchModelRunner : public ModelRunner {
       const auto from_t = ToDeviceAsync(at::tensor(from, at::kLong), dev);
       const auto to_t = ToDeviceAsync(at::tensor(to, at::kLong), dev);
       for (const at::Tensor* cache : {&pool_->key_cache(), &pool_->value_cache()}) {
-        at::Tensor c = *cache;  // a handle on the pool's storage
-        c.index_copy_(0, to_t, c.index_select(0, from_t));
+        at::Tensor bytes = cache->view(at::kByte);  // the blocks' bytes, whatever the KV dtype
+        bytes.index_copy_(0, to_t, bytes.index_select(0, from_t));
       }
     }
     if (auto it = positions_.find(src); it != positions_.end()) positions_[dst] = it->second;

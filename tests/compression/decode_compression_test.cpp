@@ -50,11 +50,12 @@ class DecodeCompressionTest : public ::testing::Test {
     params_.decode_margin = 12;
   }
 
-  static std::unique_ptr<ModelRunner> MakeRunner() {
+  static std::unique_ptr<ModelRunner> MakeRunner(const std::string& kv_cache_dtype = "auto") {
     RunnerOptions ro;
     ro.model_dir = ModelDir();
     ro.device = "cpu";
     ro.dtype = "float32";
+    ro.kv_cache_dtype = kv_cache_dtype;
     ro.num_kv_blocks = 2048;
     ro.block_size = 16;
     auto runner = ModelRunner::Create(ro);
@@ -138,6 +139,36 @@ TEST_F(DecodeCompressionTest, LayersStayWithinBudgetAndAnEvictionEqualsItsDefini
 
   r.Release(1);
   bare->Release(1);
+  EXPECT_EQ(r.pool().num_free_blocks(), r.pool().num_blocks());
+}
+
+// Over an FP8 (e4m3) KV cache: the evictions keep every layer within its budget + margin, and a
+// fork (ModelRunner::ForkSequence, the kept-conversation copy) holds the same bytes: both sides
+// give the same next logits.
+TEST_F(DecodeCompressionTest, Fp8CacheEvictsAndForks) {
+  auto runner = MakeRunner("fp8");
+  ModelRunner& r = *runner;
+  auto logits = r.Prefill(1, prompt_, true, params_);
+  ASSERT_TRUE(logits.ok()) << logits.status();
+  const std::vector<SequenceId> seq = {1};
+  int32_t next = static_cast<int32_t>(logits->argmax().item<int64_t>());
+  for (int step = 1; step <= 24; ++step) {
+    auto out = r.Decode(seq, std::vector<int32_t>{next});
+    ASSERT_TRUE(out.ok()) << out.status();
+    next = static_cast<int32_t>((*out)[0].argmax().item<int64_t>());
+    const SequenceCacheInfo info = r.CacheInfo(1);
+    auto budgets =
+        compression::KeptTokensPerLayer(params_, r.config().num_layers, info.logical_len);
+    for (size_t l = 0; l < info.stored_len_per_layer.size(); ++l)
+      ASSERT_LE(info.stored_len_per_layer[l], (*budgets)[l] + params_.decode_margin);
+  }
+  EXPECT_GT(r.decode_compression_stats().num_evictions, 0);
+  ASSERT_TRUE(r.ForkSequence(1, 2).ok());
+  auto both = r.Decode(std::vector<SequenceId>{1, 2}, std::vector<int32_t>{next, next});
+  ASSERT_TRUE(both.ok());
+  EXPECT_TRUE(at::allclose((*both)[0], (*both)[1], 1e-5, 1e-4));
+  r.Release(1);
+  r.Release(2);
   EXPECT_EQ(r.pool().num_free_blocks(), r.pool().num_blocks());
 }
 
