@@ -16,7 +16,7 @@
 set -uo pipefail
 tests=(kernels_gpu_test fused_ops_gpu_test fused_gemv_gpu_test prefill_attention_gpu_test
        compression_press_gpu_test compression_decode_gpu_test runner_cuda_graph_test
-       model_gpu_parity_test fp8_gpu_test)
+       model_gpu_parity_test fp8_gpu_test kv_fp8_gpu_test)
 if [[ "${1:-}" == "--pack" ]]; then
   root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
   exec bash "$root/scripts/gpu_pack.sh" -B "${2:-$root/build-gpu-local}" \
