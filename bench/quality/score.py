@@ -46,6 +46,8 @@ def variant(r):
         v.append(f"W {r['window']}")
     if r.get("h2o_per_query") and r["method"].startswith("h2o"):
         v.append("per-query")
+    if r.get("protect_sinks") and r["method"] != "streaming_llm":
+        v.append(f"sinks {r.get('num_sinks', 4)}")
     return f" ({', '.join(v)})" if v else ""
 
 
