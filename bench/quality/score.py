@@ -8,7 +8,8 @@ checks that the two agree on every line it reads). Prints, per (task, length, fo
 as mean +- standard error with n for every (engine, method, keep), and the paired difference of
 each configuration against ours DropKV (uniform allocator) at the same keep (prompts matched by
 idx), with its standard error; |diff| > 2 s.e. is marked. A DepthKV allocator other than uniform
-is named in brackets after the method.
+is named in brackets after the method, and its row is paired against the same method and settings
+under the uniform allocator.
 
   python3 bench/quality/score.py ours.jsonl kvpress.jsonl [--reference dropkv]
 
@@ -81,10 +82,14 @@ def main():
             engine, method, keep, alloc = key
             scores = runs[key]
             m, se = mean_se(list(scores.values()))
-            # Paired against the reference under the uniform allocator (DepthKV rows included).
-            ref = runs.get(("dropkv", args.reference, keep, "uniform"))
+            # Paired against the reference under the uniform allocator; a DepthKV row (allocator
+            # other than uniform) against the same method and settings under uniform.
+            ref_key = ("dropkv", args.reference, keep, "uniform")
+            if alloc not in ("uniform", "-"):
+                ref_key = (engine, method, keep, "uniform")
+            ref = runs.get(ref_key)
             paired = ""
-            if ref is not None and key != ("dropkv", args.reference, keep, "uniform"):
+            if ref is not None and key != ref_key:
                 common = sorted(set(ref) & set(scores))
                 d = [scores[i] - ref[i] for i in common]
                 if d:
