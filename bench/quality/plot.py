@@ -49,6 +49,10 @@ def main():
     cols = min(3, len(panels))
     rows = (len(panels) + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.8 * rows), squeeze=False)
+    # One colour per label across panels.
+    labels = sorted({lab for c in cells.values() for (lab, _) in c
+                     if lab not in ("full", "kvpress full")})
+    colour = {lab: f"C{i % 10}" for i, lab in enumerate(labels)}
     for ax, key in zip(axes.flat, panels):
         runs = cells[key]
         full = [v for (label, _), v in runs.items() if label in ("full", "kvpress full")]
@@ -60,6 +64,7 @@ def main():
             pts = sorted(by_label[label])
             ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts],
                         marker="o", capsize=3, label=f"{label} (n {min(p[3] for p in pts)})",
+                        color=colour[label],
                         linestyle="--" if label.startswith("kvpress") else "-")
         if full:
             m, se = mean_se(list(full[0].values()))
