@@ -19,6 +19,9 @@ under its own context manager, kvpress's usual loop; also the check of the share
 Writes one JSON line per prompt and configuration in dropkv-quality-tasks's format (engine
 "kvpress"); score.py makes the tables.
 
+A press name may end in `:wN` (its own window, e.g. `snapkv:w64`, kvpress's default window) so
+that several windows share the one prefill.
+
   kvpress_tasks.py --model DIR --prompts P.jsonl --out R.jsonl [--keeps 0.1] [--window 8]
       [--presses full,snapkv,streaming_llm,knorm,observed_attention,tova,expected_attention,
        criticalkv,critical_adakv,adakv,pyramidkv] [--limit N] [--threads 1]
@@ -45,8 +48,19 @@ PRESSES = ["full", "snapkv", "streaming_llm", "knorm", "observed_attention", "to
            "expected_attention", "criticalkv", "critical_adakv", "adakv", "pyramidkv"]
 
 
-def make_press(name, cr, window):
+def split_window(spec, window):
+    """`snapkv:w64` -> ("snapkv", 64); a name without a suffix takes --window."""
+    name, _, suffix = spec.partition(":")
+    if suffix:
+        if not (suffix.startswith("w") and suffix[1:].isdigit()):
+            raise SystemExit(f"--presses: bad setting '{suffix}' in '{spec}' (only :wN)")
+        window = int(suffix[1:])
+    return name, window
+
+
+def make_press(spec, cr, window):
     """kvpress's press for compression ratio cr = 1 - keep; window-based presses use our W."""
+    name, window = split_window(spec, window)
     snap = lambda: SnapKVPress(compression_ratio=cr, window_size=window, kernel_size=5)
     if name == "snapkv":
         return snap()
@@ -154,9 +168,10 @@ def main():
     load = lambda impl: AutoModelForCausalLM.from_pretrained(
         args.model, dtype=torch.float32, attn_implementation=impl).eval()
     names = args.presses.split(",")
+    bases = [split_window(n, args.window)[0] for n in names]
     model = load("sdpa")
-    eager = load("eager") if "observed_attention" in names else None
-    if not args.separate and any(n in ("adakv", "critical_adakv") for n in names):
+    eager = load("eager") if "observed_attention" in bases else None
+    if not args.separate and any(n in ("adakv", "critical_adakv") for n in bases):
         raise SystemExit("--presses: adakv and critical_adakv need --separate")
     eos = model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [eos])
@@ -171,7 +186,7 @@ def main():
             if args.separate:
                 for name, keep in runs:
                     press = None if name == "full" else make_press(name, 1.0 - keep, args.window)
-                    m = eager if name == "observed_attention" else model
+                    m = eager if split_window(name, 8)[0] == "observed_attention" else model
                     gens[(name, keep)] = greedy(m, p["input_ids"], press, p["max_new_tokens"], eos)
             else:
                 # One prefill (eager when ObservedAttention needs the weights) for every press.
@@ -184,9 +199,10 @@ def main():
                 gens[("full", 1.0)] = full
             for name, keep in runs:
                 text = tok.decode(gens[(name, keep)], skip_special_tokens=True)
+                base, window = split_window(name, args.window)
                 f.write(json.dumps({
-                    "engine": "kvpress", "method": name, "keep": keep, "allocator": "uniform",
-                    "window": args.window, "task": p["task"], "length": p["length"],
+                    "engine": "kvpress", "method": base, "keep": keep, "allocator": "uniform",
+                    "window": window, "task": p["task"], "length": p["length"],
                     "idx": p["idx"], "format": p["format"], "num_tokens": p["num_tokens"],
                     "answers": p["answers"], "match": p["match"],
                     "score": answer_score(text, p["answers"], p["match"]),

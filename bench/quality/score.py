@@ -8,9 +8,14 @@ checks that the two agree on every line it reads). Prints, per (task, length, fo
 as mean +- standard error with n for every (engine, method, keep), and the paired difference of
 each configuration against ours DropKV (uniform allocator) at the same keep (prompts matched by
 idx), with its standard error; |diff| > 2 s.e. is marked. A DepthKV allocator other than uniform
-is named in brackets after the method.
+is named in brackets after the method, and its row is paired against the same method and settings
+under the uniform allocator.
 
   python3 bench/quality/score.py ours.jsonl kvpress.jsonl [--reference dropkv]
+
+--formats chat:raw adds, per (task, length), each configuration's paired difference between the
+two prompt formats (tasks.py builds the same needle for both from the same seed, so prompts are
+matched by idx).
 """
 import argparse
 import collections
@@ -46,6 +51,8 @@ def variant(r):
         v.append(f"W {r['window']}")
     if r.get("h2o_per_query") and r["method"].startswith("h2o"):
         v.append("per-query")
+    if r.get("protect_sinks") and r["method"] != "streaming_llm":
+        v.append(f"sinks {r.get('num_sinks', 4)}")
     return f" ({', '.join(v)})" if v else ""
 
 
@@ -53,6 +60,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("results", nargs="+")
     ap.add_argument("--reference", default="dropkv", help="our method the others are paired with")
+    ap.add_argument("--formats", default="", help="A:B = also pair format A against format B")
     args = ap.parse_args()
     cells = collections.defaultdict(dict)  # (task, length, format) -> (engine, method, keep) -> {idx: score}
     for path in args.results:
@@ -74,10 +82,14 @@ def main():
             engine, method, keep, alloc = key
             scores = runs[key]
             m, se = mean_se(list(scores.values()))
-            # Paired against the reference under the uniform allocator (DepthKV rows included).
-            ref = runs.get(("dropkv", args.reference, keep, "uniform"))
+            # Paired against the reference under the uniform allocator; a DepthKV row (allocator
+            # other than uniform) against the same method and settings under uniform.
+            ref_key = ("dropkv", args.reference, keep, "uniform")
+            if alloc not in ("uniform", "-"):
+                ref_key = (engine, method, keep, "uniform")
+            ref = runs.get(ref_key)
             paired = ""
-            if ref is not None and key != ("dropkv", args.reference, keep, "uniform"):
+            if ref is not None and key != ref_key:
                 common = sorted(set(ref) & set(scores))
                 d = [scores[i] - ref[i] for i in common]
                 if d:
@@ -89,6 +101,28 @@ def main():
                 name += f" [{alloc}]"
             keep_s = "1.00" if method in ("full", "none") else f"{keep:.2f}"
             print(f"| {name} | {keep_s} | {m:.3f} ± {se:.3f} | {len(scores)} | {paired} |")
+    if args.formats:
+        fa, fb = args.formats.split(":")
+        for (task, length) in sorted({(t, l) for t, l, _ in cells}):
+            a, b = cells.get((task, length, fa)), cells.get((task, length, fb))
+            if not a or not b:
+                continue
+            print(f"\n{task}, {length} tokens: {fa} against {fb} prompts (paired by idx)\n")
+            print(f"| method | keep | {fa} | {fb} | n | {fa} - {fb} |")
+            print("|---|---|---|---|---|---|")
+            for key in sorted(set(a) & set(b), key=lambda k: (k[2], k[0], k[1], k[3])):
+                common = sorted(set(a[key]) & set(b[key]))
+                if not common:
+                    continue
+                ma, sa = mean_se([a[key][i] for i in common])
+                mb, sb = mean_se([b[key][i] for i in common])
+                dm, dse = mean_se([a[key][i] - b[key][i] for i in common])
+                mark = " *" if abs(dm) > 2 * dse and dse > 0 else ""
+                name = key[1] if key[0] == "dropkv" else f"kvpress {key[1]}"
+                if key[3] not in ("uniform", "-"):
+                    name += f" [{key[3]}]"
+                print(f"| {name} | {key[2]:.2f} | {ma:.3f} ± {sa:.3f} | {mb:.3f} ± {sb:.3f} | "
+                      f"{len(common)} | {dm:+.3f} ({dse:.3f}){mark} |")
 
 
 if __name__ == "__main__":

@@ -24,12 +24,15 @@ one user turn through the model's chat template, then the answer prefix after th
 prompt).
 
 Usage: tasks.py --model DIR --lengths 1024,2048 --num 20 --format raw --out FILE.jsonl
-       [--tasks niah_number,...] [--seed 0]
+       [--tasks niah_number,...] [--seed 0] [--check-chat build/bin/dropkv-tokenize]
+(--check-chat: chat prompts are rendered by HF's apply_chat_template; this renders each one with
+our tokenizer's template as well and stops at the first difference.)
 """
 import argparse
 import json
 import random
 import string
+import subprocess
 import sys
 
 from transformers import AutoTokenizer
@@ -102,6 +105,7 @@ class Builder:
     def __init__(self, tok, fmt):
         self.tok = tok
         self.fmt = fmt
+        self.last_messages = None  # the chat of the last render (format chat)
 
     def count(self, text):
         return len(self.tok.encode(text, add_special_tokens=False))
@@ -111,6 +115,7 @@ class Builder:
             text = f"{context}\n\n{question}\n{prefix}"
             return self.tok.encode(text, add_special_tokens=True)
         msgs = [{"role": "user", "content": f"{context}\n\n{question}"}]
+        self.last_messages = msgs
         rendered = self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
         return self.tok.encode(rendered + prefix, add_special_tokens=False)
 
@@ -321,8 +326,8 @@ MAX_NEW = {"niah_number": 12, "niah_word": 8, "niah_uuid": 48, "mk_niah": 12, "m
            "mq_niah": 48, "vt": 30, "cwe": 50, "fwe": 20, "qa": 12}
 
 
-def generate(tok, fmt, task, length, rng):
-    b = Builder(tok, fmt)
+def generate(tok, fmt, task, length, rng, builder=None):
+    b = builder or Builder(tok, fmt)
     if task.startswith("niah_"):
         return niah(b, length, rng, task)
     return {"mk_niah": multi_key, "mv_niah": multi_value, "mq_niah": multi_query,
@@ -339,8 +344,12 @@ def main():
     ap.add_argument("--format", choices=["raw", "chat"], default="raw")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--check-chat", metavar="DROPKV_TOKENIZE",
+                    help="with --format chat: render every prompt's chat with our tokenizer too "
+                    "(dropkv-tokenize --chat --render) and stop unless it equals HF's render")
     args = ap.parse_args()
     tok = AutoTokenizer.from_pretrained(args.model)
+    checked = 0
     with open(args.out, "w") as f:
         for length in [int(x) for x in args.lengths.split(",")]:
             for task in args.tasks.split(","):
@@ -349,12 +358,25 @@ def main():
                 for i in range(args.num):
                     # One generator per prompt: a prompt does not change when --num grows.
                     rng = random.Random(f"{args.seed}-{task}-{length}-{i}")
-                    ids, answers, match = generate(tok, args.format, task, length, rng)
+                    b = Builder(tok, args.format)
+                    ids, answers, match = generate(tok, args.format, task, length, rng, b)
+                    if args.check_chat and args.format == "chat":
+                        ours = subprocess.run(
+                            [args.check_chat, "--tokenizer", args.model, "--chat", "--render"],
+                            input=json.dumps(b.last_messages) + "\n", capture_output=True,
+                            text=True, check=True).stdout
+                        hf = tok.apply_chat_template(b.last_messages, tokenize=False,
+                                                     add_generation_prompt=True)
+                        if json.loads(ours) != hf:
+                            sys.exit(f"{task} {length} {i}: our chat render differs from HF's")
+                        checked += 1
                     f.write(json.dumps({"task": task, "length": length, "idx": i,
                                         "format": args.format, "num_tokens": len(ids),
                                         "answers": answers, "match": match,
                                         "max_new_tokens": MAX_NEW[task],
                                         "input_ids": ids}) + "\n")
+    if args.check_chat and args.format == "chat":
+        print(f"our chat template render equals HF's on all {checked} prompts", file=sys.stderr)
 
 
 if __name__ == "__main__":

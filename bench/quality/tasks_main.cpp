@@ -1,6 +1,9 @@
 // dropkv-quality-tasks: accuracy of each press on the long-context tasks of tasks.py (issue 23).
 //   dropkv-quality-tasks --model DIR --prompts PROMPTS.jsonl [--methods full,dropkv,...]
 //       [--keeps 0.05,0.1,0.25] [--allocators uniform] [--out RESULTS.jsonl]
+// A method may carry settings of its own after colons, so that variants share the one prefill:
+// `dropkv:max21` (max-pool 21), `dropkv:avg5`, `dropkv:none` (no pooling), `snapkv:w16`
+// (window 16), `dropkv:sinks4` (never evict the first 4 tokens); unset ones come from the flags.
 // Each prompt is prefilled once with every press selecting from the same layer views
 // (task_eval.h), then every configuration decodes greedily from its own compressed copy. A
 // prompt's score is RULER's string match of its answers in the output (cut at EOS). Prints one
@@ -32,9 +35,52 @@ using dropkv::ScoreMethod;
 
 struct Config {
   std::string method, allocator;
+  std::string variant;  // the method's own settings as written after its name, "" if none
   double keep = 1;
   CompressionParams params;
 };
+
+// Applies `spec`'s settings after the method name ("dropkv:max21:w16") to `p`; returns the
+// method's name.
+absl::StatusOr<std::string> ApplyVariant(const std::string& spec, CompressionParams* p) {
+  std::vector<std::string> parts;
+  for (size_t b = 0, e; b <= spec.size(); b = e + 1) {
+    e = spec.find(':', b);
+    if (e == std::string::npos) e = spec.size();
+    parts.push_back(spec.substr(b, e - b));
+  }
+  auto number = [&](const std::string& tag, size_t prefix) -> absl::StatusOr<int> {
+    const std::string digits = tag.substr(prefix);
+    if (digits.empty() || digits.find_first_not_of("0123456789") != std::string::npos) {
+      return absl::InvalidArgumentError("--methods: bad setting '" + tag + "' in '" + spec + "'");
+    }
+    return std::stoi(digits);
+  };
+  for (size_t i = 1; i < parts.size(); ++i) {
+    const std::string& t = parts[i];
+    absl::StatusOr<int> n = absl::InvalidArgumentError("--methods: unknown setting '" + t +
+                                                       "' in '" + spec +
+                                                       "' (maxK, avgK, none, wN, sinksN)");
+    if (t == "none") {
+      p->pooling = dropkv::PoolingType::kNone;
+      continue;
+    } else if (t.rfind("max", 0) == 0) {
+      n = number(t, 3);
+      if (n.ok()) p->pooling = dropkv::PoolingType::kMax, p->pooling_kernel = *n;
+    } else if (t.rfind("avg", 0) == 0) {
+      n = number(t, 3);
+      if (n.ok()) p->pooling = dropkv::PoolingType::kAvg, p->pooling_kernel = *n;
+    } else if (t.rfind("sinks", 0) == 0) {
+      n = number(t, 5);
+      if (n.ok()) p->protect_sinks = true, p->num_sinks = *n;
+    } else if (t.rfind("w", 0) == 0) {
+      n = number(t, 1);
+      if (n.ok()) p->window = *n;
+    }
+    if (!n.ok()) return n.status();
+  }
+  return parts[0];
+}
 
 }  // namespace
 
@@ -91,28 +137,32 @@ int main(int argc, char** argv) {
       const int32_t num_layers = (*runner_or)->config().num_global_layers();
       for (const auto& m : methods) {
         if (m == "full") {
-          configs.push_back({m, "-", 1.0, CompressionParams{}});
+          configs.push_back({m, "-", "", 1.0, CompressionParams{}});
           continue;
         }
-        auto method = dropkv::ParseScoreMethod(m, "--methods");
+        CompressionParams base;
+        base.window = window;
+        base.pooling = *pooling_type;
+        base.pooling_kernel = pooling_kernel;
+        auto name = ApplyVariant(m, &base);
+        if (!name.ok()) return std::cerr << name.status() << "\n", 1;
+        auto method = dropkv::ParseScoreMethod(*name, "--methods");
         if (!method.ok()) return std::cerr << method.status() << "\n", 1;
+        const std::string variant = m.size() > name->size() ? m.substr(name->size() + 1) : "";
         for (double keep : keeps) {
           for (const auto& a : allocators) {
             auto alloc = dropkv::ParseBudgetAllocator(a, "--allocators");
             if (!alloc.ok()) return std::cerr << alloc.status() << "\n", 1;
-            CompressionParams p;
+            CompressionParams p = base;
             p.method = *method;
             p.allocator = *alloc;
             p.keep_ratio = keep;
             p.profile_path = profile;
-            p.window = window;
-            p.pooling = *pooling_type;
-            p.pooling_kernel = pooling_kernel;
             if (auto s = dropkv::compression::ValidateCompression(p, num_layers); !s.ok()) {
               std::cerr << m << " keep " << keep << " " << a << ": infeasible: " << s << "\n";
               continue;
             }
-            configs.push_back({m, a, keep, p});
+            configs.push_back({*name, a, variant, keep, p});
           }
         }
       }
@@ -154,9 +204,12 @@ int main(int argc, char** argv) {
                               {"method", configs[c].method},
                               {"keep", configs[c].keep},
                               {"allocator", configs[c].allocator},
-                              {"window", window},
-                              {"pooling", pooling},
-                              {"pooling_kernel", pooling_kernel},
+                              {"variant", configs[c].variant},
+                              {"window", configs[c].params.window},
+                              {"pooling", std::string(dropkv::PoolingTypeName(configs[c].params.pooling))},
+                              {"pooling_kernel", configs[c].params.pooling_kernel},
+                              {"protect_sinks", configs[c].params.protect_sinks},
+                              {"num_sinks", configs[c].params.num_sinks},
                               {"h2o_per_query", h2o_per_query},
                               {"task", p.task},
                               {"length", p.length},
@@ -182,7 +235,9 @@ int main(int argc, char** argv) {
       std::printf("|---|---|---|---|---|\n");
       for (size_t c = 0; c < configs.size(); ++c) {
         const auto s = dropkv::quality::Summarise(cell[c]);
-        std::printf("| %s | %.2f | %s | %.3f ± %.3f | %zu |\n", configs[c].method.c_str(),
+        const std::string name =
+            configs[c].method + (configs[c].variant.empty() ? "" : ":" + configs[c].variant);
+        std::printf("| %s | %.2f | %s | %.3f ± %.3f | %zu |\n", name.c_str(),
                     configs[c].keep, configs[c].allocator.c_str(), s.mean, s.se, cell[c].size());
       }
     }
