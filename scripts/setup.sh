@@ -30,7 +30,7 @@ apt_packages=(
   libgrpc++-dev libgrpc-dev protobuf-compiler protobuf-compiler-grpc libprotobuf-dev libabsl-dev
   libspdlog-dev libfmt-dev libgtest-dev libgmock-dev libbenchmark-dev prometheus-cpp-dev
   nlohmann-json3-dev libcli11-dev libboost-dev libssl-dev libyaml-cpp-dev libpcre2-dev libicu-dev libopenblas0-serial
-  clang libclang-rt-14-dev clang-format yamllint prometheus gnuplot-nox
+  clang libclang-rt-14-dev clang-format yamllint prometheus gnuplot-nox libgloo-dev
 )
 missing=()
 for p in "${apt_packages[@]}"; do
