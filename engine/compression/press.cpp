@@ -173,6 +173,9 @@ class Press final : public KvSelector {
 
     absl::StatusOr<at::Tensor> scores = Score(v, q, k, val, state, chunk_len);
     if (!scores.ok()) return scores.status();
+    if (v.reduce_scores) {
+      if (absl::Status s = v.reduce_scores(*scores); !s.ok()) return s;
+    }
 
     kernels::SelectParams sp;
     sp.pool = kernels::PoolType::kPoolTypeNone;

@@ -281,6 +281,44 @@ absl::StatusOr<WeightQuantization> ParseWeightQuantization(const std::string& na
       absl::StrCat("quantization: '", name, "' is not one of none, fp8"));
 }
 
+absl::StatusOr<TensorParallelLayout> PlanTensorParallel(const ModelConfig& c, int32_t rank,
+                                                        int32_t size) {
+  if (size < 1 || rank < 0 || rank >= size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor_parallel_size: rank ", rank, " out of a group of ", size));
+  }
+  const int32_t hq = c.num_heads, hkv = c.num_kv_heads;
+  if (hq % size != 0 || c.intermediate_size % size != 0 || (hkv % size != 0 && size % hkv != 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tensor_parallel_size: ", size, " does not divide this model (", hq, " query heads, ", hkv,
+        " KV heads, intermediate_size ", c.intermediate_size,
+        "): it must divide the query heads and the MLP width, and divide or be a multiple of the "
+        "KV heads"));
+  }
+  TensorParallelLayout t;
+  t.rank = rank;
+  t.size = size;
+  const int32_t hq_rank = hq / size;
+  t.q_head_begin = rank * hq_rank;
+  // Query head h reads KV head h / (hq / hkv).
+  t.kv_head_begin = t.q_head_begin / (hq / hkv);
+  t.kv_replicas = hkv >= size ? 1 : size / hkv;
+  t.inter_begin = rank * (c.intermediate_size / size);
+  t.vocab_chunk = (c.vocab_size + size - 1) / size;
+  t.vocab_begin = std::min<int64_t>(rank * t.vocab_chunk, c.vocab_size);
+  t.vocab_rows = std::min<int64_t>(t.vocab_chunk, c.vocab_size - t.vocab_begin);
+  if (c.vocab_size - (size - 1) * t.vocab_chunk <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("tensor_parallel_size: ", size,
+                                                   " ranks leave one without vocabulary rows of ",
+                                                   c.vocab_size));
+  }
+  t.shard = c;
+  t.shard.num_heads = hq_rank;
+  t.shard.num_kv_heads = std::max(1, hkv / size);
+  t.shard.intermediate_size = c.intermediate_size / size;
+  return t;
+}
+
 std::string SupportedArchitectures() {
   std::string s;
   for (const auto& f : kFamilies)

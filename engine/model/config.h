@@ -41,13 +41,14 @@ enum class CheckpointQuantMethod {
 struct RopeParams {
   RopeType type = RopeType::kDefault;
   double theta = 10000.0;
-  double factor = 1.0;                           // linear / dynamic / llama3 / yarn
-  double low_freq_factor = 1.0;                  // llama3
-  double high_freq_factor = 4.0;                 // llama3
-  int64_t original_max_position_embeddings = 0;  // llama3 / dynamic / yarn (0 = max_position_embeddings)
-  double beta_fast = 32.0;                       // yarn
-  double beta_slow = 1.0;                        // yarn
-  bool truncate = true;                          // yarn: integer correction range
+  double factor = 1.0;            // linear / dynamic / llama3 / yarn
+  double low_freq_factor = 1.0;   // llama3
+  double high_freq_factor = 4.0;  // llama3
+  // llama3 / dynamic / yarn (0 = max_position_embeddings)
+  int64_t original_max_position_embeddings = 0;
+  double beta_fast = 32.0;  // yarn
+  double beta_slow = 1.0;   // yarn
+  bool truncate = true;     // yarn: integer correction range
   // yarn: HF multiplies cos and sin by it; here it scales the attention logits by its square
   // instead (the same scores; the fused RoPE kernels need no extra input).
   double attention_factor = 1.0;
@@ -112,6 +113,31 @@ struct ModelConfig {
     return f * f / std::sqrt(base);
   }
 };
+
+// One rank's part of a model split over `size` ranks (tensor parallelism, Megatron style): the
+// query heads, the MLP width and the vocabulary divided; the KV heads divided too, or, with fewer
+// KV heads than ranks, a copy on each rank of the one its query heads read.
+struct TensorParallelLayout {
+  int32_t rank = 0;
+  int32_t size = 1;
+  int32_t q_head_begin = 0;   // this rank's first query head (global numbering)
+  int32_t kv_head_begin = 0;  // this rank's first KV head
+  int32_t kv_replicas = 1;    // ranks holding a copy of each of this rank's KV heads
+  int64_t inter_begin = 0;    // this rank's first MLP column
+  // Vocabulary rows [vocab_begin, vocab_begin + vocab_rows) of the embedding and the LM head;
+  // every rank's slice is padded to vocab_chunk rows for the logits' all-gather.
+  int64_t vocab_begin = 0;
+  int64_t vocab_rows = 0;
+  int64_t vocab_chunk = 0;
+  // The config this rank's shard runs with: num_heads, num_kv_heads and intermediate_size are
+  // the rank's own (vocab_size and hidden_size stay the model's).
+  ModelConfig shard;
+};
+
+// The layout of rank `rank` of `size`; INVALID_ARGUMENT naming tensor_parallel_size when the heads
+// or the MLP width do not divide.
+absl::StatusOr<TensorParallelLayout> PlanTensorParallel(const ModelConfig& config, int32_t rank,
+                                                        int32_t size);
 
 // The supported `architectures` / `model_type` values, for error messages.
 std::string SupportedArchitectures();

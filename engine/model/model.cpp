@@ -20,6 +20,7 @@
 #include "engine/model/fp8.h"
 #include "engine/model/log.h"
 #include "engine/model/safetensors.h"
+#include "engine/parallel/communicator.h"
 #include "kernels/cpu_gemv.h"
 #include "kernels/fused_gemv.h"
 #include "kernels/fused_ops.h"
@@ -35,7 +36,32 @@ struct WeightSpec {
   at::Tensor* dst;
   bool required = true;
   at::Tensor* scale = nullptr;  // projections: where FP8 scales go (they alone may be FP8)
+  // Tensor parallelism: this rank keeps [shard_begin, shard_begin + shard_len) along shard_dim
+  // (0: output rows, column-parallel; 1: input columns, row-parallel); -1: the whole tensor.
+  int shard_dim = -1;
+  int64_t shard_begin = 0;
+  int64_t shard_len = 0;
 };
+
+// The rank's shard of a tensor read or drawn whole (contiguous: the full one can go).
+at::Tensor ShardOf(const at::Tensor& t, const WeightSpec& spec) {
+  if (spec.shard_dim < 0) return t;
+  return t.narrow(spec.shard_dim, spec.shard_begin, spec.shard_len).contiguous();
+}
+
+// The FP8 scales [out, G] of a sharded projection: rows with the weight's rows; per-channel
+// scales (G = 1) stay whole for a column shard, block scales take the blocks of its columns.
+absl::StatusOr<at::Tensor> ShardScales(const at::Tensor& s, const WeightSpec& spec,
+                                       int64_t group_k) {
+  if (spec.shard_dim == 0) return ShardOf(s, spec);
+  if (spec.shard_dim != 1 || s.size(1) == 1) return s;
+  if (group_k <= 0 || spec.shard_begin % group_k != 0 || spec.shard_len % group_k != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tensor_parallel_size: tensor '", spec.hf_name, "' has FP8 scale blocks of ", group_k,
+        " columns, which do not divide this rank's ", spec.shard_len, " columns"));
+  }
+  return s.narrow(1, spec.shard_begin / group_k, spec.shard_len / group_k).contiguous();
+}
 
 std::string ShapeStr(at::IntArrayRef s) {
   return absl::StrCat("[", absl::StrJoin(s, ", "), "]");
@@ -244,14 +270,16 @@ at::Device Model::device() const {
 
 absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& model_dir,
                                                    const ModelConfig& c, at::Device device,
-                                                   at::ScalarType dtype, WeightQuantization quant) {
-  return LoadOrDraw(model_dir, c, device, dtype, std::nullopt, quant);
+                                                   at::ScalarType dtype, WeightQuantization quant,
+                                                   Communicator* comm) {
+  return LoadOrDraw(model_dir, c, device, dtype, std::nullopt, quant, comm);
 }
 
 absl::StatusOr<std::unique_ptr<Model>> Model::CreateRandom(const ModelConfig& c, at::Device device,
                                                            at::ScalarType dtype, uint64_t seed,
-                                                           WeightQuantization quant) {
-  return LoadOrDraw("", c, device, dtype, seed, quant);
+                                                           WeightQuantization quant,
+                                                           Communicator* comm) {
+  return LoadOrDraw("", c, device, dtype, seed, quant, comm);
 }
 
 bool Model::fp8_weights() const {
@@ -329,12 +357,13 @@ void Model::FuseProjections(Layer& l) {
   }
 }
 
-absl::StatusOr<std::unique_ptr<Model>> Model::LoadOrDraw(const std::string& model_dir,
-                                                         const ModelConfig& c, at::Device device,
-                                                         at::ScalarType dtype,
-                                                         std::optional<uint64_t> random_seed,
-                                                         WeightQuantization quant) {
-  std::unique_ptr<Model> m(new Model(c, dtype));
+absl::StatusOr<std::unique_ptr<Model>> Model::LoadOrDraw(
+    const std::string& model_dir, const ModelConfig& c, at::Device device, at::ScalarType dtype,
+    std::optional<uint64_t> random_seed, WeightQuantization quant, Communicator* comm) {
+  ASSIGN_OR_RETURN(const TensorParallelLayout tp,
+                   comm == nullptr ? PlanTensorParallel(c, 0, 1)
+                                   : PlanTensorParallel(c, comm->rank(), comm->size()));
+  std::unique_ptr<Model> m(new Model(tp, dtype, comm));
   std::unique_ptr<SafetensorsFolder> folder;
   if (!random_seed) {
     ASSIGN_OR_RETURN(folder, SafetensorsFolder::Open(model_dir));
@@ -347,9 +376,25 @@ absl::StatusOr<std::unique_ptr<Model>> Model::LoadOrDraw(const std::string& mode
   // norms around attention and MLP (Gemma 2/3: post_attention_layernorm is on the attention
   // output and pre_feedforward_layernorm before the MLP).
   std::vector<WeightSpec> table;
-  table.push_back({"model.embed_tokens.weight", {c.vocab_size, h}, &m->embed_});
+  // This rank's slices (the whole tensors at one rank): query and KV head rows, MLP columns,
+  // vocabulary rows.
+  const ModelConfig& shard = tp.shard;
+  const int64_t q_begin = int64_t{tp.q_head_begin} * c.head_dim, q_len = shard.q_size();
+  const int64_t kv_begin = int64_t{tp.kv_head_begin} * c.head_dim, kv_len = shard.kv_size();
+  const int64_t inter_begin = tp.inter_begin, inter_len = shard.intermediate_size;
+  auto sharded = [&](WeightSpec spec, int dim, int64_t begin, int64_t len) {
+    if (tp.size > 1) {
+      spec.shard_dim = dim;
+      spec.shard_begin = begin;
+      spec.shard_len = len;
+    }
+    table.push_back(std::move(spec));
+  };
+  sharded({"model.embed_tokens.weight", {c.vocab_size, h}, &m->embed_}, 0, tp.vocab_begin,
+          tp.vocab_rows);
   table.push_back({"model.norm.weight", {h}, &m->final_norm_});
-  table.push_back({"lm_head.weight", {c.vocab_size, h}, &m->lm_head_, !c.tie_word_embeddings});
+  sharded({"lm_head.weight", {c.vocab_size, h}, &m->lm_head_, !c.tie_word_embeddings}, 0,
+          tp.vocab_begin, tp.vocab_rows);
   for (int32_t i = 0; i < c.num_layers; ++i) {
     Layer& l = m->layers_[i];
     const std::string p = absl::StrCat("model.layers.", i, ".");
@@ -365,23 +410,32 @@ absl::StatusOr<std::unique_ptr<Model>> Model::LoadOrDraw(const std::string& mode
       table.push_back({p + "self_attn.q_norm.weight", {c.head_dim}, &l.q_norm});
       table.push_back({p + "self_attn.k_norm.weight", {c.head_dim}, &l.k_norm});
     }
-    table.push_back({p + "self_attn.q_proj.weight", {c.q_size(), h}, &l.q_w, true, &l.q_s});
-    table.push_back({p + "self_attn.k_proj.weight", {c.kv_size(), h}, &l.k_w, true, &l.k_s});
-    table.push_back({p + "self_attn.v_proj.weight", {c.kv_size(), h}, &l.v_w, true, &l.v_s});
-    table.push_back({p + "self_attn.o_proj.weight", {h, c.q_size()}, &l.o_w, true, &l.o_s});
-    table.push_back({p + "mlp.gate_proj.weight", {inter, h}, &l.gate_w, true, &l.gate_s});
-    table.push_back({p + "mlp.up_proj.weight", {inter, h}, &l.up_w, true, &l.up_s});
-    table.push_back({p + "mlp.down_proj.weight", {h, inter}, &l.down_w, true, &l.down_s});
+    // Column-parallel (output rows): q, k, v, gate, up; row-parallel (input columns): o, down,
+    // whose biases are added once after the all-reduce.
+    sharded({p + "self_attn.q_proj.weight", {c.q_size(), h}, &l.q_w, true, &l.q_s}, 0, q_begin,
+            q_len);
+    sharded({p + "self_attn.k_proj.weight", {c.kv_size(), h}, &l.k_w, true, &l.k_s}, 0, kv_begin,
+            kv_len);
+    sharded({p + "self_attn.v_proj.weight", {c.kv_size(), h}, &l.v_w, true, &l.v_s}, 0, kv_begin,
+            kv_len);
+    sharded({p + "self_attn.o_proj.weight", {h, c.q_size()}, &l.o_w, true, &l.o_s}, 1, q_begin,
+            q_len);
+    sharded({p + "mlp.gate_proj.weight", {inter, h}, &l.gate_w, true, &l.gate_s}, 0, inter_begin,
+            inter_len);
+    sharded({p + "mlp.up_proj.weight", {inter, h}, &l.up_w, true, &l.up_s}, 0, inter_begin,
+            inter_len);
+    sharded({p + "mlp.down_proj.weight", {h, inter}, &l.down_w, true, &l.down_s}, 1, inter_begin,
+            inter_len);
     if (c.attention_bias) {
-      table.push_back({p + "self_attn.q_proj.bias", {c.q_size()}, &l.q_b});
-      table.push_back({p + "self_attn.k_proj.bias", {c.kv_size()}, &l.k_b});
-      table.push_back({p + "self_attn.v_proj.bias", {c.kv_size()}, &l.v_b});
+      sharded({p + "self_attn.q_proj.bias", {c.q_size()}, &l.q_b}, 0, q_begin, q_len);
+      sharded({p + "self_attn.k_proj.bias", {c.kv_size()}, &l.k_b}, 0, kv_begin, kv_len);
+      sharded({p + "self_attn.v_proj.bias", {c.kv_size()}, &l.v_b}, 0, kv_begin, kv_len);
       if (c.family != ModelFamily::kQwen2)
         table.push_back({p + "self_attn.o_proj.bias", {h}, &l.o_b});
     }
     if (c.mlp_bias) {
-      table.push_back({p + "mlp.gate_proj.bias", {inter}, &l.gate_b});
-      table.push_back({p + "mlp.up_proj.bias", {inter}, &l.up_b});
+      sharded({p + "mlp.gate_proj.bias", {inter}, &l.gate_b}, 0, inter_begin, inter_len);
+      sharded({p + "mlp.up_proj.bias", {inter}, &l.up_b}, 0, inter_begin, inter_len);
       table.push_back({p + "mlp.down_proj.bias", {h}, &l.down_b});
     }
   }
@@ -393,11 +447,12 @@ absl::StatusOr<std::unique_ptr<Model>> Model::LoadOrDraw(const std::string& mode
       if (device.is_cuda()) at::manual_seed(*random_seed);
       for (const auto& spec : table) {
         if (!spec.required) continue;
-        *spec.dst = at::empty(spec.shape, at::TensorOptions().device(device).dtype(dtype));
+        at::Tensor t = at::empty(spec.shape, at::TensorOptions().device(device).dtype(dtype));
         if (device.is_cuda())
-          spec.dst->normal_(0.0, 0.02);
+          t.normal_(0.0, 0.02);
         else
-          spec.dst->normal_(0.0, 0.02, gen);
+          t.normal_(0.0, 0.02, gen);
+        *spec.dst = ShardOf(t, spec);
       }
       table.clear();
     }
@@ -423,13 +478,14 @@ absl::StatusOr<std::unique_ptr<Model>> Model::LoadOrDraw(const std::string& mode
               absl::StrCat(file->path(), ": tensor '", spec.hf_name,
                            "' is FP8; only the projection weights may be"));
         }
-        ASSIGN_OR_RETURN(*spec.scale,
+        ASSIGN_OR_RETURN(at::Tensor scales,
                          ReadFp8Scales(*folder, c, spec.hf_name, spec.shape, &m->fp8_group_k_));
-        *spec.dst = t.to(device);
-        *spec.scale = spec.scale->to(device);
+        ASSIGN_OR_RETURN(scales, ShardScales(scales, spec, m->fp8_group_k_));
+        *spec.dst = ShardOf(t, spec).to(device);
+        *spec.scale = scales.to(device);
         continue;
       }
-      *spec.dst = t.to(device, dtype);
+      *spec.dst = ShardOf(t, spec).to(device, dtype);
     }
     if (quant == WeightQuantization::kFp8) {
       for (auto& l : m->layers_) {
@@ -469,7 +525,11 @@ absl::StatusOr<std::unique_ptr<Model>> Model::LoadOrDraw(const std::string& mode
   LogInfo(absl::StrCat("model: loaded ", c.model_type, " (", c.num_layers, " layers, hidden ",
                        c.hidden_size, ", heads ", c.num_heads, "/", c.num_kv_heads, ", head_dim ",
                        c.head_dim, ") on ", device.str(), " as ", c10::toString(dtype),
-                       m->fp8_weights() ? ", projections in FP8 e4m3" : ""));
+                       m->fp8_weights() ? ", projections in FP8 e4m3" : "",
+                       tp.size > 1
+                           ? absl::StrCat(", tensor-parallel rank ", tp.rank, " of ", tp.size,
+                                          " (heads ", shard.num_heads, "/", shard.num_kv_heads, ")")
+                           : ""));
   return m;
 }
 
@@ -591,7 +651,7 @@ absl::StatusOr<at::Tensor> Model::Forward(const at::Tensor& tokens, const at::Te
   try {
     const auto& c = config_;
     const int64_t n = tokens.size(0);
-    at::Tensor x = at::embedding(embed_, tokens);  // [N, hidden]
+    at::Tensor x = Embed(tokens);  // [N, hidden]
     if (c.gemma_norms()) {
       // HF rounds sqrt(hidden) to the model dtype first.
       x = x * at::scalar_tensor(std::sqrt(static_cast<double>(c.hidden_size)), x.options());
@@ -645,8 +705,10 @@ absl::StatusOr<at::Tensor> Model::Forward(const at::Tensor& tokens, const at::Te
       }
       ASSIGN_OR_RETURN(at::Tensor attn, backend.Attend(i, heads.q, heads.k, heads.v));
       // [N, hidden]
+      const at::Tensor& o_b = comm_ != nullptr ? at::Tensor() : l.o_b;
       ASSIGN_OR_RETURN(at::Tensor o,
-                       project(attn.reshape({n, c.q_size()}), l.o_w, l.o_s, l.o_b, gemv.o));
+                       project(attn.reshape({n, c.q_size()}), l.o_w, l.o_s, o_b, gemv.o));
+      if (comm_ != nullptr) o = ReduceRowParallel(std::move(o), l.o_b);
       if (c.sandwich_norms) o = Norm(o, l.attn_out_norm);
       if (observer != nullptr && *observer) (*observer)(i, o);
       // [N, 2 inter]
@@ -661,7 +723,9 @@ absl::StatusOr<at::Tensor> Model::Forward(const at::Tensor& tokens, const at::Te
         gate = act == kernels::GateActivation::kSilu ? at::silu(gate) : at::gelu(gate, "tanh");
         gated = gate * gate_up.narrow(1, inter, inter);
       }
-      ASSIGN_OR_RETURN(delta, project(gated, l.down_w, l.down_s, l.down_b, gemv.down));
+      const at::Tensor& down_b = comm_ != nullptr ? at::Tensor() : l.down_b;
+      ASSIGN_OR_RETURN(delta, project(gated, l.down_w, l.down_s, down_b, gemv.down));
+      if (comm_ != nullptr) delta = ReduceRowParallel(std::move(delta), l.down_b);
       if (c.sandwich_norms) delta = Norm(delta, l.mlp_out_norm);
     }
     return AddNorm(x, delta, final_norm_, fused);
@@ -670,8 +734,36 @@ absl::StatusOr<at::Tensor> Model::Forward(const at::Tensor& tokens, const at::Te
   }
 }
 
+at::Tensor Model::Embed(const at::Tensor& tokens) const {
+  if (comm_ == nullptr) return at::embedding(embed_, tokens);
+  at::Tensor local = tokens - tp_.vocab_begin;
+  at::Tensor mine = local.ge(0).logical_and(local.lt(tp_.vocab_rows));
+  at::Tensor x = at::embedding(embed_, local.clamp(0, std::max<int64_t>(tp_.vocab_rows - 1, 0)));
+  x.mul_(mine.unsqueeze(1).to(x.scalar_type()));
+  return ReduceRowParallel(std::move(x), at::Tensor());
+}
+
+at::Tensor Model::ReduceRowParallel(at::Tensor y, const at::Tensor& bias) const {
+  if (!y.is_contiguous()) y = y.contiguous();
+  if (absl::Status s = comm_->AllReduceSum(y); !s.ok()) throw std::runtime_error(s.ToString());
+  if (bias.defined()) y.add_(bias);
+  return y;
+}
+
 at::Tensor Model::Logits(const at::Tensor& hidden) const {
   at::Tensor logits = Linear(hidden, lm_head_, at::Tensor()).to(at::kFloat);
+  if (comm_ != nullptr) {
+    // Each rank's vocabulary rows, padded to one size, gathered and laid side by side.
+    const int64_t n = logits.size(0);
+    if (tp_.vocab_rows < tp_.vocab_chunk)
+      logits = at::constant_pad_nd(logits, {0, tp_.vocab_chunk - tp_.vocab_rows});
+    auto gathered = comm_->AllGather(logits);  // [size, N, chunk]
+    if (!gathered.ok()) throw std::runtime_error(gathered.status().ToString());
+    logits = gathered->permute({1, 0, 2})
+                 .reshape({n, tp_.size * tp_.vocab_chunk})
+                 .narrow(1, 0, config_.vocab_size)
+                 .contiguous();
+  }
   if (const double cap = config_.final_logit_softcapping; cap > 0) {
     logits = at::tanh(logits / cap) * cap;
   }

@@ -18,6 +18,8 @@
 
 namespace dropkv {
 
+class Communicator;
+
 // Where a layer's attention reads and writes K/V.
 class AttentionBackend {
  public:
@@ -60,17 +62,25 @@ class Model {
   // Loads DIR's safetensors per `config` onto `device` in `dtype`. Errors name file and tensor.
   // kFp8 quantizes the projection weights per output channel (engine/model/fp8.h); an FP8
   // checkpoint (config.quantization_config) keeps its FP8 projections whatever `quant` says.
+  // With `comm` (tensor parallelism), only this rank's shard (PlanTensorParallel) is kept, and
+  // the forward calls the group's collectives: every rank must run the same forwards.
   static absl::StatusOr<std::unique_ptr<Model>> Load(
       const std::string& model_dir, const ModelConfig& config, at::Device device,
-      at::ScalarType dtype, WeightQuantization quant = WeightQuantization::kNone);
+      at::ScalarType dtype, WeightQuantization quant = WeightQuantization::kNone,
+      Communicator* comm = nullptr);
   // The same model with every weight drawn on `device` from normal(0, 0.02) (seeded): real
-  // geometry for benchmarks without a checkpoint.
+  // geometry for benchmarks without a checkpoint. Under tensor parallelism each rank draws the
+  // whole tensor and keeps its shard, so the shards are those of the one-rank model.
   static absl::StatusOr<std::unique_ptr<Model>> CreateRandom(
       const ModelConfig& config, at::Device device, at::ScalarType dtype, uint64_t seed,
-      WeightQuantization quant = WeightQuantization::kNone);
+      WeightQuantization quant = WeightQuantization::kNone, Communicator* comm = nullptr);
   ~Model();
 
+  // Under tensor parallelism this rank's shard config (its heads and MLP width; see
+  // TensorParallelLayout::shard).
   const ModelConfig& config() const { return config_; }
+  const TensorParallelLayout& tensor_parallel() const { return tp_; }
+  Communicator* communicator() const { return comm_; }
   at::Device device() const;
   at::ScalarType dtype() const { return dtype_; }
   // Projection weights held as FP8 e4m3 with fp32 scales (quantized at load or read so).
@@ -120,13 +130,20 @@ class Model {
     // (engine/model/fp8.h); undefined otherwise.
     at::Tensor q_s, k_s, v_s, gate_s, up_s, qkv_s, gate_up_s, o_s, down_s;
   };
-  Model(const ModelConfig& config, at::ScalarType dtype) : config_(config), dtype_(dtype) {}
+  Model(const TensorParallelLayout& tp, at::ScalarType dtype, Communicator* comm)
+      : config_(tp.shard), tp_(tp), comm_(comm), dtype_(dtype) {}
   // Reads the weights from `model_dir`, or draws them when `random_seed` is set.
   static absl::StatusOr<std::unique_ptr<Model>> LoadOrDraw(const std::string& model_dir,
                                                            const ModelConfig& config,
                                                            at::Device device, at::ScalarType dtype,
                                                            std::optional<uint64_t> random_seed,
-                                                           WeightQuantization quant);
+                                                           WeightQuantization quant,
+                                                           Communicator* comm);
+  // Token embeddings [N, hidden]; vocabulary-parallel under tensor parallelism (each rank looks
+  // up the tokens in its rows, zeros elsewhere, then one all-reduce).
+  at::Tensor Embed(const at::Tensor& tokens) const;
+  // A row-parallel layer's partial output summed over the ranks (in place), then its bias.
+  at::Tensor ReduceRowParallel(at::Tensor y, const at::Tensor& bias) const;
   // Concatenates q/k/v and gate/up into qkv_w / gate_up_w and drops the separate tensors.
   static void FuseProjections(Layer& l);
   at::Tensor Norm(const at::Tensor& x, const at::Tensor& w) const;
@@ -170,6 +187,8 @@ class Model {
   GemvPlan PlanGemvs(const at::Tensor& x, bool fused) const;
 
   ModelConfig config_;
+  TensorParallelLayout tp_;
+  Communicator* comm_ = nullptr;  // null: the whole model on one device
   at::ScalarType dtype_;
   at::Tensor embed_;           // [vocab, hidden]
   at::Tensor final_norm_;      // [hidden]

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <vector>
 
@@ -35,6 +36,12 @@ struct LayerKvView {
   // itself. Lets DropKV score with K/V read once (kernels::DropKvScoresFromAttention).
   at::Tensor window_attn_out;
   at::Tensor window_lse;
+  // Tensor parallelism with fewer KV heads than ranks: this rank's KV heads are copies that other
+  // ranks hold too, each scored with its own query heads only. A selector passes its per-entry
+  // scores, fp32 [1, Hkv, n], through this before selecting; it makes them the mean over every
+  // copy's query heads, the score one rank would give, the same bits on every copy (which then
+  // keep the same entries). Empty otherwise.
+  std::function<absl::Status(at::Tensor& scores)> reduce_scores;
 };
 
 class KvSelector {

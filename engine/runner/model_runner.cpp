@@ -25,6 +25,7 @@
 #include "engine/model/config.h"
 #include "engine/model/log.h"
 #include "engine/model/model.h"
+#include "engine/parallel/communicator.h"
 #include "engine/runner/cuda_graph.h"
 #include "engine/runner/decode_query_ring.h"
 #include "engine/runner/demo_model.h"
@@ -549,6 +550,7 @@ class TorchModelRunner : public ModelRunner {
       std::tie(view.keys, view.values) = GatherLayer(seq, layer_idx);
       ASSIGN_OR_RETURN(view.positions, StoredPositions(seq, layer_idx));
       view.is_last_chunk = true;
+      view.reduce_scores = score_reducer();
       ASSIGN_OR_RETURN(std::optional<at::Tensor> kept, d.press->Select(view));
       if (!kept) return 0;
       const int64_t before = pool_->stored_len(seq, layer_idx);
@@ -918,6 +920,21 @@ class TorchModelRunner : public ModelRunner {
   // Index of layer `layer_idx` among the global (compressible) layers; -1 for a sliding layer.
   int32_t global_index(int32_t layer_idx) const { return global_index_[layer_idx]; }
 
+  // LayerKvView::reduce_scores under tensor parallelism with replicated KV heads: every rank's
+  // scores gathered, the mean over the ranks holding the same KV heads (in rank order, so the
+  // same bits on each). Empty when each KV head lives on one rank.
+  std::function<absl::Status(at::Tensor&)> score_reducer() const {
+    const TensorParallelLayout& tp = model_->tensor_parallel();
+    Communicator* comm = model_->communicator();
+    if (comm == nullptr || tp.kv_replicas <= 1) return {};
+    const int32_t first = tp.rank - tp.rank % tp.kv_replicas, count = tp.kv_replicas;
+    return [comm, first, count](at::Tensor& scores) -> absl::Status {
+      ASSIGN_OR_RETURN(at::Tensor all, comm->AllGather(scores.contiguous()));
+      scores = all.narrow(0, first, count).mean(0);
+      return absl::OkStatus();
+    };
+  }
+
  private:
   // Writes the packed decode inputs of `ids` (after AppendSlots: the new token's slot is the
   // last stored one of each layer, or its ring entry) into `base` (lay.num_bytes()). Rows past
@@ -1144,6 +1161,7 @@ absl::StatusOr<at::Tensor> PrefillBackend::Attend(int32_t layer_idx, const at::T
     view.values = all_v;
     view.positions = all_pos;
     view.is_last_chunk = is_last_chunk_;
+    view.reduce_scores = runner_.score_reducer();
     if (const int64_t rows = std::min(selector_->num_attention_rows(), t_len);
         rows > 0 && lse.defined()) {
       view.window_attn_out = out.narrow(0, t_len - rows, rows).transpose(0, 1);  // [Hq, w, D]
@@ -1230,12 +1248,21 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const RunnerOpt
         "weights)");
   }
   if (options.block_size <= 0) return absl::InvalidArgumentError("block_size must be > 0");
+  if (options.communicator != nullptr && options.communicator->device_type() != device.type()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor_parallel_size: the group's communicator moves ",
+                     c10::DeviceTypeName(options.communicator->device_type()),
+                     " tensors, the model runs on ", device.str()));
+  }
   std::unique_ptr<Model> model;
   if (options.random_weights) {
-    ASSIGN_OR_RETURN(model, Model::CreateRandom(config, device, dtype, options.random_seed, quant));
+    ASSIGN_OR_RETURN(model, Model::CreateRandom(config, device, dtype, options.random_seed, quant,
+                                                options.communicator));
   } else {
-    ASSIGN_OR_RETURN(model, Model::Load(dir, config, device, dtype, quant));
+    ASSIGN_OR_RETURN(model, Model::Load(dir, config, device, dtype, quant, options.communicator));
   }
+  // Under tensor parallelism the pool holds this rank's KV heads.
+  config = model->config();
   if (options.cpu_packed_weights) model->PackForCpu();
   model->set_fused_cuda_ops(options.cuda_fused_ops);
   model->set_fused_gemv(options.cuda_decode_gemv);

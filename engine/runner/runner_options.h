@@ -9,6 +9,8 @@
 
 namespace dropkv {
 
+class Communicator;
+
 struct RunnerOptions {
   std::string model_dir;  // Hugging Face folder; empty = the built-in demo model
   // Where the demo model is written when model_dir is empty; "" = DefaultDemoModelDir() (the
@@ -47,6 +49,10 @@ struct RunnerOptions {
   bool cuda_decode_gemv = true;
   // CPU fp32: the large projections in oneDNN's packed layout (Model::PackForCpu).
   bool cpu_packed_weights = kernels::Tuning().cpu_packed_weights;
+  // Tensor parallelism (issue 28): this rank's group (not owned; it outlives the runner). The
+  // runner then holds this rank's shard of the model and a pool of its KV heads, and every rank
+  // must make the same runner calls in the same order. null: the whole model here.
+  Communicator* communicator = nullptr;
 };
 
 }  // namespace dropkv
