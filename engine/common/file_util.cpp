@@ -7,6 +7,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -14,6 +15,13 @@
 #include "absl/strings/str_cat.h"
 
 namespace dropkv {
+
+void RemoveFlatFolder(const std::string& dir) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) fs::remove(e.path(), ec);
+  fs::remove(dir, ec);
+}
 
 absl::StatusOr<std::string> ReadFileToString(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -26,7 +34,8 @@ absl::StatusOr<std::string> ReadFileToString(const std::string& path) {
 
 absl::StatusOr<std::unique_ptr<MappedFile>> MappedFile::Open(const std::string& path) {
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return absl::NotFoundError(absl::StrCat(path, ": cannot open: ", std::strerror(errno)));
+  if (fd < 0)
+    return absl::NotFoundError(absl::StrCat(path, ": cannot open: ", std::strerror(errno)));
   struct stat st {};
   if (::fstat(fd, &st) != 0) {
     int err = errno;
@@ -44,7 +53,8 @@ absl::StatusOr<std::unique_ptr<MappedFile>> MappedFile::Open(const std::string& 
     }
   }
   ::close(fd);  // the mapping keeps the file alive
-  return std::unique_ptr<MappedFile>(new MappedFile(path, static_cast<const std::byte*>(addr), size));
+  return std::unique_ptr<MappedFile>(
+      new MappedFile(path, static_cast<const std::byte*>(addr), size));
 }
 
 MappedFile::~MappedFile() {

@@ -11,6 +11,11 @@ namespace dropkv {
 
 absl::StatusOr<std::string> ReadFileToString(const std::string& path);
 
+// Removes the files of folder `dir` (not its subfolders' contents) and then the folder, ignoring
+// errors. Not std::filesystem::remove_all: libtorch.so exports a broken copy of it that the
+// dynamic linker may bind to (it crashes on a null pointer).
+void RemoveFlatFolder(const std::string& dir);
+
 // A read-only private mapping of a whole file; unmapped on destruction. Non-copyable.
 class MappedFile {
  public:

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
+#include "engine/common/file_util.h"
 #include "engine/common/status_macros.h"
 #include "engine/model/log.h"
 #include "engine/model/safetensors.h"
@@ -186,10 +187,8 @@ absl::StatusOr<std::string> EnsureDemoModel(const std::string& dir) {
     return absl::InternalError(absl::StrCat("demo model: ", e.what()));
   }
   fs::create_directories(out.parent_path(), ec);
-  // An incomplete earlier attempt: remove its files (flat folder). Not fs::remove_all: libtorch.so
-  // exports a broken copy of it that the dynamic linker may bind to.
-  for (const auto& e : fs::directory_iterator(out, ec)) fs::remove(e.path(), ec);
-  fs::remove(out, ec);
+  // An incomplete earlier attempt: remove its files.
+  RemoveFlatFolder(out.string());
   ec.clear();
   fs::rename(tmp, out, ec);
   if (ec)

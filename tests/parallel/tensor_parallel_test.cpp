@@ -143,6 +143,40 @@ TEST(TensorParallelTest, RandomWeightsShardTheOneRankModel) {
                           -1, {"--random-weights", "1"}));
 }
 
+// dropkv-generate's output (stdout) with `args`; empty on failure.
+std::string Generate(const std::string& args) {
+  const std::string cmd =
+      (BuildDir() / "bin" / "dropkv-generate").string() + " " + args + " --json 2>/dev/null";
+  FILE* p = popen(cmd.c_str(), "r");
+  if (p == nullptr) return "";
+  std::string out;
+  char buf[4096];
+  while (size_t n = fread(buf, 1, sizeof(buf), p)) out.append(buf, n);
+  return pclose(p) == 0 ? out : "";
+}
+
+TEST(TensorParallelTest, GenerateStartsItsRanksAndSamplesWhatOneProcessSamples) {
+  const fs::path model = ModelsDir() / "smollm2-135m-instruct";
+  if (!fs::exists(model / "config.json")) GTEST_SKIP() << "no " << model;
+  const std::string common =
+      "--model " + model.string() +
+      " --prompt 'The capital of France is Paris. The capital of Italy is Rome. The capital of "
+      "Spain is' --max-new-tokens 24 --temperature 0.8 --seed 7 --method dropkv --keep 0.5";
+  const std::string one = Generate(common);
+  ASSERT_NE(one.find("token_ids"), std::string::npos) << one;
+  EXPECT_EQ(Generate(common + " --tensor-parallel-size 3"), one);
+  // A size that does not divide the heads is refused, naming the setting.
+  const std::string cmd = (BuildDir() / "bin" / "dropkv-generate").string() + " --model " +
+                          model.string() + " --tensor-parallel-size 2 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  ASSERT_NE(p, nullptr);
+  std::string err;
+  char buf[4096];
+  while (size_t n = fread(buf, 1, sizeof(buf), p)) err.append(buf, n);
+  EXPECT_NE(pclose(p), 0);
+  EXPECT_NE(err.find("tensor_parallel_size: 2 does not divide"), std::string::npos) << err;
+}
+
 TEST(TensorParallelTest, ARankThatDiesEndsTheOthersWithAnError) {
   const auto results = RunGroup("dying", ParityModel("llama").string(), 4,
                                 std::chrono::seconds(120), /*dying=*/1, /*step=*/4);

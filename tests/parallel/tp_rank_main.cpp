@@ -20,13 +20,11 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "engine/common/status_macros.h"
 #include "engine/compression/press.h"
 #include "engine/model/config.h"
 #include "engine/model/model.h"
-#include "engine/parallel/gloo_communicator.h"
-#if DROPKV_TP_NCCL
-#include "engine/parallel/nccl_communicator.h"
-#endif
+#include "engine/parallel/group.h"
 #include "engine/runner/model_runner.h"
 
 namespace dropkv {
@@ -139,7 +137,7 @@ absl::StatusOr<Run> Scenario(ModelRunner& r) {
 absl::StatusOr<std::unique_ptr<ModelRunner>> MakeRunner(const Args& a, Communicator* comm) {
   RunnerOptions o;
   o.model_dir = a.model;
-  o.device = a.device == "cuda" ? absl::StrCat("cuda:", a.rank) : a.device;
+  ASSIGN_OR_RETURN(o.device, RankDevice(a.device, a.rank));
   o.dtype = a.dtype;
   o.random_weights = a.random_weights;
   o.num_kv_blocks = 8192;
@@ -152,18 +150,7 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> MakeRunner(const Args& a, Communica
 }
 
 int Main(const Args& a) {
-  RendezvousOptions ro;
-  ro.store_dir = a.store;
-  ro.timeout = std::chrono::seconds(60);
-  absl::StatusOr<std::unique_ptr<Communicator>> comm =
-      absl::UnimplementedError("tensor parallelism on CUDA: this build has no NCCL");
-  if (a.device == "cpu") {
-    comm = ConnectGloo(a.rank, a.size, ro);
-  } else {
-#if DROPKV_TP_NCCL
-    comm = ConnectNccl(a.rank, a.size, a.rank, ro);
-#endif
-  }
+  auto comm = ConnectGroup(a.rank, a.size, a.device, a.store);
   if (!comm.ok()) {
     std::printf("rank %d: error: %s\n", a.rank, comm.status().ToString().c_str());
     return 2;

@@ -1,10 +1,12 @@
 // dropkv-generate: one prompt through the ModelRunner + Sampler, text printed as it comes.
 // No --model = the built-in demo model. --json prints {"token_ids": [...], "text": "..."} at the
-// end.
+// end. --tensor-parallel-size N starts N - 1 more processes (engine/parallel/group.h) that run
+// the same generation on their shards; rank 0 prints.
 #include <algorithm>
 #include <cstdio>
 #include <iostream>
 #include <optional>
+#include <random>
 #include <span>
 #include <sstream>
 #include <string>
@@ -19,6 +21,7 @@
 #include "engine/compression/press.h"
 #include "engine/model/config.h"
 #include "engine/model/log.h"
+#include "engine/parallel/group.h"
 #include "engine/runner/demo_model.h"
 #include "engine/runner/model_runner.h"
 #include "engine/sampling/sampler.h"
@@ -68,12 +71,46 @@ int main(int argc, char** argv) {
   dropkv::compression::AddCompressionFlags(app, &cp);
   int64_t kv_cache_mib = 256;
   app.add_option("--kv-cache-mib", kv_cache_mib, "KV pool size")->capture_default_str();
+  int32_t tp_size = 1, tp_rank = 0;
+  std::string tp_store;
+  app.add_option("--tensor-parallel-size", tp_size,
+                 "ranks the model is split over, one process each (cpu: Gloo; cuda:I: one GPU "
+                 "per rank from I, NCCL)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  // Set by rank 0 on the processes it starts.
+  app.add_option("--tp-rank", tp_rank)->group("");
+  app.add_option("--tp-store", tp_store)->group("");
   CLI11_PARSE(app, argc, argv);
   dropkv::LogToStderr();  // stdout carries only the generated text / JSON
   ro.kv_cache_bytes = kv_cache_mib << 20;
   sp.seed = seed;
   if (auto st = dropkv::ValidateSamplingParams(sp); !st.ok())
     return Fail(std::string(st.message()));
+
+  std::unique_ptr<dropkv::RankProcesses> ranks;
+  std::unique_ptr<dropkv::Communicator> comm;
+  if (tp_size > 1) {
+    if (tp_rank == 0) {
+      // Every rank samples from the same logits with the same seed, so they draw the same tokens.
+      if (!sp.seed) sp.seed = std::random_device{}();
+      std::vector<std::string> args(argv, argv + argc);
+      if (!seed) args.insert(args.end(), {"--seed", std::to_string(*sp.seed)});
+      auto started = dropkv::RankProcesses::Start(args, tp_size);
+      if (!started.ok()) return Fail(std::string(started.status().message()));
+      ranks = std::move(*started);
+      tp_store = ranks->store_dir();
+    } else if (std::freopen("/dev/null", "w", stdout) == nullptr) {
+      return Fail("cannot silence rank " + std::to_string(tp_rank));
+    }
+    auto connected = dropkv::ConnectGroup(tp_rank, tp_size, ro.device, tp_store);
+    if (!connected.ok()) return Fail(std::string(connected.status().message()));
+    comm = std::move(*connected);
+    ro.communicator = comm.get();
+    auto device = dropkv::RankDevice(ro.device, tp_rank);
+    if (!device.ok()) return Fail(std::string(device.status().message()));
+    ro.device = *device;
+  }
 
   auto runner_or = dropkv::ModelRunner::Create(ro);
   if (!runner_or.ok()) return Fail(std::string(runner_or.status().message()));
@@ -172,5 +209,8 @@ int main(int argc, char** argv) {
     std::printf("\n");
   }
   runner->Release(seq);
+  if (ranks) {
+    if (auto st = ranks->Join(); !st.ok()) return Fail(std::string(st.message()));
+  }
   return 0;
 }
