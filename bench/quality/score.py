@@ -12,7 +12,7 @@ is named in brackets after the method, and its row is paired against the same me
 under the uniform allocator. A run with FP8 weights or an FP8 KV cache (dropkv-quality-tasks
 --quantization fp8 / --kv-cache-dtype fp8, issue 26) is named after the method too ("FP8 weights",
 "FP8 KV"), and its rows are paired against the same method, settings and allocator with the
-model's own weights and KV dtype.
+model's own weights and KV dtype (with how many prompts give the same output text).
 
   python3 bench/quality/score.py ours.jsonl kvpress.jsonl [--reference dropkv]
 
@@ -87,6 +87,7 @@ def main():
     args = ap.parse_args()
     cells = collections.defaultdict(dict)  # (task, length, format) -> (engine, method, keep) -> {idx: score}
     baseline = {}  # a row's method name -> the same method and settings with the model's dtypes
+    texts = {}  # (task, length, format, key, idx) -> output text
     for path in args.results:
         for line in open(path):
             r = json.loads(line)
@@ -97,11 +98,14 @@ def main():
             if numerics(r):
                 baseline[key[1]] = r["method"] + variant(r)
             cells[(r["task"], r["length"], r["format"])].setdefault(key, {})[r["idx"]] = s
+            texts[(r["task"], r["length"], r["format"], key, r["idx"])] = r["text"]
     for (task, length, fmt), runs in sorted(cells.items()):
         print(f"\n{task}, {length} tokens, {fmt} prompts\n")
         print(f"| method | keep | accuracy | n | paired vs our {args.reference} |")
         print("|---|---|---|---|---|")
-        order = sorted(runs, key=lambda k: (k[2] if k[1] not in ("full", "none") else 2.0,
+        def is_full(name):
+            return name.split(" ")[0] in ("full", "none")
+        order = sorted(runs, key=lambda k: (k[2] if not is_full(k[1]) else 2.0,
                                              k[0] != "dropkv", k[1], k[3] != "uniform", k[3]))
         for key in order:
             engine, method, keep, alloc = key
@@ -124,6 +128,11 @@ def main():
                     dm, dse = mean_se(d)
                     mark = " *" if abs(dm) > 2 * dse and dse > 0 else ""
                     paired = f"{dm:+.3f} ({dse:.3f}){mark}"
+                    if method in baseline:  # FP8 against the model's dtypes: same output text?
+                        cell = (task, length, fmt)
+                        same = sum(texts[cell + (key, i)] == texts[cell + (ref_key, i)]
+                                   for i in common)
+                        paired += f", same text {same}/{len(common)}"
             name = method if engine == "dropkv" else f"kvpress {method}"
             if alloc not in ("uniform", "-"):
                 name += f" [{alloc}]"
