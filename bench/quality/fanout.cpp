@@ -64,8 +64,11 @@ absl::Status ForkSequence(ModelRunner& runner, SequenceId src, SequenceId dst) {
   const at::Tensor& vc = pool.value_cache();
   auto from = at::tensor(src_blocks, at::kLong).to(kc.device());
   auto to = at::tensor(dst_blocks, at::kLong).to(kc.device());
-  kc.index_copy_(0, to, kc.index_select(0, from));
-  vc.index_copy_(0, to, vc.index_select(0, from));
+  for (const at::Tensor* cache : {&kc, &vc}) {
+    // As bytes: ATen's CPU index_copy_ has no float8 kernel (kv_cache_dtype: fp8).
+    at::Tensor bytes = cache->view(at::kByte);
+    bytes.index_copy_(0, to, bytes.index_select(0, from));
+  }
   return absl::OkStatus();
 }
 

@@ -9,7 +9,10 @@ as mean +- standard error with n for every (engine, method, keep), and the paire
 each configuration against ours DropKV (uniform allocator) at the same keep (prompts matched by
 idx), with its standard error; |diff| > 2 s.e. is marked. A DepthKV allocator other than uniform
 is named in brackets after the method, and its row is paired against the same method and settings
-under the uniform allocator.
+under the uniform allocator. A run with FP8 weights or an FP8 KV cache (dropkv-quality-tasks
+--quantization fp8 / --kv-cache-dtype fp8, issue 26) is named after the method too ("FP8 weights",
+"FP8 KV"), and its rows are paired against the same method, settings and allocator with the
+model's own weights and KV dtype (with how many prompts give the same output text).
 
   python3 bench/quality/score.py ours.jsonl kvpress.jsonl [--reference dropkv]
 
@@ -56,6 +59,26 @@ def variant(r):
     return f" ({', '.join(v)})" if v else ""
 
 
+def numerics(r):
+    """FP8 weights / FP8 KV cache (issue 26), as a list of names; [] = the model's own dtypes."""
+    n = []
+    if r.get("quantization", "none") not in ("none", ""):
+        n.append(f"{r['quantization'].upper()} weights")
+    if r.get("kv_cache_dtype", "auto") not in ("auto", ""):
+        n.append(f"{r['kv_cache_dtype'].upper()} KV")
+    return n
+
+
+def label(r):
+    """The row's method name: the method, its ablation settings, then its numerics."""
+    v = variant(r)
+    n = numerics(r)
+    if not n:
+        return r["method"] + v
+    inner = (v[2:-1] + ", " if v else "") + ", ".join(n)
+    return f"{r['method']} ({inner})"
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("results", nargs="+")
@@ -63,29 +86,38 @@ def main():
     ap.add_argument("--formats", default="", help="A:B = also pair format A against format B")
     args = ap.parse_args()
     cells = collections.defaultdict(dict)  # (task, length, format) -> (engine, method, keep) -> {idx: score}
+    baseline = {}  # a row's method name -> the same method and settings with the model's dtypes
+    texts = {}  # (task, length, format, key, idx) -> output text
     for path in args.results:
         for line in open(path):
             r = json.loads(line)
             s = answer_score(r["text"], r["answers"], r["match"])
             if "score" in r and abs(r["score"] - s) > 1e-9:
                 raise SystemExit(f"{path}: score {r['score']} != {s} for {r['method']} idx {r['idx']}")
-            key = (r["engine"], r["method"] + variant(r), float(r["keep"]),
-                   r.get("allocator", "uniform"))
+            key = (r["engine"], label(r), float(r["keep"]), r.get("allocator", "uniform"))
+            if numerics(r):
+                baseline[key[1]] = r["method"] + variant(r)
             cells[(r["task"], r["length"], r["format"])].setdefault(key, {})[r["idx"]] = s
+            texts[(r["task"], r["length"], r["format"], key, r["idx"])] = r["text"]
     for (task, length, fmt), runs in sorted(cells.items()):
         print(f"\n{task}, {length} tokens, {fmt} prompts\n")
         print(f"| method | keep | accuracy | n | paired vs our {args.reference} |")
         print("|---|---|---|---|---|")
-        order = sorted(runs, key=lambda k: (k[2] if k[1] not in ("full", "none") else 2.0,
+        def is_full(name):
+            return name.split(" ")[0] in ("full", "none")
+        order = sorted(runs, key=lambda k: (k[2] if not is_full(k[1]) else 2.0,
                                              k[0] != "dropkv", k[1], k[3] != "uniform", k[3]))
         for key in order:
             engine, method, keep, alloc = key
             scores = runs[key]
             m, se = mean_se(list(scores.values()))
             # Paired against the reference under the uniform allocator; a DepthKV row (allocator
-            # other than uniform) against the same method and settings under uniform.
+            # other than uniform) against the same method and settings under uniform; an FP8 row
+            # against the same method, settings and allocator with the model's dtypes.
             ref_key = ("dropkv", args.reference, keep, "uniform")
-            if alloc not in ("uniform", "-"):
+            if method in baseline:
+                ref_key = (engine, baseline[method], keep, alloc)
+            elif alloc not in ("uniform", "-"):
                 ref_key = (engine, method, keep, "uniform")
             ref = runs.get(ref_key)
             paired = ""
@@ -96,6 +128,11 @@ def main():
                     dm, dse = mean_se(d)
                     mark = " *" if abs(dm) > 2 * dse and dse > 0 else ""
                     paired = f"{dm:+.3f} ({dse:.3f}){mark}"
+                    if method in baseline:  # FP8 against the model's dtypes: same output text?
+                        cell = (task, length, fmt)
+                        same = sum(texts[cell + (key, i)] == texts[cell + (ref_key, i)]
+                                   for i in common)
+                        paired += f", same text {same}/{len(common)}"
             name = method if engine == "dropkv" else f"kvpress {method}"
             if alloc not in ("uniform", "-"):
                 name += f" [{alloc}]"

@@ -1,6 +1,7 @@
 // dropkv-quality-tasks: accuracy of each press on the long-context tasks of tasks.py (issue 23).
 //   dropkv-quality-tasks --model DIR --prompts PROMPTS.jsonl [--methods full,dropkv,...]
-//       [--keeps 0.05,0.1,0.25] [--allocators uniform] [--out RESULTS.jsonl]
+//       [--keeps 0.05,0.1,0.25] [--allocators uniform] [--quantization none|fp8]
+//       [--kv-cache-dtype auto|fp8] [--out RESULTS.jsonl]
 // A method may carry settings of its own after colons, so that variants share the one prefill:
 // `dropkv:max21` (max-pool 21), `dropkv:avg5`, `dropkv:none` (no pooling), `snapkv:w16`
 // (window 16), `dropkv:sinks4` (never evict the first 4 tokens); unset ones come from the flags.
@@ -9,6 +10,9 @@
 // prompt's score is RULER's string match of its answers in the output (cut at EOS). Prints one
 // Markdown table (accuracy mean ± standard error over prompts, n) per task and length; --out
 // writes one JSON line per prompt and configuration (score.py reads it, beside kvpress_tasks.py's).
+// --quantization / --kv-cache-dtype are the runner's (RunnerOptions, as dropkv-generate and
+// dropkv-bench-e2e take them): FP8 weights and an FP8 KV pool (issue 26) apply to every
+// configuration of the run, the full cache included; each result line records them.
 #include <ATen/ATen.h>
 
 #include <chrono>
@@ -25,6 +29,7 @@
 #include "engine/compression/compression.h"
 #include "engine/compression/params.h"
 #include "engine/model/config.h"
+#include "engine/runner/runner_options.h"
 #include "engine/tokenizer/tokenizer.h"
 #include "nlohmann/json.hpp"
 
@@ -58,9 +63,8 @@ absl::StatusOr<std::string> ApplyVariant(const std::string& spec, CompressionPar
   };
   for (size_t i = 1; i < parts.size(); ++i) {
     const std::string& t = parts[i];
-    absl::StatusOr<int> n = absl::InvalidArgumentError("--methods: unknown setting '" + t +
-                                                       "' in '" + spec +
-                                                       "' (maxK, avgK, none, wN, sinksN)");
+    absl::StatusOr<int> n = absl::InvalidArgumentError(
+        "--methods: unknown setting '" + t + "' in '" + spec + "' (maxK, avgK, none, wN, sinksN)");
     if (t == "none") {
       p->pooling = dropkv::PoolingType::kNone;
       continue;
@@ -92,6 +96,8 @@ int main(int argc, char** argv) {
   std::vector<std::string> allocators = {"uniform"};
   int window = 8, pooling_kernel = 11, limit = 0;
   bool h2o_per_query = false;
+  dropkv::RunnerOptions ro;
+  ro.dtype = "float32";
   app.add_option("--model", model_dir, "Hugging Face model folder")->required();
   app.add_option("--prompts", prompts_path, "tasks.py output (JSON lines)")->required();
   app.add_option("--methods", methods, "Scorers; `full` = the uncompressed cache")->delimiter(',');
@@ -105,6 +111,10 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_flag("--h2o-per-query", h2o_per_query,
                "H2O divides each key's attention sum by the number of queries that see it");
+  app.add_option("--quantization", ro.quantization, "none, fp8 (projection weights in FP8 e4m3)")
+      ->capture_default_str();
+  app.add_option("--kv-cache-dtype", ro.kv_cache_dtype, "auto, fp8 (the KV pool in FP8 e4m3)")
+      ->capture_default_str();
   app.add_option("--limit", limit, "Use only the first N prompts (0 = all)");
   app.add_option("--out", out_path, "Write one JSON line per prompt and configuration");
   CLI11_PARSE(app, argc, argv);
@@ -118,9 +128,7 @@ int main(int argc, char** argv) {
   auto pooling_type = dropkv::ParsePoolingType(pooling, "--pooling");
   if (!pooling_type.ok()) return std::cerr << pooling_type.status() << "\n", 1;
 
-  dropkv::RunnerOptions ro;
   ro.model_dir = model_dir;
-  ro.dtype = "float32";
   ro.num_kv_blocks = 16;  // resized below, once the configurations are known
   std::vector<Config> configs;
   int64_t max_len = 0;
@@ -200,26 +208,30 @@ int main(int argc, char** argv) {
         const double score = dropkv::quality::AnswerScore(*text, p.answers, p.match);
         cell[c].push_back(score);
         if (out.is_open()) {
-          nlohmann::json j = {{"engine", "dropkv"},
-                              {"method", configs[c].method},
-                              {"keep", configs[c].keep},
-                              {"allocator", configs[c].allocator},
-                              {"variant", configs[c].variant},
-                              {"window", configs[c].params.window},
-                              {"pooling", std::string(dropkv::PoolingTypeName(configs[c].params.pooling))},
-                              {"pooling_kernel", configs[c].params.pooling_kernel},
-                              {"protect_sinks", configs[c].params.protect_sinks},
-                              {"num_sinks", configs[c].params.num_sinks},
-                              {"h2o_per_query", h2o_per_query},
-                              {"task", p.task},
-                              {"length", p.length},
-                              {"idx", p.idx},
-                              {"format", p.format},
-                              {"num_tokens", p.input_ids.size()},
-                              {"answers", p.answers},
-                              {"match", p.match},
-                              {"score", score},
-                              {"text", *text}};
+          nlohmann::json j = {
+              {"engine", "dropkv"},
+              {"method", configs[c].method},
+              {"keep", configs[c].keep},
+              {"allocator", configs[c].allocator},
+              {"variant", configs[c].variant},
+              {"window", configs[c].params.window},
+              {"pooling", std::string(dropkv::PoolingTypeName(configs[c].params.pooling))},
+              {"pooling_kernel", configs[c].params.pooling_kernel},
+              {"protect_sinks", configs[c].params.protect_sinks},
+              {"num_sinks", configs[c].params.num_sinks},
+              {"h2o_per_query", h2o_per_query},
+              {"dtype", ro.dtype},
+              {"quantization", ro.quantization},
+              {"kv_cache_dtype", ro.kv_cache_dtype},
+              {"task", p.task},
+              {"length", p.length},
+              {"idx", p.idx},
+              {"format", p.format},
+              {"num_tokens", p.input_ids.size()},
+              {"answers", p.answers},
+              {"match", p.match},
+              {"score", score},
+              {"text", *text}};
           out << j.dump() << "\n" << std::flush;
         }
       }
@@ -229,16 +241,18 @@ int main(int argc, char** argv) {
                    p.task.c_str(), static_cast<long long>(p.length), p.input_ids.size(), secs);
     }
     for (const auto& [key, cell] : scores) {
-      std::printf("\n%s, %lld tokens, %s prompts\n\n| method | keep | allocator | accuracy | n |\n",
-                  key.first.c_str(), static_cast<long long>(key.second),
-                  prompts->front().format.c_str());
+      std::printf(
+          "\n%s, %lld tokens, %s prompts, %s, quantization %s, kv_cache_dtype %s\n\n"
+          "| method | keep | allocator | accuracy | n |\n",
+          key.first.c_str(), static_cast<long long>(key.second), prompts->front().format.c_str(),
+          ro.dtype.c_str(), ro.quantization.c_str(), ro.kv_cache_dtype.c_str());
       std::printf("|---|---|---|---|---|\n");
       for (size_t c = 0; c < configs.size(); ++c) {
         const auto s = dropkv::quality::Summarise(cell[c]);
         const std::string name =
             configs[c].method + (configs[c].variant.empty() ? "" : ":" + configs[c].variant);
-        std::printf("| %s | %.2f | %s | %.3f ± %.3f | %zu |\n", name.c_str(),
-                    configs[c].keep, configs[c].allocator.c_str(), s.mean, s.se, cell[c].size());
+        std::printf("| %s | %.2f | %s | %.3f ± %.3f | %zu |\n", name.c_str(), configs[c].keep,
+                    configs[c].allocator.c_str(), s.mean, s.se, cell[c].size());
       }
     }
     std::printf("\nwall time: %.1f s\n",
