@@ -1,10 +1,12 @@
 // Presses inside the real runner (engine/runner) on its built-in demo model (random weights,
 // Llama geometry: 4 layers, 8 query / 4 KV heads): stored lengths and positions after a
 // compressed prefill, decode over the compressed cache vs decode over a full cache compacted to
-// the same kept entries, and bounded pool usage with every_chunk on a 4K-token prompt.
+// the same kept entries, and bounded pool usage with every_chunk on a 4K-token prompt; chunked
+// prefill against one pass also on a Gemma-3-shaped model with sliding layers (random weights).
 #include <ATen/ATen.h>
 
 #include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <numeric>
 
@@ -16,6 +18,7 @@
 #include "engine/compression/press.h"
 #include "engine/model/config.h"
 #include "engine/runner/model_runner.h"
+#include "tests/common/test_env.h"
 
 namespace dropkv::compression {
 namespace {
@@ -196,6 +199,65 @@ TEST(RunnerIntegration, LastChunkPrefillKeepsWhatOnePassKeeps) {
       ASSERT_TRUE(out.ok()) << out.status();
       EXPECT_TRUE(at::allclose((*out)[0], (*out)[1], 1e-4, 1e-4)) << "decode step " << step;
       token = static_cast<int32_t>((*out)[0].argmax().item<int64_t>());
+    }
+  }
+}
+
+// The same on a Gemma-3-shaped model (issue 23: H2O and K-norm lose every needle on
+// Gemma-3-270M): sliding layers (rings, never compressed) between global ones, so the presses
+// see the global layers numbered 0..G-1 and H2O's column sums must carry over chunks of the
+// global layers only. Random weights at a small geometry; prompt longer than the window.
+TEST(RunnerIntegration, LastChunkPrefillKeepsWhatOnePassKeepsWithSlidingLayers) {
+  const auto dir = testing::ScratchDir("runner-gemma3-sliding");
+  std::ofstream(dir / "config.json") << R"({
+    "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 256,
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 5,
+    "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 64,
+    "query_pre_attn_scalar": 48, "sliding_window": 32, "max_position_embeddings": 1024,
+    "layer_types": ["sliding_attention", "sliding_attention", "full_attention",
+                    "sliding_attention", "full_attention"],
+    "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+    "rms_norm_eps": 1e-6, "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": true,
+    "bos_token_id": 2, "eos_token_id": 1, "torch_dtype": "float32"
+  })";
+  const int64_t n = 300, chunk = 64;
+  const auto prompt = Prompt(n, 5);
+  for (ScoreMethod m :
+       {ScoreMethod::kH2O, ScoreMethod::kKNorm, ScoreMethod::kDropKV, ScoreMethod::kSnapKV}) {
+    SCOPED_TRACE(std::string(ScoreMethodName(m)));
+    RunnerOptions o;
+    o.model_dir = dir.string();
+    o.random_weights = true;
+    o.random_seed = 3;
+    o.num_kv_blocks = 1024;
+    auto created = ModelRunner::Create(o);
+    ASSERT_TRUE(created.ok()) << created.status();
+    auto runner = std::move(*created);
+    runner->SetKvSelectorFactory(&CreateKvSelectorForModel);
+    const ModelConfig& config = runner->config();
+    ASSERT_EQ(config.num_global_layers(), 2);
+    CompressionParams one_pass;
+    one_pass.method = m;
+    one_pass.keep_ratio = 0.2;
+    CompressionParams chunked = one_pass;
+    chunked.chunk_size = chunk;
+    chunked.chunk_policy = ChunkPolicy::kLastChunk;
+    auto logits_a = runner->Prefill(1, prompt, true, one_pass);
+    ASSERT_TRUE(logits_a.ok()) << logits_a.status();
+    absl::StatusOr<at::Tensor> logits_b;
+    for (int64_t s = 0; s < n; s += chunk) {
+      std::span<const int32_t> c(prompt.data() + s, static_cast<size_t>(std::min(chunk, n - s)));
+      logits_b = runner->Prefill(2, c, s + chunk >= n, chunked);
+      ASSERT_TRUE(logits_b.ok()) << logits_b.status();
+    }
+    EXPECT_TRUE(at::allclose(*logits_a, *logits_b, 1e-4, 1e-4));
+    for (int32_t l = 0; l < config.num_layers; ++l) {
+      if (config.is_sliding(l)) continue;
+      auto a = runner->StoredPositions(1, l), b = runner->StoredPositions(2, l);
+      ASSERT_TRUE(a.ok() && b.ok());
+      EXPECT_LT(a->size(1), n);  // compressed at all
+      EXPECT_TRUE(at::equal(*a, *b)) << "layer " << l;
     }
   }
 }
