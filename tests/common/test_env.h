@@ -31,6 +31,10 @@ inline std::string ReferencePython() {
 inline std::filesystem::path ModelsDir() {
   return EnvOr("DROPKV_MODELS", "models");
 }
+// SmolLM2-135M-Instruct as set-up converts it: the trained model most CPU tests run.
+inline std::filesystem::path SmolLm2Dir() {
+  return ModelsDir() / "smollm2-135m-instruct";
+}
 // Python with kvpress (its own venv; it pins an older transformers).
 inline std::string KvpressPython() {
   return EnvOr("DROPKV_KVPRESS_PYTHON", "");

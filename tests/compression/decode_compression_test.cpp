@@ -25,16 +25,12 @@
 namespace dropkv {
 namespace {
 
-std::string ModelDir() {
-  return (testing::ModelsDir() / "smollm2-135m-instruct").string();
-}
-
 class DecodeCompressionTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (!std::filesystem::exists(ModelDir() + "/config.json"))
-      GTEST_SKIP() << "no " << ModelDir() << " (scripts/setup.sh converts it)";
-    auto tok = Tokenizer::FromDirectory(ModelDir());
+    if (!std::filesystem::exists(testing::SmolLm2Dir() / "config.json"))
+      GTEST_SKIP() << "no " << testing::SmolLm2Dir().string() << " (scripts/setup.sh converts it)";
+    auto tok = Tokenizer::FromDirectory(testing::SmolLm2Dir().string());
     ASSERT_TRUE(tok.ok()) << tok.status();
     std::string text;
     for (int i = 0; i < 4; ++i) {
@@ -52,7 +48,7 @@ class DecodeCompressionTest : public ::testing::Test {
 
   static std::unique_ptr<ModelRunner> MakeRunner(const std::string& kv_cache_dtype = "auto") {
     RunnerOptions ro;
-    ro.model_dir = ModelDir();
+    ro.model_dir = testing::SmolLm2Dir().string();
     ro.device = "cpu";
     ro.dtype = "float32";
     ro.kv_cache_dtype = kv_cache_dtype;

@@ -31,10 +31,6 @@ fs::path RefDir() {
   return testing::BuildDir() / "test-scratch" / "fp8_ref";
 }
 
-std::string SmolLm2() {
-  return (testing::ModelsDir() / "smollm2-135m-instruct").string();
-}
-
 json LoadMeta() {
   std::ifstream in(RefDir() / "fp8_ref.json");
   EXPECT_TRUE(in.good()) << "missing fixture output; run ctest (fixture fp8_ref)";
@@ -112,7 +108,7 @@ TEST(Fp8RealModelTest, LogitsAndGreedyMatchHfWithTheSameDequantizedWeights) {
   bin.read(reinterpret_cast<char*>(ref.data_ptr<float>()), rows * vocab * 4);
   ASSERT_TRUE(bin.good());
 
-  auto runner = MakeRunner(SmolLm2(), "fp8");
+  auto runner = MakeRunner(testing::SmolLm2Dir().string(), "fp8");
   ASSERT_TRUE(runner && runner->model()->fp8_weights());
   const at::Tensor ours = AllLogits(*runner->model(), prompt);
   ASSERT_EQ(ours.size(0), rows);
@@ -125,8 +121,8 @@ TEST(Fp8RealModelTest, LogitsAndGreedyMatchHfWithTheSameDequantizedWeights) {
 TEST(Fp8RealModelTest, KlAndGreedyAgreementAgainstTheFullModel) {
   const json meta = LoadMeta();
   ASSERT_TRUE(meta.contains("prompts"));
-  auto full = MakeRunner(SmolLm2(), "none");
-  auto fp8 = MakeRunner(SmolLm2(), "fp8");
+  auto full = MakeRunner(testing::SmolLm2Dir().string(), "none");
+  auto fp8 = MakeRunner(testing::SmolLm2Dir().string(), "fp8");
   ASSERT_TRUE(full && fp8);
   std::vector<at::Tensor> kls, prompt_agree, greedy_agree;
   int64_t free_running_prefix = 0;
@@ -182,7 +178,7 @@ TEST(Fp8RealModelTest, CompressedTensorsCheckpointEqualsQuantizeAtLoad) {
   ASSERT_TRUE(meta.contains("prompts"));
   const auto prompt = meta["prompts"][1].get<std::vector<int32_t>>();
   auto ct = MakeRunner((RefDir() / "smollm2-fp8-ct").string(), "none");
-  auto at_load = MakeRunner(SmolLm2(), "fp8");
+  auto at_load = MakeRunner(testing::SmolLm2Dir().string(), "fp8");
   ASSERT_TRUE(ct && at_load);
   EXPECT_TRUE(ct->model()->fp8_weights());
   EXPECT_TRUE(at::equal(AllLogits(*ct->model(), prompt), AllLogits(*at_load->model(), prompt)));

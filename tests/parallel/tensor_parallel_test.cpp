@@ -28,7 +28,6 @@ namespace {
 
 namespace fs = std::filesystem;
 using testing::BuildDir;
-using testing::ModelsDir;
 using testing::ScratchDir;
 
 struct RankResult {
@@ -117,7 +116,7 @@ fs::path ParityModel(const std::string& family) {
 }
 
 TEST(TensorParallelTest, SmolLm2OverThreeRanksMatchesTheWholeModel) {
-  const fs::path model = ModelsDir() / "smollm2-135m-instruct";
+  const fs::path model = testing::SmolLm2Dir();
   if (!fs::exists(model / "config.json")) GTEST_SKIP() << "no " << model;
   ExpectAllMatch(RunGroup("smollm2", model.string(), 3, std::chrono::seconds(600)));
 }
@@ -156,7 +155,7 @@ std::string Generate(const std::string& args) {
 }
 
 TEST(TensorParallelTest, GenerateStartsItsRanksAndSamplesWhatOneProcessSamples) {
-  const fs::path model = ModelsDir() / "smollm2-135m-instruct";
+  const fs::path model = testing::SmolLm2Dir();
   if (!fs::exists(model / "config.json")) GTEST_SKIP() << "no " << model;
   const std::string common =
       "--model " + model.string() +

@@ -43,10 +43,6 @@ constexpr double kMinShare = 0.5;
 // MLP (0.35 over the 23 prompts) would fail it, and so would a profile that does not load.
 constexpr double kMinMgaShare = 0.5;
 
-fs::path ModelDir() {
-  return testing::ModelsDir() / "smollm2-135m-instruct";
-}
-
 // tasks.py's prompts, generated once per build tree with the reference venv's tokenizer.
 fs::path Prompts() {
   const fs::path out = testing::ScratchDir("quality_passkey") /
@@ -54,8 +50,8 @@ fs::path Prompts() {
   if (!fs::exists(out)) {
     const std::string cmd = testing::ReferencePython() + " " +
                             (testing::SourceDir() / "bench" / "quality" / "tasks.py").string() +
-                            " --model " + ModelDir().string() + " --lengths 2048 --num " +
-                            std::to_string(kNumPrompts) +
+                            " --model " + testing::SmolLm2Dir().string() +
+                            " --lengths 2048 --num " + std::to_string(kNumPrompts) +
                             " --tasks niah_number --format raw --seed 0 --out " + out.string() +
                             ".tmp && mv " + out.string() + ".tmp " + out.string();
     EXPECT_EQ(std::system(cmd.c_str()), 0) << cmd;
@@ -66,7 +62,7 @@ fs::path Prompts() {
 std::unique_ptr<ModelRunner> MakeRunner(int64_t blocks, const std::string& quantization = "none",
                                         const std::string& kv_cache_dtype = "auto") {
   RunnerOptions o;
-  o.model_dir = ModelDir().string();
+  o.model_dir = testing::SmolLm2Dir().string();
   o.dtype = "float32";
   o.num_kv_blocks = blocks;
   o.quantization = quantization;
@@ -94,8 +90,8 @@ CompressionParams DropKvMga(double keep) {
 class PassKeyTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (!fs::exists(ModelDir() / "config.json")) {
-      GTEST_SKIP() << "no " << ModelDir() << " (scripts/setup.sh converts it)";
+    if (!fs::exists(testing::SmolLm2Dir() / "config.json")) {
+      GTEST_SKIP() << "no " << testing::SmolLm2Dir() << " (scripts/setup.sh converts it)";
     }
     auto prompts = quality::LoadTaskPrompts(Prompts().string());
     ASSERT_TRUE(prompts.ok()) << prompts.status();
@@ -179,7 +175,7 @@ TEST_F(PassKeyTest, DropKvAtTenPercentAnswersWhatTheFullCacheAnswers) {
   probe.reset();
   auto runner = MakeRunner(blocks);
   ASSERT_NE(runner, nullptr);
-  auto tokenizer = Tokenizer::FromDirectory(ModelDir().string());
+  auto tokenizer = Tokenizer::FromDirectory(testing::SmolLm2Dir().string());
   ASSERT_TRUE(tokenizer.ok()) << tokenizer.status();
 
   int full_answered = 0, both = 0, both_mga = 0;

@@ -29,13 +29,9 @@
 namespace dropkv {
 namespace {
 
-std::string SmolLm2() {
-  return (testing::ModelsDir() / "smollm2-135m-instruct").string();
-}
-
 std::unique_ptr<ModelRunner> MakeRunner(const std::string& kv_dtype) {
   RunnerOptions o;
-  o.model_dir = SmolLm2();
+  o.model_dir = testing::SmolLm2Dir().string();
   o.dtype = "float32";
   o.kv_cache_dtype = kv_dtype;
   o.num_kv_blocks = 1024;
@@ -59,7 +55,7 @@ const char* const kPrompts[] = {
 };
 
 std::vector<std::vector<int32_t>> Prompts() {
-  auto tok = Tokenizer::FromDirectory(SmolLm2());
+  auto tok = Tokenizer::FromDirectory(testing::SmolLm2Dir().string());
   EXPECT_TRUE(tok.ok()) << tok.status();
   std::vector<std::vector<int32_t>> out;
   if (!tok.ok()) return out;
@@ -300,7 +296,7 @@ TEST(KvFp8RealModelTest, ScoresFromFp8KvAgainstExactKv) {
 // setting is validated by name.
 TEST(KvFp8RealModelTest, PoolCountsFp8Bytes) {
   RunnerOptions o;
-  o.model_dir = SmolLm2();
+  o.model_dir = testing::SmolLm2Dir().string();
   o.dtype = "float32";
   o.kv_cache_bytes = int64_t{64} << 20;
   auto f32 = ModelRunner::Create(o);

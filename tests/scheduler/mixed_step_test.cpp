@@ -26,10 +26,6 @@ namespace {
 constexpr int kNewTokens = 17;  // more than a 16-token block: every sequence grows by one
 constexpr int kCancelled = 2;   // the request the last run cancels midway
 
-std::string ModelDir() {
-  return (testing::ModelsDir() / "smollm2-135m-instruct").string();
-}
-
 struct Case {
   std::string text;
   CompressionParams compression;
@@ -68,9 +64,9 @@ std::vector<Case> Cases() {
 class MixedStepTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (!std::filesystem::exists(ModelDir() + "/config.json"))
-      GTEST_SKIP() << "no " << ModelDir() << " (scripts/setup.sh converts it)";
-    auto tok = Tokenizer::FromDirectory(ModelDir());
+    if (!std::filesystem::exists(testing::SmolLm2Dir() / "config.json"))
+      GTEST_SKIP() << "no " << testing::SmolLm2Dir().string() << " (scripts/setup.sh converts it)";
+    auto tok = Tokenizer::FromDirectory(testing::SmolLm2Dir().string());
     ASSERT_TRUE(tok.ok()) << tok.status();
     tokenizer_ = std::move(*tok);
   }
@@ -81,7 +77,7 @@ class MixedStepTest : public ::testing::Test {
   std::map<int, std::vector<int32_t>> Run(int64_t num_blocks, int only = -1,
                                           int cancel_after_steps = 0, int64_t decode_reserve = 2) {
     RunnerOptions ro;
-    ro.model_dir = ModelDir();
+    ro.model_dir = testing::SmolLm2Dir().string();
     ro.device = "cpu";
     ro.dtype = "float32";
     ro.num_kv_blocks = num_blocks;
@@ -139,7 +135,7 @@ class MixedStepTest : public ::testing::Test {
   };
   Served Serve(bool prefix_cache, int64_t step_tokens = 64) {
     RunnerOptions ro;
-    ro.model_dir = ModelDir();
+    ro.model_dir = testing::SmolLm2Dir().string();
     ro.device = "cpu";
     ro.dtype = "float32";
     ro.num_kv_blocks = 1024;
