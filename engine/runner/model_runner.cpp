@@ -954,9 +954,8 @@ class TorchModelRunner : public ModelRunner {
     auto* tables_p = i32 + num_layers * batch;
     const int64_t real = static_cast<int64_t>(ids.size());
     for (int64_t b = 0; b < batch; ++b) {
-      if (query_rows_p != nullptr)
-        query_rows_p[b] = b < real ? query_ring_.RowOf(ids[b], pool_->logical_len(ids[b])) : 0;
       if (b >= real) {
+        if (query_rows_p != nullptr) query_rows_p[b] = 0;
         tok_p[b] = 0;
         pos_p[b] = 0;
         for (int64_t l = 0; l < num_layers; ++l) {
@@ -969,6 +968,7 @@ class TorchModelRunner : public ModelRunner {
       tok_p[b] = tokens[b];
       const SequenceBlocks& seq = pool_->sequence(ids[b]);  // one lookup for all layers
       pos_p[b] = seq.logical_len;
+      if (query_rows_p != nullptr) query_rows_p[b] = query_ring_.RowOf(ids[b], seq.logical_len);
       for (int64_t l = 0; l < num_layers; ++l) {
         const auto& t = seq.layers[l];
         // The new token's entry: appended last, or in a sliding layer's ring its position's.
