@@ -37,7 +37,13 @@ class Communicator {
 // fail with an error instead of hanging).
 struct RendezvousOptions {
   std::string store_dir;
+  // Keys of this group in the folder: several groups of the same ranks share one folder.
+  std::string store_prefix;
   std::chrono::milliseconds timeout{60000};
+  // Collectives wait for their peers without a time limit (a year; the connection still fails after
+  // `timeout`): for a channel where a rank waits for rank 0's next message however long the
+  // server is idle. A rank that dies then ends the group through its process (group.h).
+  bool collectives_wait_forever = false;
 };
 
 }  // namespace dropkv

@@ -126,6 +126,9 @@ class GlooCommunicator final : public Communicator {
 
 }  // namespace
 
+// Debian's gloo takes a timeout of 0 literally (no "no timeout" value): a year stands for it.
+constexpr std::chrono::milliseconds kForever = std::chrono::hours(24 * 365);
+
 absl::StatusOr<std::unique_ptr<Communicator>> ConnectGloo(int32_t rank, int32_t size,
                                                           const RendezvousOptions& options) {
   if (size < 1 || rank < 0 || rank >= size) {
@@ -138,11 +141,13 @@ absl::StatusOr<std::unique_ptr<Communicator>> ConnectGloo(int32_t rank, int32_t 
     gloo::transport::tcp::attr attr;
     attr.hostname = "127.0.0.1";  // ranks are processes of one host
     auto device = gloo::transport::tcp::CreateDevice(attr);
-    gloo::rendezvous::FileStore store(options.store_dir);
+    gloo::rendezvous::FileStore files(options.store_dir);
+    gloo::rendezvous::PrefixStore store(options.store_prefix, files);
     auto context = std::make_shared<gloo::rendezvous::Context>(rank, size);
     context->setTimeout(options.timeout);
     context->connectFullMesh(store, device);
-    return std::unique_ptr<Communicator>(new GlooCommunicator(context, options.timeout));
+    return std::unique_ptr<Communicator>(new GlooCommunicator(
+        context, options.collectives_wait_forever ? kForever : options.timeout));
   } catch (const std::exception& e) {
     return absl::UnavailableError(absl::StrCat("tensor parallelism: rank ", rank, " of ", size,
                                                " could not join the group at ", options.store_dir,

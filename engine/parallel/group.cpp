@@ -61,6 +61,21 @@ absl::StatusOr<std::unique_ptr<Communicator>> ConnectGroup(int32_t rank, int32_t
 #endif
 }
 
+absl::StatusOr<std::unique_ptr<Communicator>> ConnectControlGroup(int32_t rank, int32_t size,
+                                                                  const std::string& store_dir) {
+#if DROPKV_PARALLEL_GLOO
+  RendezvousOptions options;
+  options.store_dir = store_dir;
+  options.store_prefix = "control";
+  options.collectives_wait_forever = true;
+  return ConnectGloo(rank, size, options);
+#else
+  return absl::UnimplementedError(
+      "tensor_parallel_size > 1: this build has no Gloo for the ranks' control channel (install "
+      "libgloo-dev)");
+#endif
+}
+
 absl::StatusOr<std::unique_ptr<RankProcesses>> RankProcesses::Start(
     const std::vector<std::string>& argv, int32_t size) {
   std::unique_ptr<RankProcesses> group(new RankProcesses());
@@ -81,6 +96,8 @@ absl::StatusOr<std::unique_ptr<RankProcesses>> RankProcesses::Start(
     if (pid == 0) {
       prctl(PR_SET_PDEATHSIG, SIGKILL);
       if (getppid() != parent) _exit(1);  // the parent died before prctl
+      // Not the parent's sockets (a server's listening ports) or files: only stdio.
+      close_range(3, ~0U, 0);
       execve("/proc/self/exe", cargs.data(), environ);
       std::fprintf(stderr, "tensor parallelism: cannot start rank %d\n", r);
       _exit(127);

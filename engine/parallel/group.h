@@ -24,6 +24,11 @@ absl::StatusOr<std::unique_ptr<Communicator>> ConnectGroup(int32_t rank, int32_t
                                                            const std::string& device,
                                                            const std::string& store_dir);
 
+// The same ranks' control channel: Gloo over loopback whatever the device (rank 0's messages to
+// the others; they wait for the next one without a time limit). UNIMPLEMENTED without Gloo.
+absl::StatusOr<std::unique_ptr<Communicator>> ConnectControlGroup(int32_t rank, int32_t size,
+                                                                  const std::string& store_dir);
+
 // Ranks 1..size-1 as child processes running `argv` (this executable and its arguments) plus
 // "--tp-rank R --tp-store DIR" (a fresh folder under $TMPDIR). They are killed when this process
 // dies (PR_SET_PDEATHSIG). A thread watches them: a rank that ends with an error before Join ends
