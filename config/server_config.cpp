@@ -281,6 +281,11 @@ std::vector<Setting> MakeSettings() {
       [](absl::string_view t) {
         return CheckNamed(t, {"auto", "fp8"});
       }));
+  v.push_back(IntSetting<int32_t>(
+      "tensor_parallel_size",
+      "ranks the model is split over, one process each (Megatron-style shards; GPUs: device and "
+      "the next ones, over NCCL; CPU: Gloo); the prefix cache is off above 1",
+      [](C& c) -> int32_t& { return c.tensor_parallel_size; }, 1, 64));
   // network
   v.push_back(StringSetting(
       "host", "gRPC bind address (0.0.0.0 = all interfaces)",

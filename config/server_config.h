@@ -33,6 +33,9 @@ struct ServerConfig {
       "auto";  // auto | float32 | bfloat16 | float16 (auto = bf16 on GPU, fp32 on CPU)
   std::string quantization = "none";    // none | fp8 (projection weights in FP8 e4m3, per channel)
   std::string kv_cache_dtype = "auto";  // auto | fp8 (the paged KV pool in FP8 e4m3, scale 1.0)
+  // Ranks the model is split over (tensor parallelism), one process each: on GPUs device, device
+  // + 1, ...; on the CPU over Gloo. 1 = the whole model in this process.
+  int32_t tensor_parallel_size = 1;
 
   // --- network ---
   std::string host = "127.0.0.1";  // gRPC bind address (0.0.0.0 to serve other hosts)

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -15,7 +16,9 @@
 
 namespace dropkv {
 
+class Communicator;
 class ModelRunner;
+class RankProcesses;
 class Tokenizer;
 namespace compression {
 struct LayerProfile;
@@ -31,6 +34,13 @@ struct EngineOptions {
   // The server's layer profile for the MGA / MLMA allocators (compression.profile_path): read and
   // checked against the model once here, so a bad file stops the start-up and no request reads it.
   std::string compression_profile_path;
+  // Tensor parallelism (issue 28): the model split over this many ranks, one process each (on
+  // runner.device's GPU and the next ones, or on the CPU over Gloo). This engine is rank 0: it
+  // starts the others as `rank_command` (this executable and its arguments) plus
+  // "--tp-rank R --tp-store DIR", which then call Engine::FollowRankZero. The prefix cache is
+  // off (the other ranks keep none).
+  int32_t tensor_parallel_size = 1;
+  std::vector<std::string> rank_command;
 };
 
 // The model and the cache, as the front ends report and validate them.
@@ -54,6 +64,12 @@ class Engine {
   static absl::StatusOr<std::unique_ptr<Engine>> Create(const EngineOptions& options);
   ~Engine();
 
+  // Rank `rank` (>= 1) of a tensor-parallel engine, started by rank 0's Create with the group's
+  // rendezvous folder: loads this rank's shard and makes rank 0's runner calls on it until rank 0
+  // stops the group (OK), or fails (the rank then exits, and rank 0 with it).
+  static absl::Status FollowRankZero(const EngineOptions& options, int32_t rank,
+                                     const std::string& store_dir);
+
   const EngineInfo& info() const { return info_; }
   Scheduler& scheduler() { return *scheduler_; }
   const Tokenizer* tokenizer() const { return tokenizer_.get(); }
@@ -65,6 +81,11 @@ class Engine {
  private:
   Engine();
 
+  // Tensor parallelism: the other ranks' processes and this rank's two channels to them (the
+  // model's collectives; rank 0's runner calls). Declared first: they outlive the runner.
+  std::unique_ptr<RankProcesses> ranks_;
+  std::unique_ptr<Communicator> model_group_;
+  std::unique_ptr<Communicator> control_group_;
   std::unique_ptr<ModelRunner> runner_;
   std::unique_ptr<Tokenizer> tokenizer_;
   std::unique_ptr<Scheduler> scheduler_;

@@ -17,15 +17,11 @@ std::string ServedModelName(const ServerConfig& config) {
   return slash == std::string::npos ? dir : dir.substr(slash + 1);
 }
 
-absl::StatusOr<ServedEngine> CreateServedEngine(const ServerConfig& config) {
-  if (!config.demo_model &&
-      !std::filesystem::exists(std::filesystem::path(config.model_dir) / "config.json")) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "model: no Hugging Face model folder at '", config.model_dir,
-        "' (the default model is installed by scripts/setup.sh; or pass --model DIR, or "
-        "--demo-model for the built-in random-weight model)"));
-  }
+EngineOptions EngineOptionsFor(const ServerConfig& config,
+                               const std::vector<std::string>& rank_command) {
   EngineOptions eo;
+  eo.tensor_parallel_size = config.tensor_parallel_size;
+  eo.rank_command = rank_command;
   RunnerOptions& ro = eo.runner;
   ro.model_dir = config.demo_model ? "" : config.model_dir;
   ro.demo_model_dir = config.demo_model_dir;
@@ -48,8 +44,20 @@ absl::StatusOr<ServedEngine> CreateServedEngine(const ServerConfig& config) {
   so.max_waiting_requests = config.max_queue_requests;
   so.max_waiting_prompt_tokens =
       config.max_queue_prompt_tokens > 0 ? config.max_queue_prompt_tokens : INT64_MAX;
+  return eo;
+}
+
+absl::StatusOr<ServedEngine> CreateServedEngine(const ServerConfig& config,
+                                                const std::vector<std::string>& rank_command) {
+  if (!config.demo_model &&
+      !std::filesystem::exists(std::filesystem::path(config.model_dir) / "config.json")) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "model: no Hugging Face model folder at '", config.model_dir,
+        "' (the default model is installed by scripts/setup.sh; or pass --model DIR, or "
+        "--demo-model for the built-in random-weight model)"));
+  }
   ServedEngine served;
-  auto engine = Engine::Create(eo);
+  auto engine = Engine::Create(EngineOptionsFor(config, rank_command));
   if (!engine.ok()) return engine.status();
   served.engine = std::move(*engine);
   const EngineInfo& mc = served.engine->info();

@@ -4,6 +4,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "dropkv/v1/inference.pb.h"
@@ -20,7 +21,13 @@ struct ServedEngine {
   ValidationLimits limits;
 };
 
-absl::StatusOr<ServedEngine> CreateServedEngine(const ServerConfig& config);
+// The engine's options from the server config. With tensor_parallel_size > 1, rank 0 starts the
+// other ranks as `rank_command` (this executable and its arguments).
+EngineOptions EngineOptionsFor(const ServerConfig& config,
+                               const std::vector<std::string>& rank_command = {});
+
+absl::StatusOr<ServedEngine> CreateServedEngine(const ServerConfig& config,
+                                                const std::vector<std::string>& rank_command = {});
 
 // The model's name in both APIs and the metrics' labels: served_model_name, else the model
 // folder's base name ("demo" for the demo model). Never a server path.

@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <csignal>
+#include <cstdlib>
 #include <cstring>
 #include <iostream>
 #include <string>
@@ -67,11 +68,26 @@ void RaiseOpenFileLimit() {
   }
 }
 
-// `--model DIR` is the documented short form of the config's `--model-dir DIR`.
-std::vector<std::string> AliasArgs(int argc, char** argv) {
+// A tensor-parallel rank other than 0: "--tp-rank R --tp-store DIR", which rank 0 adds to the
+// command line of the processes it starts (engine/parallel/group.h). Not settings.
+struct FollowerRank {
+  int32_t rank = 0;
+  std::string store_dir;
+};
+
+// `--model DIR` is the documented short form of the config's `--model-dir DIR`; the follower
+// rank's two arguments are taken out.
+std::vector<std::string> AliasArgs(int argc, char** argv, FollowerRank& follower) {
   std::vector<std::string> args;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
+    if (i + 1 < argc && (a == "--tp-rank" || a == "--tp-store")) {
+      if (a == "--tp-rank")
+        follower.rank = std::atoi(argv[++i]);
+      else
+        follower.store_dir = argv[++i];
+      continue;
+    }
     if (a == "--model")
       a = "--model-dir";
     else if (a.rfind("--model=", 0) == 0)
@@ -81,11 +97,28 @@ std::vector<std::string> AliasArgs(int argc, char** argv) {
   return args;
 }
 
+// A follower rank serves nothing itself: it makes rank 0's runner calls on its shard until rank 0
+// stops it. It dies with rank 0 and ignores the terminal's signals (rank 0 drains first).
+int RunFollowerRank(const dropkv::ServerConfig& config, const FollowerRank& follower) {
+  std::signal(SIGTERM, SIG_IGN);
+  std::signal(SIGINT, SIG_IGN);
+  spdlog::info("tensor parallelism: rank {} of {} follows rank 0", follower.rank,
+               config.tensor_parallel_size);
+  absl::Status st = dropkv::Engine::FollowRankZero(dropkv::EngineOptionsFor(config), follower.rank,
+                                                   follower.store_dir);
+  if (!st.ok()) {
+    spdlog::critical("tensor parallelism: rank {}: {}", follower.rank, st.ToString());
+    return 1;
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   using namespace dropkv;
-  std::vector<std::string> args = AliasArgs(argc, argv);
+  FollowerRank follower;
+  std::vector<std::string> args = AliasArgs(argc, argv, follower);
   std::vector<char*> argv2 = {argv[0]};
   for (auto& a : args) argv2.push_back(a.data());
   auto config_or = LoadServerConfig(static_cast<int>(argv2.size()), argv2.data());
@@ -100,6 +133,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   RouteLibraryLogging();
+  if (follower.rank > 0) return RunFollowerRank(config, follower);
 
   // Signals first: a SIGTERM while the model loads must not kill the process uncleanly.
   std::signal(SIGTERM, OnSignal);
@@ -147,7 +181,7 @@ int main(int argc, char** argv) {
     http = std::move(*started);
   }
 
-  auto served_or = CreateServedEngine(config);
+  auto served_or = CreateServedEngine(config, std::vector<std::string>(argv, argv + argc));
   if (!served_or.ok()) {
     spdlog::critical("cannot load the model: {}", served_or.status().ToString());
     return 1;

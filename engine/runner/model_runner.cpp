@@ -1310,6 +1310,14 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const RunnerOpt
     }
     po.num_blocks = std::max<int64_t>(1, bytes / block_bytes);
   }
+  if (options.communicator != nullptr) {
+    // Rank 0's scheduler admits by its own pool for every rank: all hold the fewest blocks any
+    // rank has room for (as a double: NCCL here moves floating-point tensors).
+    at::Tensor count = at::full({1}, static_cast<double>(po.num_blocks),
+                                at::TensorOptions(at::kDouble).device(device));
+    ASSIGN_OR_RETURN(at::Tensor counts, options.communicator->AllGather(count));
+    po.num_blocks = static_cast<int64_t>(counts.min().item<double>());
+  }
   ASSIGN_OR_RETURN(auto pool, BlockPool::Create(po));
   LogInfo(absl::StrCat("runner: KV pool of ", po.num_blocks, " blocks x ", po.block_size,
                        " slots (", po.num_blocks * block_bytes / (1 << 20), " MiB, ",

@@ -79,6 +79,8 @@ TEST(ServerConfigTest, EachKeyReachesItsField) {
       {"dtype: bfloat16", [](const ServerConfig& c) { return c.dtype == "bfloat16"; }},
       {"quantization: fp8", [](const ServerConfig& c) { return c.quantization == "fp8"; }},
       {"kv_cache_dtype: fp8", [](const ServerConfig& c) { return c.kv_cache_dtype == "fp8"; }},
+      {"tensor_parallel_size: 2",
+       [](const ServerConfig& c) { return c.tensor_parallel_size == 2; }},
       {"host: 0.0.0.0", [](const ServerConfig& c) { return c.host == "0.0.0.0"; }},
       {"port: 6000", [](const ServerConfig& c) { return c.port == 6000; }},
       {"metrics_port: 0", [](const ServerConfig& c) { return c.metrics_port == 0; }},
