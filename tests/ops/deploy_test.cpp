@@ -171,6 +171,42 @@ TEST(DeployTest, ServicesAndServiceMonitorAgree) {
   }
 }
 
+// The tensor-parallel overlays: they patch the base Deployment's container, ask for as many GPUs
+// as ranks through a setting the server reads (its environment variable and range), and give
+// NCCL a memory-backed /dev/shm.
+TEST(DeployTest, TensorParallelOverlaysAskForOneGpuPerRank) {
+  YAML::Node base = FindKind(Src("deploy/kubernetes/deployment.yaml"), "Deployment");
+  for (int gpus : {2, 4}) {
+    const std::string dir = "deploy/kubernetes-tensor-parallel/" + std::to_string(gpus) + "-gpus/";
+    YAML::Node k = LoadAll(Src(dir + "kustomization.yaml")).at(0);
+    ASSERT_EQ(k["resources"][0].as<std::string>(), "../../kubernetes") << dir;
+    YAML::Node patch = FindKind(Src(dir + k["patches"][0]["path"].as<std::string>()), "Deployment");
+    EXPECT_EQ(patch["metadata"]["name"].as<std::string>(),
+              base["metadata"]["name"].as<std::string>());
+    YAML::Node pod = patch["spec"]["template"]["spec"];
+    YAML::Node c = pod["containers"][0];
+    EXPECT_EQ(c["name"].as<std::string>(),
+              base["spec"]["template"]["spec"]["containers"][0]["name"].as<std::string>());
+    EXPECT_EQ(c["resources"]["limits"]["nvidia.com/gpu"].as<int>(), gpus) << dir;
+    EXPECT_EQ(c["resources"]["requests"]["nvidia.com/gpu"].as<int>(), gpus) << dir;
+    std::map<std::string, std::string> env;
+    for (const auto& e : c["env"]) env[e["name"].as<std::string>()] = e["value"].as<std::string>();
+    const std::string tp_env = ServerConfigEnvName("tensor_parallel_size");
+    ASSERT_TRUE(env.count(tp_env)) << dir << " sets no " << tp_env;
+    EXPECT_EQ(env[tp_env], std::to_string(gpus));
+    auto config = ParseServerConfigYaml("tensor_parallel_size: " + env[tp_env], dir);
+    ASSERT_TRUE(config.ok()) << config.status();
+    EXPECT_EQ(config->tensor_parallel_size, gpus);
+    bool shm = false;
+    for (const auto& m : c["volumeMounts"]) shm |= m["mountPath"].as<std::string>() == "/dev/shm";
+    EXPECT_TRUE(shm) << dir;
+    bool memory_backed = false;
+    for (const auto& v : pod["volumes"])
+      memory_backed |= v["emptyDir"] && v["emptyDir"]["medium"].as<std::string>() == "Memory";
+    EXPECT_TRUE(memory_backed) << dir;
+  }
+}
+
 TEST(DeployTest, PrometheusRuleCarriesTheSameRulesAsThePlainFile) {
   YAML::Node plain = LoadAll(Src("deploy/prometheus/dropkv-alerts.yaml")).at(0);
   YAML::Node crd = FindKind(Src("deploy/kubernetes/prometheusrule.yaml"), "PrometheusRule");
