@@ -162,6 +162,40 @@ TEST(RunnerIntegration, CompressedPrefillThenDecodeEqualsCompactedFullCache) {
 // The scheduler prefills a long compressed prompt in chunks under last_chunk (so that running
 // decodes are not stalled): inside the real runner that must keep exactly what one pass keeps,
 // and decode the same, for every scorer.
+// Prefills `prompt` as sequence 1 in one pass and as sequence 2 in chunks of `chunk` under the
+// last-chunk policy, with `method` at keep 20%: the logits and every compressed layer's kept
+// positions must be the same (sliding layers hold rings and are skipped). `logits`: the
+// one-pass prefill's, when wanted.
+void ExpectChunkedPrefillKeepsWhatOnePassKeeps(ModelRunner& runner, ScoreMethod method,
+                                               std::span<const int32_t> prompt, int64_t chunk,
+                                               at::Tensor* logits = nullptr) {
+  const auto n = static_cast<int64_t>(prompt.size());
+  CompressionParams one_pass;
+  one_pass.method = method;
+  one_pass.keep_ratio = 0.2;
+  CompressionParams chunked = one_pass;
+  chunked.chunk_size = static_cast<int32_t>(chunk);
+  chunked.chunk_policy = ChunkPolicy::kLastChunk;
+  auto logits_a = runner.Prefill(1, prompt, true, one_pass);
+  ASSERT_TRUE(logits_a.ok()) << logits_a.status();
+  absl::StatusOr<at::Tensor> logits_b;
+  for (int64_t s = 0; s < n; s += chunk) {
+    logits_b =
+        runner.Prefill(2, prompt.subspan(s, std::min(chunk, n - s)), s + chunk >= n, chunked);
+    ASSERT_TRUE(logits_b.ok()) << logits_b.status();
+  }
+  EXPECT_TRUE(at::allclose(*logits_a, *logits_b, 1e-4, 1e-4));
+  if (logits != nullptr) *logits = *logits_a;
+  const ModelConfig& config = runner.config();
+  for (int32_t l = 0; l < config.num_layers; ++l) {
+    if (config.is_sliding(l)) continue;
+    auto a = runner.StoredPositions(1, l), b = runner.StoredPositions(2, l);
+    ASSERT_TRUE(a.ok() && b.ok());
+    EXPECT_LT(a->size(1), n);  // compressed at all
+    EXPECT_TRUE(at::equal(*a, *b)) << "layer " << l;
+  }
+}
+
 TEST(RunnerIntegration, LastChunkPrefillKeepsWhatOnePassKeeps) {
   const int64_t n = 300, chunk = 64;  // 64 + 64 + 64 + 64 + 44: the last chunk holds the window
   const auto prompt = Prompt(n, 3);
@@ -169,29 +203,10 @@ TEST(RunnerIntegration, LastChunkPrefillKeepsWhatOnePassKeeps) {
     SCOPED_TRACE(std::string(ScoreMethodName(m)));
     auto runner = DemoRunner(2048);
     ASSERT_NE(runner, nullptr);
-    CompressionParams one_pass;
-    one_pass.method = m;
-    one_pass.keep_ratio = 0.2;
-    CompressionParams chunked = one_pass;
-    chunked.chunk_size = chunk;
-    chunked.chunk_policy = ChunkPolicy::kLastChunk;
-    auto logits_a = runner->Prefill(1, prompt, true, one_pass);
-    ASSERT_TRUE(logits_a.ok()) << logits_a.status();
-    absl::StatusOr<at::Tensor> logits_b;
-    for (int64_t s = 0; s < n; s += chunk) {
-      std::span<const int32_t> c(prompt.data() + s, static_cast<size_t>(std::min(chunk, n - s)));
-      logits_b = runner->Prefill(2, c, s + chunk >= n, chunked);
-      ASSERT_TRUE(logits_b.ok()) << logits_b.status();
-    }
-    EXPECT_TRUE(at::allclose(*logits_a, *logits_b, 1e-4, 1e-4));
-    const int32_t num_layers = runner->config().num_layers;
-    for (int32_t l = 0; l < num_layers; ++l) {
-      auto a = runner->StoredPositions(1, l), b = runner->StoredPositions(2, l);
-      ASSERT_TRUE(a.ok() && b.ok());
-      EXPECT_LT(a->size(1), n);  // compressed at all
-      EXPECT_TRUE(at::equal(*a, *b)) << "layer " << l;
-    }
-    int32_t token = static_cast<int32_t>(logits_a->argmax().item<int64_t>());
+    at::Tensor logits;
+    ExpectChunkedPrefillKeepsWhatOnePassKeeps(*runner, m, prompt, chunk, &logits);
+    ASSERT_TRUE(logits.defined());
+    int32_t token = static_cast<int32_t>(logits.argmax().item<int64_t>());
     for (int step = 0; step < 4; ++step) {
       const std::vector<SequenceId> seqs = {1, 2};
       const std::vector<int32_t> toks = {token, token};
@@ -237,28 +252,7 @@ TEST(RunnerIntegration, LastChunkPrefillKeepsWhatOnePassKeepsWithSlidingLayers) 
     runner->SetKvSelectorFactory(&CreateKvSelectorForModel);
     const ModelConfig& config = runner->config();
     ASSERT_EQ(config.num_global_layers(), 2);
-    CompressionParams one_pass;
-    one_pass.method = m;
-    one_pass.keep_ratio = 0.2;
-    CompressionParams chunked = one_pass;
-    chunked.chunk_size = chunk;
-    chunked.chunk_policy = ChunkPolicy::kLastChunk;
-    auto logits_a = runner->Prefill(1, prompt, true, one_pass);
-    ASSERT_TRUE(logits_a.ok()) << logits_a.status();
-    absl::StatusOr<at::Tensor> logits_b;
-    for (int64_t s = 0; s < n; s += chunk) {
-      std::span<const int32_t> c(prompt.data() + s, static_cast<size_t>(std::min(chunk, n - s)));
-      logits_b = runner->Prefill(2, c, s + chunk >= n, chunked);
-      ASSERT_TRUE(logits_b.ok()) << logits_b.status();
-    }
-    EXPECT_TRUE(at::allclose(*logits_a, *logits_b, 1e-4, 1e-4));
-    for (int32_t l = 0; l < config.num_layers; ++l) {
-      if (config.is_sliding(l)) continue;
-      auto a = runner->StoredPositions(1, l), b = runner->StoredPositions(2, l);
-      ASSERT_TRUE(a.ok() && b.ok());
-      EXPECT_LT(a->size(1), n);  // compressed at all
-      EXPECT_TRUE(at::equal(*a, *b)) << "layer " << l;
-    }
+    ExpectChunkedPrefillKeepsWhatOnePassKeeps(*runner, m, prompt, chunk);
   }
 }
 
