@@ -2,7 +2,8 @@
 // One warp per weight row: each lane streams 16 weight bytes at a time (the row read once, in
 // 16-byte loads), converts them to float and accumulates against every x row; x comes through
 // the read-only cache (it is small and every warp of the grid reads it). A warp shuffle reduces
-// the 32 partial sums in a fixed order, lane 0 scales, adds the bias and rounds once.
+// the 32 partial sums in a fixed order, lane 0 scales, adds the bias and rounds once. Launched
+// with programmatic dependent launch (pdl.cuh), as the bf16 decode kernels are.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -15,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/check.h"
 #include "kernels/cuda/dtype_convert.cuh"
+#include "kernels/cuda/pdl.cuh"
 #include "kernels/fused_gemv.h"
 
 namespace dropkv::kernels {
@@ -49,8 +51,14 @@ __global__ void Fp8GemvKernel(const T* __restrict__ x, int64_t x_stride, int m,
 #pragma unroll
   for (int r = 0; r < kMaxRows; ++r) acc[r] = 0.f;
   const uint8_t* w_row = w + row * k;
-  for (int64_t c = static_cast<int64_t>(lane) * kBytesPerLoad; c < k; c += 32 * kBytesPerLoad) {
-    const uint4 raw = __ldg(reinterpret_cast<const uint4*>(w_row + c));
+  // Launched with PDL: the first weight load (no kernel writes weights) is issued while the
+  // kernel before still runs; x (its output) is read, and y written, only after the wait.
+  const int64_t c_first = static_cast<int64_t>(lane) * kBytesPerLoad;
+  const uint4 first =
+      c_first < k ? __ldg(reinterpret_cast<const uint4*>(w_row + c_first)) : make_uint4(0, 0, 0, 0);
+  PdlWaitForPrimary();
+  for (int64_t c = c_first; c < k; c += 32 * kBytesPerLoad) {
+    const uint4 raw = c == c_first ? first : __ldg(reinterpret_cast<const uint4*>(w_row + c));
     const uint16_t* pairs = reinterpret_cast<const uint16_t*>(&raw);
     float wf[kBytesPerLoad];
 #pragma unroll
@@ -92,11 +100,13 @@ void Launch(const at::Tensor& x, const at::Tensor& w8, const at::Tensor& scale,
             const at::Tensor& bias, at::Tensor& y) {
   const int64_t n = w8.size(0), k = w8.size(1);
   const dim3 grid(static_cast<unsigned>((n + kWarpsPerBlock - 1) / kWarpsPerBlock));
-  Fp8GemvKernel<T, kMaxRows><<<grid, kWarpsPerBlock * 32, 0, at::cuda::getCurrentCUDAStream()>>>(
-      reinterpret_cast<const T*>(x.data_ptr()), x.stride(0), static_cast<int>(x.size(0)),
-      reinterpret_cast<const uint8_t*>(w8.data_ptr()), scale.data_ptr<float>(),
-      bias.defined() ? reinterpret_cast<const T*>(bias.data_ptr()) : nullptr,
-      reinterpret_cast<T*>(y.data_ptr()), n, k);
+  C10_CUDA_CHECK(LaunchMaybePdl(
+      Fp8GemvKernel<T, kMaxRows>, grid, dim3(kWarpsPerBlock * 32), 0,
+      at::cuda::getCurrentCUDAStream(), reinterpret_cast<const T*>(x.data_ptr()), x.stride(0),
+      static_cast<int>(x.size(0)), reinterpret_cast<const uint8_t*>(w8.data_ptr()),
+      static_cast<const float*>(scale.data_ptr<float>()),
+      bias.defined() ? reinterpret_cast<const T*>(bias.data_ptr()) : static_cast<const T*>(nullptr),
+      reinterpret_cast<T*>(y.data_ptr()), n, k));
 }
 
 template <typename T>
