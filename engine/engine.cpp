@@ -131,15 +131,13 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
   // Under tensor parallelism a rank holds 1/size of the query heads and its share of the KV
   // heads (copies where there are fewer KV heads than ranks): the front ends and the metrics
   // count the whole model and every rank's bytes.
-  int32_t num_heads = mc.num_heads, num_kv_heads = mc.num_kv_heads, kv_copies = 1;
+  int32_t num_heads = mc.num_heads, num_kv_heads = mc.num_kv_heads;
   if (tp_size > 1 && engine->runner_->model() != nullptr) {
     const TensorParallelLayout& tp = engine->runner_->model()->tensor_parallel();
     num_heads *= tp.size;
     num_kv_heads = num_kv_heads * tp.size / tp.kv_replicas;
-    kv_copies = tp.kv_replicas;
   }
-  so.kv_bytes_per_token_per_layer =
-      int64_t{2} * num_kv_heads * kv_copies * mc.head_dim * elem_bytes;
+  so.kv_bytes_per_token_per_layer = int64_t{2} * mc.kv_size() * elem_bytes * tp_size;
   ModelRunner* r = engine->runner_.get();
   engine->scheduler_ = std::make_unique<Scheduler>(
       *r, engine->tokenizer_.get(),

@@ -673,6 +673,15 @@ absl::StatusOr<at::Tensor> Model::Forward(const at::Tensor& tokens, const at::Te
       if (use_gemv && RowsAligned16(in)) return kernels::Gemv(in, w, b);
       return LinearMaybeFp8(in, w, s, fp8_group_k_, b);
     };
+    // o_proj and down: under tensor parallelism each rank's partial sum is all-reduced and the
+    // bias added once, after it.
+    auto project_row_parallel = [&](const at::Tensor& in, const at::Tensor& w, const at::Tensor& s,
+                                    const at::Tensor& b,
+                                    bool use_gemv) -> absl::StatusOr<at::Tensor> {
+      if (comm_ == nullptr) return project(in, w, s, b, use_gemv);
+      ASSIGN_OR_RETURN(at::Tensor partial, project(in, w, s, at::Tensor(), use_gemv));
+      return ReduceRowParallel(std::move(partial), b);
+    };
     // x += delta, then norm(x) W^T (+ b).
     auto norm_linear = [&](const at::Tensor& d, const at::Tensor& norm_w, const at::Tensor& w,
                            const at::Tensor& s, const at::Tensor& b,
@@ -705,10 +714,8 @@ absl::StatusOr<at::Tensor> Model::Forward(const at::Tensor& tokens, const at::Te
       }
       ASSIGN_OR_RETURN(at::Tensor attn, backend.Attend(i, heads.q, heads.k, heads.v));
       // [N, hidden]
-      const at::Tensor& o_b = comm_ != nullptr ? at::Tensor() : l.o_b;
-      ASSIGN_OR_RETURN(at::Tensor o,
-                       project(attn.reshape({n, c.q_size()}), l.o_w, l.o_s, o_b, gemv.o));
-      if (comm_ != nullptr) o = ReduceRowParallel(std::move(o), l.o_b);
+      ASSIGN_OR_RETURN(at::Tensor o, project_row_parallel(attn.reshape({n, c.q_size()}), l.o_w,
+                                                          l.o_s, l.o_b, gemv.o));
       if (c.sandwich_norms) o = Norm(o, l.attn_out_norm);
       if (observer != nullptr && *observer) (*observer)(i, o);
       // [N, 2 inter]
@@ -723,9 +730,7 @@ absl::StatusOr<at::Tensor> Model::Forward(const at::Tensor& tokens, const at::Te
         gate = act == kernels::GateActivation::kSilu ? at::silu(gate) : at::gelu(gate, "tanh");
         gated = gate * gate_up.narrow(1, inter, inter);
       }
-      const at::Tensor& down_b = comm_ != nullptr ? at::Tensor() : l.down_b;
-      ASSIGN_OR_RETURN(delta, project(gated, l.down_w, l.down_s, down_b, gemv.down));
-      if (comm_ != nullptr) delta = ReduceRowParallel(std::move(delta), l.down_b);
+      ASSIGN_OR_RETURN(delta, project_row_parallel(gated, l.down_w, l.down_s, l.down_b, gemv.down));
       if (c.sandwich_norms) delta = Norm(delta, l.mlp_out_norm);
     }
     return AddNorm(x, delta, final_norm_, fused);
