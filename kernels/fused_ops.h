@@ -4,6 +4,7 @@
 //   RopeWriteKv:      RoPE on q and k + the K/V store into the paged cache (7 -> 1)
 //   RopeSplitQkv:     the same RoPE, q/k/v to dense tensors (prefill: 8 -> 1)
 //   GatedActivation:  SiLU(gate) * up, or GELU-tanh(gate) * up (2 -> 1)
+//   QuantizeRowsFp8:  per-row e4m3 quantization of the FP8 GEMM's activations (7 -> 1)
 // CUDA tensors only (a CPU tensor is InvalidArgument; a build without CUDA returns
 // FailedPrecondition): the CPU path keeps its ATen ops, whose parity tests are exact. Every op
 // rounds where the ATen chain it replaces rounds (fp32 inside, the model dtype between ops), so
@@ -17,6 +18,7 @@
 
 #include <cstdint>
 #include <tuple>
+#include <utility>
 
 #include <ATen/core/Tensor.h>
 
@@ -82,5 +84,13 @@ enum class GateActivation { kSilu, kGeluTanh };
 //   gate_up: [N, 2 I]: gate | up of the fused projection, rows may be strided
 //   returns  [N, I] contiguous
 absl::StatusOr<at::Tensor> GatedActivation(const at::Tensor& gate_up, GateActivation act);
+
+// The FP8 GEMM's dynamic per-token activation scales (engine/model/fp8.h): scale = amax(|x row|)
+// * (1 / 448) in fp32 (1 for a zero row; ATen's CUDA division by a scalar), x / scale clamped to
+// +-448 and rounded to e4m3 (nearest even): the bytes of the ATen chain x.to(float), abs, amax,
+// where, div, clamp, to(e4m3).
+//   x: [N, K], rows may be strided (inner dim contiguous); bf16, fp16 or fp32
+//   returns {e4m3 [N, K] contiguous, fp32 scales [N, 1]}
+absl::StatusOr<std::pair<at::Tensor, at::Tensor>> QuantizeRowsFp8(const at::Tensor& x);
 
 }  // namespace dropkv::kernels

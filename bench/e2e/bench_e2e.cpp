@@ -217,8 +217,10 @@ double GraphTimeUs(Fn&& fn) {
 }
 
 // --gemv-table: the decode projections of the geometry at M tokens, cuBLAS (at::linear) vs
-// kernels/fused_gemv.h's GEMV over bf16 weights, and its FP8 GEMV over the same weights in e4m3
-// (per-channel scales). GB/s = weight bytes / time (FP8: one byte per weight).
+// kernels/fused_gemv.h's GEMV over bf16 weights, the same GEMV over the weights in e4m3
+// (per-channel scales), and the FP8 GEMM (engine/model/fp8.h: activation quantization +
+// at::_scaled_mm) over those. GB/s = weight bytes / time (FP8: one byte per weight). "-": the
+// GEMV does not take M rows at that K.
 int RunGemvTable(const Json& geo) {
   c10::InferenceMode guard;
   const int64_t hidden = geo["hidden_size"], inter = geo["intermediate_size"];
@@ -240,34 +242,43 @@ int RunGemvTable(const Json& geo) {
   // do not.
   std::printf("PDL %s\n\n", kernels::Tuning().pdl ? "on" : "off");
   std::printf(
-      "| proj | N x K | M | cuBLAS us | cuBLAS GB/s | GEMV us | GEMV GB/s | GEMV / cuBLAS | FP8 "
-      "GEMV us | FP8 GB/s |\n"
-      "|---|---|---|---|---|---|---|---|---|---|\n");
+      "| proj | N x K | M | cuBLAS us | cuBLAS GB/s | GEMV us | GEMV GB/s | FP8 GEMV us | FP8 GEMV "
+      "GB/s | FP8 GEMM us | FP8 GEMM GB/s |\n"
+      "|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (const Proj& p : projs) {
     const double bytes = 2.0 * p.n * p.k;
     // Enough copies that a round of calls streams >= 512 MB (L2 is 50 MB).
     const int copies = static_cast<int>(std::max(2.0, std::ceil(512e6 / bytes)));
     std::vector<at::Tensor> ws;
     for (int c = 0; c < copies; ++c) ws.push_back(at::randn({p.n, p.k}, opts) * 0.02);
-    std::vector<std::pair<at::Tensor, at::Tensor>> w8s;  // {e4m3 weights, fp32 scales [N]}
-    for (const at::Tensor& w : ws) {
-      auto [w8, scale] = QuantizeFp8PerChannel(w);
-      w8s.emplace_back(w8, scale.reshape({-1}).contiguous());
-    }
+    std::vector<std::pair<at::Tensor, at::Tensor>> w8s;  // {e4m3 weights, fp32 scales [N, 1]}
+    for (const at::Tensor& w : ws) w8s.push_back(QuantizeFp8PerChannel(w));
     for (int64_t m : {1, 2, 4, 8, 16}) {
-      if (m > kernels::FusedGemvMaxRows(p.k, at::kBFloat16)) continue;
+      const bool gemv = m <= kernels::FusedGemvMaxRows(p.k, at::kBFloat16);
       auto x = at::randn({m, p.k}, opts);
       auto w = [&](int i) { return ws[i % copies]; };
+      auto cell = [&](double us, double weight_bytes) {
+        char text[48] = "- | -";
+        if (us > 0) std::snprintf(text, sizeof(text), "%.1f | %.0f", us, weight_bytes / us * 1e-3);
+        return std::string(text);
+      };
       const double t_linear = GraphTimeUs([&](int i) { at::linear(x, w(i)); });
-      const double t_gemv = GraphTimeUs([&](int i) { (void)kernels::Gemv(x, w(i), at::Tensor()); });
-      const double t_fp8 = GraphTimeUs([&](int i) {
+      const double t_gemv =
+          gemv ? GraphTimeUs([&](int i) { (void)kernels::Gemv(x, w(i), at::Tensor()); }) : 0;
+      const double t_fp8 = gemv ? GraphTimeUs([&](int i) {
         const auto& [w8, scale] = w8s[i % copies];
-        (void)kernels::Fp8Gemv(x, w8, scale, at::Tensor());
+        (void)kernels::Gemv(x, w8, at::Tensor(), scale);
+      })
+                                : 0;
+      const double t_gemm = GraphTimeUs([&](int i) {
+        const auto& [w8, scale] = w8s[i % copies];
+        (void)Fp8ScaledMm(x, w8, scale, at::Tensor());
       });
-      std::printf("| %s | %lld x %lld | %lld | %.1f | %.0f | %.1f | %.0f | %.2f | %.1f | %.0f |\n",
-                  p.name, static_cast<long long>(p.n), static_cast<long long>(p.k),
-                  static_cast<long long>(m), t_linear, bytes / t_linear * 1e-3, t_gemv,
-                  bytes / t_gemv * 1e-3, t_gemv / t_linear, t_fp8, bytes / 2 / t_fp8 * 1e-3);
+      std::printf("| %s | %lld x %lld | %lld | %s | %s | %s | %s |\n", p.name,
+                  static_cast<long long>(p.n), static_cast<long long>(p.k),
+                  static_cast<long long>(m), cell(t_linear, bytes).c_str(),
+                  cell(t_gemv, bytes).c_str(), cell(t_fp8, bytes / 2).c_str(),
+                  cell(t_gemm, bytes / 2).c_str());
       std::fflush(stdout);
     }
   }

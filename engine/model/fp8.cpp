@@ -5,12 +5,14 @@
 #include <c10/util/Float8_e4m3fn.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <exception>
+#include <stdexcept>
 #include <string>
 
-#include <array>
 #include "engine/model/log.h"
+#include "kernels/fused_ops.h"
 
 namespace dropkv {
 namespace {
@@ -85,16 +87,14 @@ std::optional<at::Tensor> Fp8ScaledMm(const at::Tensor& x, const at::Tensor& w8,
   static std::atomic<bool> failed{false};
   const int64_t out = w8.size(0), in = w8.size(1);
   // Row-wise scaled GEMMs write bf16 only; cuBLASLt wants K and N in multiples of 16.
-  if (failed.load(std::memory_order_relaxed) || !x.is_cuda() || x.dim() != 2 ||
-      x.size(0) < kFp8GemmMinRows || x.scalar_type() != at::kBFloat16 || scale.size(1) != 1 ||
-      in % 16 != 0 || out % 16 != 0) {
+  if (failed.load(std::memory_order_relaxed) || !x.is_cuda() || x.dim() != 2 || x.size(0) < 1 ||
+      x.scalar_type() != at::kBFloat16 || scale.size(1) != 1 || in % 16 != 0 || out % 16 != 0) {
     return std::nullopt;
   }
   try {
-    auto xf = x.to(at::kFloat);
-    auto amax = xf.abs().amax(1, /*keepdim=*/true);  // [N, 1]
-    auto x_scale = at::where(amax > 0, amax / kFp8E4m3Max, at::ones_like(amax));
-    auto xq = (xf / x_scale).clamp(-kFp8E4m3Max, kFp8E4m3Max).to(at::kFloat8_e4m3fn);
+    auto quantized = kernels::QuantizeRowsFp8(x.stride(1) == 1 ? x : x.contiguous());
+    if (!quantized.ok()) throw std::runtime_error(quantized.status().ToString());
+    auto& [xq, x_scale] = *quantized;
     // w8^T [in, out] is the column-major operand the GEMM wants; scales [N, 1] and [1, out].
     auto y = at::_scaled_mm(xq, w8.t(), x_scale, scale.reshape({1, out}), std::nullopt,
                             std::nullopt, at::kBFloat16);

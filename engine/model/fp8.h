@@ -29,14 +29,12 @@ at::Tensor DequantizeFp8(const at::Tensor& w8, const at::Tensor& scale, int64_t 
 
 bool IsFp8(const at::Tensor& w);
 
-// Forwards of at least this many rows may take the FP8 GEMM below: prefill chunks and decode
-// batches of 16 and more; fewer rows take decode's FP8 GEMV (kernels/fused_gemv.h).
-inline constexpr int64_t kFp8GemmMinRows = 16;
-
-// CUDA only, and only when it applies (bf16 x [N >= kFp8GemmMinRows, in], per-channel scales,
-// in and out multiples of 16): x W^T (+ b) as one FP8 GEMM (cuBLASLt through at::_scaled_mm)
-// with dynamic per-token activation scales amax(|x row|) / 448. Quantizing the activations makes
-// it close to, not equal to, the dequantizing linear (fp8_gpu_test bounds the difference).
+// CUDA only, and only when it applies (bf16 x [N, in], per-channel scales, in and out multiples
+// of 16): x W^T (+ b) as one FP8 GEMM (cuBLASLt through at::_scaled_mm) with dynamic per-token
+// activation scales amax(|x row|) / 448 (kernels::QuantizeRowsFp8, one kernel). Quantizing the
+// activations makes it close to, not equal to, the dequantizing linear (fp8_gpu_test bounds the
+// difference). The model sends it the forwards the decode GEMV cannot take (prefill chunks,
+// large decode batches).
 // nullopt: not applicable (or the GEMM failed once in this process, logged): dequantize instead.
 std::optional<at::Tensor> Fp8ScaledMm(const at::Tensor& x, const at::Tensor& w8,
                                       const at::Tensor& scale, const at::Tensor& b);

@@ -176,21 +176,30 @@ bool RowsAligned16(const at::Tensor& t) {
          reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
 }
 
-// Linear with a weight that may be FP8 (scale defined). On CUDA, forwards of kFp8GemmMinRows
-// rows and more take the FP8 GEMM with per-token activation scales (fp8.h), fewer rows (decode)
-// read the FP8 weight as it is (kernels::Fp8Gemv, fp32 math over w8 * scale). Everything else (the
-// CPU, block scales) dequantizes to x's dtype and runs the linear a plain weight gets: the logits
-// are then those of the weights w8 * scale exactly (up to the activation dtype's rounding), which
-// is what the CPU measures against the full model and HF, and what the GPU paths are tested
+// The most rows the decode GEMV takes over weight w (x in x_dtype). FP8 weights: at most 8, where
+// the FP8 GEMM catches up (Llama-3.1-8B on the H200 at 8 rows: the four projections 132 us a layer
+// through the GEMV, 130 us through the GEMM; at 16, 154 against 134; docs/benchmarks.md).
+int64_t GemvMaxRows(const at::Tensor& w, at::ScalarType x_dtype) {
+  constexpr int64_t kFp8GemvMaxRows = 8;
+  const int64_t fits = kernels::FusedGemvMaxRows(w.size(1), x_dtype);
+  return IsFp8(w) ? std::min(fits, kFp8GemvMaxRows) : fits;
+}
+
+// Linear with a weight that may be FP8 (scale defined). On CUDA, forwards the decode GEMV takes
+// read the FP8 weight as it is (kernels::Gemv: exact e4m3 values, fp32 sums, the row's scale
+// once), larger ones the FP8 GEMM with per-token activation scales (fp8.h). Everything else
+// (the CPU, block scales) dequantizes to x's dtype and runs the linear a plain weight gets: the
+// logits are then those of the weights w8 * scale exactly (up to the activation dtype's rounding),
+// which is what the CPU measures against the full model and HF, and what the GPU paths are tested
 // against.
 at::Tensor LinearMaybeFp8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
                           int64_t group_k, const at::Tensor& b) {
   if (!scale.defined()) return Linear(x, w, b);
-  if (auto y = Fp8ScaledMm(x, w, scale, b)) return *std::move(y);
-  if (x.is_cuda() && x.dim() == 2 && x.size(0) <= kernels::kFp8GemvMaxRows && scale.size(1) == 1 &&
-      w.size(1) % 16 == 0 && RowsAligned16(x)) {
-    if (auto y = kernels::Fp8Gemv(x, w, scale, b); y.ok()) return *std::move(y);
+  if (x.is_cuda() && x.dim() == 2 && scale.size(1) == 1 && w.size(1) % 16 == 0 &&
+      x.size(0) <= GemvMaxRows(w, x.scalar_type()) && RowsAligned16(x)) {
+    if (auto y = kernels::Gemv(x, w, b, scale); y.ok()) return *std::move(y);
   }
+  if (auto y = Fp8ScaledMm(x, w, scale, b)) return *std::move(y);
   return Linear(x, DequantizeFp8(w, scale, group_k).to(x.scalar_type()), b);
 }
 
@@ -554,13 +563,14 @@ bool Model::uses_fused_ops(const at::Tensor& x) const {
 Model::GemvPlan Model::PlanGemvs(const at::Tensor& x, bool fused) const {
   GemvPlan plan;
   const int64_t n = x.size(0);
-  if (!fused_gemv_ || !fused || n > 1 || !kernels::FusedGemvBuilt()) return plan;
-  // The GEMV streams plain weights; FP8 ones take the dequantizing linear until it reads them.
-  if (fp8_weights()) return plan;
+  // Plain weights: bs1 decode only (from 2 rows cuBLAS is as fast or faster, docs/benchmarks.md).
+  // FP8 weights: every forward the GEMV takes (GemvMaxRows; larger ones take the FP8 GEMM,
+  // LinearMaybeFp8). Per-channel scales only.
+  const bool fp8 = fp8_weights();
+  if (!fused_gemv_ || !fused || !kernels::FusedGemvBuilt() || (n > 1 && !fp8)) return plan;
   const Layer& l = layers_.front();
-  auto fits = [&](const at::Tensor& w) {
-    return n <= kernels::FusedGemvMaxRows(w.size(1), w.scalar_type());
-  };
+  if (fp8 && l.qkv_s.size(1) != 1) return plan;
+  auto fits = [&](const at::Tensor& w) { return n <= GemvMaxRows(w, x.scalar_type()); };
   plan.qkv = fits(l.qkv_w);
   plan.o = fits(l.o_w);
   plan.gate_up = fits(l.gate_up_w);
@@ -670,7 +680,7 @@ absl::StatusOr<at::Tensor> Model::Forward(const at::Tensor& tokens, const at::Te
     // (s: the FP8 weight's scales, else undefined.)
     auto project = [&](const at::Tensor& in, const at::Tensor& w, const at::Tensor& s,
                        const at::Tensor& b, bool use_gemv) -> absl::StatusOr<at::Tensor> {
-      if (use_gemv && RowsAligned16(in)) return kernels::Gemv(in, w, b);
+      if (use_gemv && RowsAligned16(in)) return kernels::Gemv(in, w, b, s);
       return LinearMaybeFp8(in, w, s, fp8_group_k_, b);
     };
     // o_proj and down: under tensor parallelism each rank's partial sum is all-reduced and the
@@ -705,7 +715,7 @@ absl::StatusOr<at::Tensor> Model::Forward(const at::Tensor& tokens, const at::Te
                          kernels::GemvRopeWriteKv(hs, l.qkv_w, l.qkv_b,
                                                   {c.num_heads, c.num_kv_heads, c.head_dim},
                                                   rope.positions, rope.inv_freq, kv_dst->key_cache,
-                                                  kv_dst->value_cache, kv_dst->slots));
+                                                  kv_dst->value_cache, kv_dst->slots, l.qkv_s));
       } else {
         // [N, q_size + 2 kv_size]
         ASSIGN_OR_RETURN(auto qkv,

@@ -15,17 +15,14 @@ bool FusedGemvBuilt() {
 int64_t FusedGemvMaxRows(int64_t, at::ScalarType) {
   return 0;
 }
-absl::StatusOr<at::Tensor> Gemv(const at::Tensor&, const at::Tensor&, const at::Tensor&) {
+absl::StatusOr<at::Tensor> Gemv(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                const at::Tensor&) {
   return NotBuilt();
 }
 absl::StatusOr<at::Tensor> GemvRopeWriteKv(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                            const QkvGeometry&, const at::Tensor&, const at::Tensor&,
-                                           at::Tensor&, at::Tensor&, const at::Tensor&) {
-  return NotBuilt();
-}
-
-absl::StatusOr<at::Tensor> Fp8Gemv(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                   const at::Tensor&) {
+                                           at::Tensor&, at::Tensor&, const at::Tensor&,
+                                           const at::Tensor&) {
   return NotBuilt();
 }
 

@@ -29,5 +29,8 @@ absl::StatusOr<std::tuple<at::Tensor, at::Tensor, at::Tensor>> RopeSplitQkv(cons
 absl::StatusOr<at::Tensor> GatedActivation(const at::Tensor&, GateActivation) {
   return NotBuilt();
 }
+absl::StatusOr<std::pair<at::Tensor, at::Tensor>> QuantizeRowsFp8(const at::Tensor&) {
+  return NotBuilt();
+}
 
 }  // namespace dropkv::kernels

@@ -18,6 +18,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -208,6 +209,55 @@ __global__ void GatedActivationKernel(const T* __restrict__ gate_up, int64_t gu_
   }
 }
 
+// Max over the CTA (blockDim.x a multiple of 32, <= 1024); every thread gets it.
+__device__ float BlockMax(float x) {
+  __shared__ float warp_maxes[32];
+  for (int offset = 16; offset > 0; offset /= 2)
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  if (lane == 0) warp_maxes[warp] = x;
+  __syncthreads();
+  const int num_warps = blockDim.x / 32;
+  x = lane < num_warps ? warp_maxes[lane] : 0.f;
+  for (int offset = 16; offset > 0; offset /= 2)
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
+  return x;
+}
+
+// grid (N), block a multiple of 32: CTA n owns row n. Pass 1: amax |x| over the row; scale =
+// amax * (1 / 448) (1 for a zero row). Pass 2 (the row again, from L2): x / scale clamped to +-448,
+// rounded to e4m3 (nearest even), kVec bytes a store.
+//   x: [N, K] with row stride x_stride; out: [N, K] e4m3 contiguous; scales: fp32 [N].
+template <typename T, int kVec>
+__global__ void QuantizeRowsFp8Kernel(const T* __restrict__ x, int64_t x_stride, int64_t k,
+                                      __nv_fp8_e4m3* __restrict__ out, float* __restrict__ scales) {
+  using P = Pack<T, kVec>;
+  using P8 = Pack<__nv_fp8_e4m3, kVec>;
+  const int64_t n = blockIdx.x, packs = k / kVec;
+  const P* row = reinterpret_cast<const P*>(x + n * x_stride);
+  cuda::PdlReleaseThenWait();
+  float amax = 0.f;
+  for (int64_t i = threadIdx.x; i < packs; i += blockDim.x) {
+    const P v = row[i];
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) amax = fmaxf(amax, fabsf(ToFloat(v.v[e])));
+  }
+  amax = BlockMax(amax);
+  // amax * (1 / 448), not amax / 448: ATen's CUDA division by a scalar multiplies by the
+  // reciprocal, and these scales are the ones that chain computed (the bytes follow them).
+  const float scale = amax > 0.f ? amax * (1.f / 448.f) : 1.f;
+  if (threadIdx.x == 0) scales[n] = scale;
+  P8* dst = reinterpret_cast<P8*>(out + n * k);
+  for (int64_t i = threadIdx.x; i < packs; i += blockDim.x) {
+    const P v = row[i];
+    P8 q;
+#pragma unroll
+    for (int e = 0; e < kVec; ++e)
+      q.v[e] = FromFloat<__nv_fp8_e4m3>(fminf(fmaxf(ToFloat(v.v[e]) / scale, -448.f), 448.f));
+    dst[i] = q;
+  }
+}
+
 // --- launchers -----------------------------------------------------------------------------------
 
 bool Aligned(const void* p, int64_t bytes) {
@@ -291,6 +341,23 @@ void LaunchGatedActivation(const at::Tensor& gate_up, at::Tensor& out) {
                                             kThreads, 0, stream, gu, gu_stride, inter, rows, o)
                      : cuda::LaunchMaybePdl(GatedActivationKernel<T, kAct, 1>, dim3(ctas), kThreads,
                                             0, stream, gu, gu_stride, inter, rows, o));
+}
+
+template <typename T>
+void LaunchQuantizeRowsFp8(const at::Tensor& x, at::Tensor& out, at::Tensor& scales) {
+  const int64_t rows = x.size(0), k = x.size(1);
+  const T* src = static_cast<const T*>(x.data_ptr());
+  auto* dst = static_cast<__nv_fp8_e4m3*>(out.data_ptr());
+  float* s = scales.data_ptr<float>();
+  constexpr int kVec = 16 / sizeof(T);
+  const bool vec = k % kVec == 0 && Aligned(src, 16) && (x.stride(0) * sizeof(T)) % 16 == 0;
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const dim3 grid(static_cast<unsigned>(rows));
+  C10_CUDA_CHECK(vec ? cuda::LaunchMaybePdl(QuantizeRowsFp8Kernel<T, kVec>, grid,
+                                            RowThreads(k / kVec), 0, stream, src, x.stride(0), k,
+                                            dst, s)
+                     : cuda::LaunchMaybePdl(QuantizeRowsFp8Kernel<T, 1>, grid, RowThreads(k), 0,
+                                            stream, src, x.stride(0), k, dst, s));
 }
 
 // Calls f with the CUDA element type of `dtype` as a value of that type (bf16, fp16, fp32).
@@ -496,6 +563,24 @@ absl::StatusOr<std::tuple<at::Tensor, at::Tensor, at::Tensor>> RopeSplitQkv(
     }));
     return Result{q, k, v};
   });
+}
+
+absl::StatusOr<std::pair<at::Tensor, at::Tensor>> QuantizeRowsFp8(const at::Tensor& x) {
+  FUSED_RETURN_IF_ERROR(CheckCuda(x, "x"));
+  FUSED_RETURN_IF_ERROR(internal::CheckDim(x, "x", 2, "[N, K]"));
+  FUSED_RETURN_IF_ERROR(CheckInnerContiguous(x, "x"));
+  if (x.size(0) > INT32_MAX) return absl::InvalidArgumentError("x: too many rows");
+  return internal::CatchTorch(
+      "QuantizeRowsFp8(cuda)", [&]() -> absl::StatusOr<std::pair<at::Tensor, at::Tensor>> {
+        c10::cuda::CUDAGuard guard(x.device());
+        auto out = at::empty(x.sizes(), x.options().dtype(at::kFloat8_e4m3fn));
+        auto scales = at::empty({x.size(0), 1}, x.options().dtype(at::kFloat));
+        if (x.size(0) == 0 || x.size(1) == 0) return std::pair{out, scales.fill_(1.f)};
+        FUSED_RETURN_IF_ERROR(DispatchDtype(x.scalar_type(), "QuantizeRowsFp8", [&](auto v) {
+          LaunchQuantizeRowsFp8<decltype(v)>(x, out, scales);
+        }));
+        return std::pair{out, scales};
+      });
 }
 
 absl::StatusOr<at::Tensor> GatedActivation(const at::Tensor& gate_up, GateActivation act) {

@@ -3,9 +3,9 @@
 // pointers, no torch.
 //
 // Mapping. y [M, N] = x [M, K] W^T with W [N, K] row-major, M <= 16 tokens. A CTA of 8 warps owns
-// 16 rows of W (the A operand of mma.sync m16n8k16: 16 rows x 16 k); the tokens are the
-// mma's n (8 per tile, 1 or 2 tiles). The CTA sums the warps' fp32 partials in warp order at the
-// end (deterministic, no atomics).
+// 16 rows of W (the A operand of mma.sync m16n8k16: 16 rows x 16 k); the tokens are
+// the mma's n (8 per tile, 1 or 2 tiles). The CTA sums the warps' fp32 partials in warp order at
+// the end (deterministic, no atomics).
 //
 // Why a permuted k: mma's A fragment gives a lane 4 scattered 2-element pieces per row, but a
 // dot product does not care which k pairs with which as long as W and x agree. So lane (g, q)
@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "kernels/cuda/attention_common.cuh"
 #include "kernels/cuda/dtype_convert.cuh"
 #include "kernels/cuda/fused_gemv_params.h"
 #include "kernels/cuda/rope.cuh"
@@ -99,17 +100,65 @@ __device__ __forceinline__ float SumWarpPartials(const float* buffer, int token,
   return sum;
 }
 
-// y[token, row0 + r] = the warps' partials summed in warp order (deterministic) + bias, rounded
-// once; every thread of the CTA takes part, after the barrier that made the partials visible.
+// FP8 weights: x goes through the tensor cores as fp16 (e4m3 converts to fp16 in one instruction
+// a pair; to bf16 it takes four, which bounded the kernel at ~3 TB/s). So that any bf16 magnitude
+// fits fp16's range, each token's row is multiplied by a power of two 2^e that puts its amax in
+// [2^14, 2^15) (exact: bf16's 8-bit significands fit fp16's 11 bits; only values below 2^-29 of
+// the row's amax lose bits). token_scale[t] = 2^e; the token's fp32 sums are divided by it
+// (exact) in the epilogue. Runs after PlainPrologue's barrier, in place, every thread of the CTA.
+template <typename T>
+__device__ void ScaleXToHalf(const Params& p, T* xs, float* token_scale) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int packs = p.k / kPackElems;
+  for (int t = warp; t < p.m; t += kWarps) {
+    float amax = 0.f;
+    for (int j = lane; j < packs; j += 32) {
+      const Pack8<T> v =
+          *reinterpret_cast<const Pack8<T>*>(xs + t * p.x_smem_stride + j * kPackElems);
+#pragma unroll
+      for (int e = 0; e < kPackElems; ++e) amax = fmaxf(amax, fabsf(ToFloat(v.v[e])));
+    }
+    amax = WarpMax(amax);
+    if (lane == 0) {
+      int exponent = 0;  // amax = f 2^exponent, f in [0.5, 1)
+      frexpf(amax, &exponent);
+      const bool finite = amax > 0.f && amax <= 3.0e38f;
+      token_scale[t] = finite ? ldexpf(1.f, max(-100, min(100, 15 - exponent))) : 1.f;
+    }
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < p.m * packs; i += kThreads) {
+    const int t = i / packs, j = i % packs;
+    auto* slot = reinterpret_cast<Pack8<T>*>(xs + t * p.x_smem_stride + j * kPackElems);
+    const Pack8<T> v = *slot;
+    Pack8<__half> h;
+#pragma unroll
+    for (int e = 0; e < kPackElems; ++e) h.v[e] = __float2half_rn(ToFloat(v.v[e]) * token_scale[t]);
+    *reinterpret_cast<Pack8<__half>*>(slot) = h;
+  }
+  __syncthreads();
+}
+
+// The row's fp32 sum for a token: as it is for plain weights; for FP8 ones divided by the
+// token's power of two (ScaleXToHalf) and multiplied by the row's scale, before the bias.
+__device__ __forceinline__ float ScaleSum(const Params& p, const float* token_scale, float sum,
+                                          int token, int row) {
+  return p.weight_scale != nullptr ? sum / token_scale[token] * p.weight_scale[row] : sum;
+}
+
+// y[token, row0 + r] = the warps' partials summed in warp order (deterministic), scaled
+// (FP8 weights), + bias, rounded once; every thread of the CTA takes part, after the barrier
+// that made the partials visible.
 template <typename T, int kTiles>
-__device__ __forceinline__ void ReduceAndStoreRows(const Params& p, const float* buffer, int row0) {
+__device__ __forceinline__ void ReduceAndStoreRows(const Params& p, const float* buffer,
+                                                   const float* token_scale, int row0) {
   const T* bias = static_cast<const T*>(p.bias);
   T* y = static_cast<T*>(p.y);
   for (int e = threadIdx.x; e < p.m * kRowsPerCta; e += kThreads) {
     const int token = e / kRowsPerCta, r = e % kRowsPerCta;
     const int row = row0 + r;
     if (row >= p.n) continue;
-    float sum = SumWarpPartials<kTiles>(buffer, token, r);
+    float sum = ScaleSum(p, token_scale, SumWarpPartials<kTiles>(buffer, token, r), token, row);
     if (bias != nullptr) sum += ToFloat(bias[row]);
     y[static_cast<int64_t>(token) * p.n + row] = FromFloat<T>(sum);
   }
@@ -134,15 +183,16 @@ __device__ __forceinline__ int GroupRow(const Params& p, int group, int r) {
 // (q and k) and stored: q to y [M, Hq, D], k and v to their cache slots.
 template <typename T, int kTiles>
 __device__ __forceinline__ void ReduceRopeAndStore(const Params& p, const float* buffer,
-                                                   int group) {
+                                                   const float* token_scale, int group) {
   const RopeEpilogue& e = p.rope;
   const T* bias = static_cast<const T*>(p.bias);
   const int half = e.head_dim / 2;
   for (int i = threadIdx.x; i < p.m * 8; i += kThreads) {
     const int token = i / 8, r = i % 8;
-    float a = SumWarpPartials<kTiles>(buffer, token, r);
-    float b = SumWarpPartials<kTiles>(buffer, token, r + 8);
     const int row = GroupRow<true>(p, group, r);
+    float a = ScaleSum(p, token_scale, SumWarpPartials<kTiles>(buffer, token, r), token, row);
+    float b =
+        ScaleSum(p, token_scale, SumWarpPartials<kTiles>(buffer, token, r + 8), token, row + half);
     if (bias != nullptr) {
       a += ToFloat(bias[row]);
       b += ToFloat(bias[row + half]);

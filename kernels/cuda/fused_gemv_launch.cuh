@@ -43,18 +43,18 @@ cudaError_t LaunchStream(const Params& p, int num_sms, size_t smem, cudaStream_t
   return LaunchMaybePdl(kKernel, dim3(ctas), dim3(kThreads), smem, stream, p);
 }
 
-template <typename T>
+template <typename T, typename W>
 cudaError_t LaunchStreamGemv(const Params& p, int num_sms, cudaStream_t stream) {
   const size_t smem = StreamSmemBytes(p.m, p.k, p.stages, sizeof(T));
   if (p.rope.head_dim > 0) {
-    if (p.m <= 8) return LaunchStream<StreamGemvKernel<T, 1, true>>(p, num_sms, smem, stream);
-    return LaunchStream<StreamGemvKernel<T, 2, true>>(p, num_sms, smem, stream);
+    if (p.m <= 8) return LaunchStream<StreamGemvKernel<T, W, 1, true>>(p, num_sms, smem, stream);
+    return LaunchStream<StreamGemvKernel<T, W, 2, true>>(p, num_sms, smem, stream);
   }
-  if (p.m <= 8) return LaunchStream<StreamGemvKernel<T, 1, false>>(p, num_sms, smem, stream);
-  return LaunchStream<StreamGemvKernel<T, 2, false>>(p, num_sms, smem, stream);
+  if (p.m <= 8) return LaunchStream<StreamGemvKernel<T, W, 1, false>>(p, num_sms, smem, stream);
+  return LaunchStream<StreamGemvKernel<T, W, 2, false>>(p, num_sms, smem, stream);
 }
 
-#define FUSED_GEMV_INSTANTIATE(T) \
-  template cudaError_t LaunchStreamGemv<T>(const Params&, int, cudaStream_t);
+#define FUSED_GEMV_INSTANTIATE(T, W) \
+  template cudaError_t LaunchStreamGemv<T, W>(const Params&, int, cudaStream_t);
 
 }  // namespace dropkv::kernels::cuda::gemv

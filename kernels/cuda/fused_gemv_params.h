@@ -13,7 +13,6 @@ namespace dropkv::kernels::cuda::gemv {
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
 constexpr int kRowsPerCta = 16;  // mma M
-constexpr int kChunk = 32;       // k per lane group step: 4 lanes x 8 elements
 constexpr int kPackElems = 8;    // elements per 16-byte load (bf16 / fp16)
 
 // The decode qkv projection's epilogue (kernels::GemvRopeWriteKv): RoPE on q and k, q to y as
@@ -33,12 +32,13 @@ struct RopeEpilogue {
 struct Params {
   const void* x = nullptr;  // [M, K], row stride x_stride
   int64_t x_stride = 0;
-  const void* weight = nullptr;  // [N, K] contiguous
-  const void* bias = nullptr;    // [N] or nullptr
-  void* y = nullptr;             // [M, N] contiguous
+  const void* weight = nullptr;         // [N, K] contiguous: T, or e4m3 bytes with weight_scale
+  const float* weight_scale = nullptr;  // [N]: an FP8 weight's per-row scales; else nullptr
+  const void* bias = nullptr;           // [N] or nullptr
+  void* y = nullptr;                    // [M, N] contiguous
   int m = 0, n = 0, k = 0;
   int x_smem_stride = 0;  // elements per token row of x in shared memory (XSmemStride(k))
-  int stages = 0;         // weight stages in shared memory (StreamStages), 16 rows x kStageK each
+  int stages = 0;         // weight stages in shared memory (StreamStages), 16 rows x 1 KB each
   int ctas_per_sm = 2;    // the grid: CTAs per SM (host side only)
   RopeEpilogue rope;
 };
@@ -57,13 +57,15 @@ __host__ __device__ constexpr int PartialsBytes(int num_tiles) {
 // measured with this reserve, and a smaller one can add a stage).
 constexpr size_t kStaticSmemBytes = 1024;
 
-// --- W through shared memory: a stage is 16 rows x kStageK elements of W (1 KB per row in bf16;
-// 2 KB stages measured no faster, docs/benchmarks.md); each row segment is padded by 64 bytes so
-// that the 8 lanes of a quarter warp (rows g, g + 1; 4 lanes each) read 16-byte pieces from all
-// 32 banks once.
-constexpr int kStageK = 512;
+// --- W through shared memory: a stage is 16 rows x 1 KB of W (kStageK<W> elements: 512 in bf16,
+// 1024 in e4m3; 2 KB stages measured no faster, docs/benchmarks.md); each row segment is padded
+// by 64 bytes so that the 8 lanes of a quarter warp (rows g, g + 1; 4 lanes each) read 16-byte
+// pieces from all 32 banks once.
+constexpr int kStageRowPayload = 1024;
+template <typename W>
+inline constexpr int kStageK = kStageRowPayload / static_cast<int>(sizeof(W));
 constexpr int kMaxStages = 12;
-constexpr int kStageRowBytes = kStageK * 2 + 64;
+constexpr int kStageRowBytes = kStageRowPayload + 64;
 constexpr int kStageBytes = kRowsPerCta * kStageRowBytes;
 
 // Dynamic shared memory of the kernel: the weight ring, the partials, then x.
@@ -109,8 +111,9 @@ constexpr bool PreferThreeCtasPerSm(int groups, int num_sms) {
 
 // Launches y = x W^T (+ bias) on `stream` as one wave of p.ctas_per_sm CTAs per SM (num_sms: the
 // device's), with programmatic dependent launch (kernels/cuda/pdl.cuh). T: __nv_bfloat16 or
-// __half. p.m in [1, 16], p.stages set by StreamStages.
-template <typename T>
+// __half; W: T, or __nv_fp8_e4m3 with p.weight_scale. p.m in [1, 16], p.stages set by
+// StreamStages.
+template <typename T, typename W>
 cudaError_t LaunchStreamGemv(const Params& p, int num_sms, cudaStream_t stream);
 
 }  // namespace dropkv::kernels::cuda::gemv

@@ -1,7 +1,8 @@
 // FP8 weights on CUDA (label gpu, skipped without a device): the FP8 GEMM with per-token
-// activation scales (engine/model/fp8.h) against the same math in fp32, and a model folder with
-// FP8 weights on CUDA in bf16 (FP8 GEMMs in prefill and in a 70-row decode batch, captured in a
-// CUDA graph) against the CPU's dequantizing fp32 forward and against eager decode.
+// activation scales (engine/model/fp8.h) against the same math in fp32, the decode GEMV over FP8
+// weights (with and without its RoPE epilogue) and the activation quantization kernel, and a model
+// folder with FP8 weights on CUDA in bf16 (FP8 GEMMs in prefill and in a 70-row decode batch,
+// captured in a CUDA graph) against the CPU's dequantizing fp32 forward and against eager decode.
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
@@ -18,6 +19,8 @@
 #include "engine/model/safetensors.h"
 #include "engine/runner/model_runner.h"
 #include "kernels/fused_gemv.h"
+#include "kernels/fused_ops.h"
+#include "kernels/kv_cache_fp8.h"
 #include "tests/common/test_env.h"
 
 namespace dropkv {
@@ -31,6 +34,20 @@ namespace fs = std::filesystem;
 double RelDiff(const at::Tensor& got, const at::Tensor& want) {
   auto g = got.to(at::kCPU, at::kFloat), w = want.to(at::kCPU, at::kFloat);
   return ((g - w).norm() / w.norm()).item<double>();
+}
+
+// The worst row's relative L2 difference (rows of different magnitudes: one bad row shows).
+double MaxRowRelDiff(const at::Tensor& got, const at::Tensor& want) {
+  auto g = got.to(at::kCPU, at::kFloat), w = want.to(at::kCPU, at::kFloat);
+  return ((g - w).norm(2, {1}) / w.norm(2, {1})).max().item<double>();
+}
+
+// x quantized per token to e4m3 and back in fp32 (scale amax / 448): the activations both FP8
+// paths on CUDA (the GEMM and decode's GEMV) multiply.
+at::Tensor PerTokenQuantized(const at::Tensor& x) {
+  auto xf = x.to(at::kFloat);
+  auto xs = xf.abs().amax(1, true) / kFp8E4m3Max;
+  return (xf / xs).clamp(-448, 448).to(at::kFloat8_e4m3fn).to(at::kFloat) * xs;
 }
 
 TEST(Fp8GpuTest, ScaledMmEqualsPerTokenQuantizedMathInFp32) {
@@ -49,10 +66,7 @@ TEST(Fp8GpuTest, ScaledMmEqualsPerTokenQuantizedMathInFp32) {
   // The same quantization of x in fp32, then fp32 math: only the GEMM's accumulation order and
   // the bf16 output's rounding (2^-9 relative) differ.
   auto xf = x.to(at::kFloat);
-  auto amax = xf.abs().amax(1, true);
-  auto xs = amax / kFp8E4m3Max;
-  auto xq = (xf / xs).clamp(-448, 448).to(at::kFloat8_e4m3fn).to(at::kFloat) * xs;
-  auto want = at::linear(xq, DequantizeFp8(w8, scale, 0), b.to(at::kFloat));
+  auto want = at::linear(PerTokenQuantized(x), DequantizeFp8(w8, scale, 0), b.to(at::kFloat));
   const double exact = RelDiff(*y, want);
   // Against the dequantizing linear (unquantized activations): e4m3's 2^-4 relative step on x.
   const double vs_dequant =
@@ -61,8 +75,11 @@ TEST(Fp8GpuTest, ScaledMmEqualsPerTokenQuantizedMathInFp32) {
               vs_dequant);
   EXPECT_LT(exact, 4e-3);
   EXPECT_LT(vs_dequant, 5e-2);
-  // Not applicable: fewer rows, fp32 activations, a column count not a multiple of 16.
-  EXPECT_FALSE(Fp8ScaledMm(x.narrow(0, 0, kFp8GemmMinRows - 1), w8, scale, b).has_value());
+  // A few rows (decode batches the GEMV cannot take) go through it too.
+  auto few = Fp8ScaledMm(x.narrow(0, 0, 7), w8, scale, b);
+  ASSERT_TRUE(few.has_value());
+  EXPECT_LT(RelDiff(*few, want.narrow(0, 0, 7)), 4e-3);
+  // Not applicable: fp32 activations.
   EXPECT_FALSE(Fp8ScaledMm(xf, w8, scale, b).has_value());
 }
 
@@ -116,42 +133,128 @@ std::vector<int32_t> Prompt(int n, int salt) {
   return t;
 }
 
-// Decode's FP8 GEMV (kernels/fused_gemv.h) against fp32 math over the dequantized weights: only
-// the accumulation order and the output's rounding differ (bf16: 2^-9 relative). Rows of
-// different magnitudes in w (a scale on the wrong row shows), 1 / 3 / 16 rows of x, K of the
-// 8B model's down projection, strided x rows, bias on and off, and the same bits twice.
+// Decode's GEMV over FP8 weights (kernels/fused_gemv.h) against fp32 math over the dequantized
+// weights: only the accumulation order and the output's rounding differ (bf16: 2^-9 relative).
+// Rows of x of different magnitudes (each token's power of two into fp16: one on the wrong token
+// shows).
+// Rows of different magnitudes in w (a scale on the wrong row shows), 1 / 3 / 8 rows of x and the
+// most the GEMV takes at that K (two mma tiles from 9), K of the 8B model's down projection and
+// one that leaves a partial stage, strided x rows, bias on and off, bf16 and fp16 x, and the same
+// bits twice.
 TEST(Fp8GpuTest, Fp8GemvEqualsFp32MathOverDequantizedWeights) {
   SKIP_WITHOUT_CUDA();
   at::manual_seed(5);
   const auto cuda = at::TensorOptions().device(at::kCUDA);
-  for (const int64_t k : {576, 14336}) {
-    auto w = (at::randn({1000, k}) * at::linspace(0.01, 0.3, 1000).unsqueeze(1)).to(cuda);
-    auto [w8, scale] = QuantizeFp8PerChannel(w);
-    const at::Tensor wf = DequantizeFp8(w8, scale, 0);
-    for (const int64_t m : {1, 3, 16}) {
-      for (const bool with_bias : {false, true}) {
-        // Rows of a wider tensor: the GEMV reads x through its row stride.
-        auto wide = at::randn({m, k + 64}).to(cuda.dtype(at::kBFloat16));
-        auto x = wide.narrow(1, 0, k);
-        auto b = with_bias ? at::randn({1000}).to(cuda.dtype(at::kBFloat16)) : at::Tensor();
-        auto y = kernels::Fp8Gemv(x, w8, scale, b);
-        ASSERT_TRUE(y.ok()) << y.status();
-        EXPECT_EQ(y->scalar_type(), at::kBFloat16);
-        auto want = at::linear(x.to(at::kFloat), wf, with_bias ? b.to(at::kFloat) : at::Tensor());
-        const double rel = RelDiff(*y, want);
-        EXPECT_LT(rel, 4e-3) << "k " << k << " m " << m << " bias " << with_bias;
-        auto again = kernels::Fp8Gemv(x, w8, scale, b);
-        EXPECT_TRUE(at::equal(*y, *again)) << "not deterministic";
-        if (m == 16 && with_bias)
-          std::printf("[fp8 gpu] GEMV k %lld vs fp32 %.2e\n", static_cast<long long>(k), rel);
+  for (const auto dtype : {at::kBFloat16, at::kHalf}) {
+    for (const int64_t k : {576, 14336}) {
+      auto w = (at::randn({1000, k}) * at::linspace(0.01, 0.3, 1000).unsqueeze(1)).to(cuda);
+      auto [w8, scale] = QuantizeFp8PerChannel(w);
+      const at::Tensor wf = DequantizeFp8(w8, scale, 0);
+      const int64_t max_rows = kernels::FusedGemvMaxRows(k, dtype);
+      ASSERT_GE(max_rows, 3) << "k " << k;
+      for (const int64_t m : {int64_t{1}, int64_t{3}, std::min<int64_t>(8, max_rows), max_rows}) {
+        for (const bool with_bias : {false, true}) {
+          // Rows of a wider tensor: the GEMV reads x through its row stride.
+          auto wide = (at::randn({m, k + 64}) * at::linspace(0.2, 30.0, m).unsqueeze(1))
+                          .to(cuda.dtype(dtype));
+          auto x = wide.narrow(1, 0, k);
+          auto b = with_bias ? at::randn({1000}).to(cuda.dtype(dtype)) : at::Tensor();
+          auto y = kernels::Gemv(x, w8, b, scale);
+          ASSERT_TRUE(y.ok()) << y.status();
+          EXPECT_EQ(y->scalar_type(), dtype);
+          const at::Tensor bf = with_bias ? b.to(at::kFloat) : at::Tensor();
+          const double rel = MaxRowRelDiff(*y, at::linear(x.to(at::kFloat), wf, bf));
+          EXPECT_LT(rel, 4e-3) << "k " << k << " m " << m << " bias " << with_bias << " "
+                               << c10::toString(dtype);
+          auto again = kernels::Gemv(x, w8, b, scale);
+          EXPECT_TRUE(at::equal(*y, *again)) << "not deterministic";
+          if (m == max_rows && with_bias && dtype == at::kBFloat16)
+            std::printf("[fp8 gpu] GEMV k %lld m %lld vs fp32 %.2e\n", static_cast<long long>(k),
+                        static_cast<long long>(m), rel);
+        }
       }
     }
   }
-  // Refused: 17 rows, K not a multiple of 16, fp32 x.
+  // Refused: more rows than it takes, K not a multiple of 16, fp32 x, no scales, block scales.
   auto w8 = QuantizeFp8PerChannel(at::randn({64, 64}).to(cuda)).first;
   auto s = at::ones({64, 1}, cuda.dtype(at::kFloat));
-  EXPECT_FALSE(kernels::Fp8Gemv(at::randn({17, 64}).to(cuda.dtype(at::kBFloat16)), w8, s, {}).ok());
-  EXPECT_FALSE(kernels::Fp8Gemv(at::randn({2, 64}).to(cuda), w8, s, {}).ok());
+  const auto bf16 = cuda.dtype(at::kBFloat16);
+  const int64_t max_rows = kernels::FusedGemvMaxRows(64, at::kBFloat16);
+  EXPECT_FALSE(kernels::Gemv(at::randn({max_rows + 1, 64}, bf16), w8, {}, s).ok());
+  auto w8_k40 = QuantizeFp8PerChannel(at::randn({64, 40}).to(cuda)).first;
+  EXPECT_FALSE(kernels::Gemv(at::randn({2, 40}, bf16), w8_k40, {}, s).ok());
+  EXPECT_FALSE(kernels::Gemv(at::randn({2, 64}).to(cuda), w8, {}, s).ok());
+  EXPECT_FALSE(kernels::Gemv(at::randn({2, 64}, bf16), w8, {}, {}).ok());
+  EXPECT_FALSE(
+      kernels::Gemv(at::randn({2, 64}, bf16), w8, {}, at::ones({64, 2}, s.options())).ok());
+}
+
+// qkv's GEMV over FP8 weights with the RoPE epilogue: the same bits as the FP8 GEMV followed by
+// RopeWriteKv, into a bf16 cache and into an FP8 one (Llama-3.1-8B's head geometry at a smaller
+// K, a padding row that must not be stored).
+TEST(Fp8GpuTest, Fp8GemvRopeEpilogueMatchesGemvThenRopeWriteKv) {
+  SKIP_WITHOUT_CUDA();
+  at::manual_seed(8);
+  const auto cuda = at::TensorOptions().device(at::kCUDA);
+  const auto bf16 = cuda.dtype(at::kBFloat16);
+  const kernels::QkvGeometry geo{8, 2, 128};
+  const int64_t k = 1024, rows = (geo.num_heads + 2 * geo.num_kv_heads) * geo.head_dim;
+  auto [w8, scale] = QuantizeFp8PerChannel(
+      (at::randn({rows, k}) * at::linspace(0.01, 0.2, rows).unsqueeze(1)).to(cuda));
+  auto inv_freq =
+      at::pow(500000.0, -at::arange(0, 128, 2, cuda.dtype(at::kDouble)) / 128).to(at::kFloat);
+  for (const bool fp8_cache : {false, true}) {
+    for (const int64_t m : {int64_t{1}, int64_t{5}, kernels::FusedGemvMaxRows(k, at::kBFloat16)}) {
+      auto cache = at::randn({32, 16, geo.num_kv_heads, geo.head_dim}, bf16);
+      if (fp8_cache) cache = kernels::QuantizeKv(cache);
+      auto x = at::randn({m, k}, bf16);
+      auto positions = at::randint(0, 100000, {m}, cuda.dtype(at::kLong));
+      auto slots = at::randperm(32 * 16, cuda.dtype(at::kLong)).narrow(0, 0, m).clone();
+      if (m > 1) slots[1] = -1;
+      auto want_k = cache.clone(), want_v = cache.clone();
+      auto qkv = kernels::Gemv(x, w8, {}, scale);
+      ASSERT_TRUE(qkv.ok()) << qkv.status();
+      auto want_q = kernels::RopeWriteKv(*qkv, geo, positions, inv_freq, want_k, want_v, slots);
+      ASSERT_TRUE(want_q.ok()) << want_q.status();
+      auto got_k = cache.clone(), got_v = cache.clone();
+      auto got_q =
+          kernels::GemvRopeWriteKv(x, w8, {}, geo, positions, inv_freq, got_k, got_v, slots, scale);
+      ASSERT_TRUE(got_q.ok()) << got_q.status();
+      const std::string what = "m " + std::to_string(m) + (fp8_cache ? " fp8 cache" : "");
+      EXPECT_TRUE(at::equal(*got_q, *want_q)) << what;
+      EXPECT_TRUE(at::equal(got_k.view(at::kByte), want_k.view(at::kByte))) << what;
+      EXPECT_TRUE(at::equal(got_v.view(at::kByte), want_v.view(at::kByte))) << what;
+    }
+  }
+}
+
+// The FP8 GEMM's activation quantization in one kernel: the same bytes and scales as the ATen
+// chain it replaced, for rows of different magnitudes, a zero row, values that saturate after
+// the scale (none: amax maps to 448) and strided rows.
+TEST(Fp8GpuTest, QuantizeRowsFp8EqualsTheAtenChain) {
+  SKIP_WITHOUT_CUDA();
+  at::manual_seed(9);
+  const auto cuda = at::TensorOptions().device(at::kCUDA);
+  for (const auto dtype : {at::kBFloat16, at::kHalf, at::kFloat}) {
+    for (const int64_t k : {16, 4104, 14336}) {
+      auto wide =
+          (at::randn({37, k + 8}) * at::logspace(-3, 3, 37).unsqueeze(1)).to(cuda.dtype(dtype));
+      wide[4].zero_();
+      auto x = wide.narrow(1, 0, k);
+      auto got = kernels::QuantizeRowsFp8(x);
+      ASSERT_TRUE(got.ok()) << got.status();
+      auto xf = x.to(at::kFloat);
+      auto amax = xf.abs().amax(1, true);
+      auto want_scale = at::where(amax > 0, amax / kFp8E4m3Max, at::ones_like(amax));
+      auto want = (xf / want_scale).clamp(-kFp8E4m3Max, kFp8E4m3Max).to(at::kFloat8_e4m3fn);
+      const std::string what = std::string(c10::toString(dtype)) + " k " + std::to_string(k);
+      EXPECT_TRUE(at::equal(got->second, want_scale)) << what;
+      EXPECT_TRUE(at::equal(got->first.view(at::kByte), want.view(at::kByte)))
+          << what << ": "
+          << got->first.view(at::kByte).ne(want.view(at::kByte)).sum().item<int64_t>()
+          << " bytes differ";
+    }
+  }
 }
 
 TEST(Fp8GpuTest, CudaBf16ForwardFollowsTheCpuDequantizingForward) {
