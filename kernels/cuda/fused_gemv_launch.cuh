@@ -1,5 +1,6 @@
 // Launchers of kernels/cuda/fused_gemv_stream.cuh; the token count picks the tile count.
-// Instantiated in fused_gemv_plain.cu (FUSED_GEMV_INSTANTIATE); called by fused_gemv.cu. No torch.
+// Instantiated in fused_gemv_plain.cu and fused_gemv_fp8.cu (FUSED_GEMV_INSTANTIATE); called by
+// fused_gemv.cu. No torch.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -1,6 +1,6 @@
 // The plain-data side of kernels/cuda/fused_gemv_stream.cuh: the call's arguments, the shared
 // memory layout and the launcher's declaration, for fused_gemv.cu (which must not instantiate the
-// kernels: they live in fused_gemv_plain.cu). No torch, no device code.
+// kernels: they live in fused_gemv_plain.cu and fused_gemv_fp8.cu). No torch, no device code.
 #pragma once
 
 #include <cuda_runtime.h>
