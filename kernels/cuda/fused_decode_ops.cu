@@ -28,6 +28,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/check.h"
 #include "kernels/cuda/activations.cuh"
+#include "kernels/cuda/attention_common.cuh"
 #include "kernels/cuda/dtype_convert.cuh"
 #include "kernels/cuda/pdl.cuh"
 #include "kernels/cuda/rope.cuh"
@@ -59,17 +60,22 @@ struct alignas(sizeof(T) * kVec) Pack {
   T v[kVec];
 };
 
-// Sum over the CTA (blockDim.x a multiple of 32, <= 1024); every thread gets the total.
-__device__ float BlockSum(float x) {
-  __shared__ float warp_sums[32];
-  for (int offset = 16; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
+// A reduction over the CTA (blockDim.x a multiple of 32, <= 1024): the warp reduction
+// (cuda::WarpSum, cuda::WarpMax) over each warp, then over the warps' results, 0 padding the
+// second round (the identity of a sum, and of a max of magnitudes); every thread gets the result.
+template <typename WarpReduce>
+__device__ float BlockReduce(float x, WarpReduce warp_reduce) {
+  __shared__ float warp_results[32];
+  x = warp_reduce(x);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  if (lane == 0) warp_sums[warp] = x;
+  if (lane == 0) warp_results[warp] = x;
   __syncthreads();
   const int num_warps = blockDim.x / 32;
-  x = lane < num_warps ? warp_sums[lane] : 0.f;
-  for (int offset = 16; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
-  return x;
+  return warp_reduce(lane < num_warps ? warp_results[lane] : 0.f);
+}
+
+__device__ float BlockSum(float x) {
+  return BlockReduce(x, [](float v) { return cuda::WarpSum(v); });
 }
 
 // grid (N), block a multiple of 32: CTA n owns row n. Pass 1 adds delta into the residual
@@ -209,21 +215,6 @@ __global__ void GatedActivationKernel(const T* __restrict__ gate_up, int64_t gu_
   }
 }
 
-// Max over the CTA (blockDim.x a multiple of 32, <= 1024); every thread gets it.
-__device__ float BlockMax(float x) {
-  __shared__ float warp_maxes[32];
-  for (int offset = 16; offset > 0; offset /= 2)
-    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  if (lane == 0) warp_maxes[warp] = x;
-  __syncthreads();
-  const int num_warps = blockDim.x / 32;
-  x = lane < num_warps ? warp_maxes[lane] : 0.f;
-  for (int offset = 16; offset > 0; offset /= 2)
-    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
-  return x;
-}
-
 // grid (N), block a multiple of 32: CTA n owns row n. Pass 1: amax |x| over the row; scale =
 // amax * (1 / 448) (1 for a zero row). Pass 2 (the row again, from L2): x / scale clamped to +-448,
 // rounded to e4m3 (nearest even), kVec bytes a store.
@@ -242,7 +233,7 @@ __global__ void QuantizeRowsFp8Kernel(const T* __restrict__ x, int64_t x_stride,
 #pragma unroll
     for (int e = 0; e < kVec; ++e) amax = fmaxf(amax, fabsf(ToFloat(v.v[e])));
   }
-  amax = BlockMax(amax);
+  amax = BlockReduce(amax, [](float v) { return cuda::WarpMax(v); });
   // amax * (1 / 448), not amax / 448: ATen's CUDA division by a scalar multiplies by the
   // reciprocal, and these scales are the ones that chain computed (the bytes follow them).
   const float scale = amax > 0.f ? amax * (1.f / 448.f) : 1.f;
