@@ -176,13 +176,15 @@ bool RowsAligned16(const at::Tensor& t) {
          reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
 }
 
-// The most rows the decode GEMV takes over weight w (x in x_dtype). FP8 weights: at most 8, where
-// the FP8 GEMM catches up (Llama-3.1-8B on the H200 at 8 rows: the four projections 132 us a layer
-// through the GEMV, 130 us through the GEMM; at 16, 154 against 134; docs/benchmarks.md).
+// The most rows the decode GEMV takes over weight w (x in x_dtype); 0: none. FP8 weights: K a
+// multiple of 16, at most 8 rows, where the FP8 GEMM catches up (Llama-3.1-8B on the H200 at 8
+// rows: the four projections 132 us a layer through the GEMV, 130 us through the GEMM; at 16, 154
+// against 134; docs/benchmarks.md).
 int64_t GemvMaxRows(const at::Tensor& w, at::ScalarType x_dtype) {
   constexpr int64_t kFp8GemvMaxRows = 8;
   const int64_t fits = kernels::FusedGemvMaxRows(w.size(1), x_dtype);
-  return IsFp8(w) ? std::min(fits, kFp8GemvMaxRows) : fits;
+  if (!IsFp8(w)) return fits;
+  return w.size(1) % 16 == 0 ? std::min(fits, kFp8GemvMaxRows) : 0;
 }
 
 // Linear with a weight that may be FP8 (scale defined). On CUDA, forwards the decode GEMV takes
@@ -195,7 +197,7 @@ int64_t GemvMaxRows(const at::Tensor& w, at::ScalarType x_dtype) {
 at::Tensor LinearMaybeFp8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
                           int64_t group_k, const at::Tensor& b) {
   if (!scale.defined()) return Linear(x, w, b);
-  if (x.is_cuda() && x.dim() == 2 && scale.size(1) == 1 && w.size(1) % 16 == 0 &&
+  if (x.is_cuda() && x.dim() == 2 && scale.size(1) == 1 &&
       x.size(0) <= GemvMaxRows(w, x.scalar_type()) && RowsAligned16(x)) {
     if (auto y = kernels::Gemv(x, w, b, scale); y.ok()) return *std::move(y);
   }
