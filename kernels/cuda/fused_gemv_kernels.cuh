@@ -3,9 +3,9 @@
 // pointers, no torch.
 //
 // Mapping. y [M, N] = x [M, K] W^T with W [N, K] row-major, M <= 16 tokens. A CTA of 8 warps owns
-// 16 rows of W (the A operand of mma.sync m16n8k16: 16 rows x 16 k); the tokens are
-// the mma's n (8 per tile, 1 or 2 tiles). The CTA sums the warps' fp32 partials in warp order at
-// the end (deterministic, no atomics).
+// 16 rows of W (the A operand of mma.sync m16n8k16: 16 rows x 16 k); the tokens are the
+// mma's n (8 per tile, 1 or 2 tiles). The CTA sums the warps' fp32 partials in warp order at the
+// end (deterministic, no atomics).
 //
 // Why a permuted k: mma's A fragment gives a lane 4 scattered 2-element pieces per row, but a
 // dot product does not care which k pairs with which as long as W and x agree. So lane (g, q)

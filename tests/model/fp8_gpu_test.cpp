@@ -42,8 +42,8 @@ double MaxRowRelDiff(const at::Tensor& got, const at::Tensor& want) {
   return ((g - w).norm(2, {1}) / w.norm(2, {1})).max().item<double>();
 }
 
-// x quantized per token to e4m3 and back in fp32 (scale amax / 448): the activations both FP8
-// paths on CUDA (the GEMM and decode's GEMV) multiply.
+// x quantized per token to e4m3 and back in fp32 (scale amax / 448): the activations the FP8 GEMM
+// multiplies.
 at::Tensor PerTokenQuantized(const at::Tensor& x) {
   auto xf = x.to(at::kFloat);
   auto xs = xf.abs().amax(1, true) / kFp8E4m3Max;
@@ -136,11 +136,9 @@ std::vector<int32_t> Prompt(int n, int salt) {
 // Decode's GEMV over FP8 weights (kernels/fused_gemv.h) against fp32 math over the dequantized
 // weights: only the accumulation order and the output's rounding differ (bf16: 2^-9 relative).
 // Rows of x of different magnitudes (each token's power of two into fp16: one on the wrong token
-// shows).
-// Rows of different magnitudes in w (a scale on the wrong row shows), 1 / 3 / 8 rows of x and the
-// most the GEMV takes at that K (two mma tiles from 9), K of the 8B model's down projection and
-// one that leaves a partial stage, strided x rows, bias on and off, bf16 and fp16 x, and the same
-// bits twice.
+// shows) and of w (a scale on the wrong row shows), 1 / 3 / 8 rows of x and the most the GEMV
+// takes at that K (two mma tiles from 9), K of the 8B model's down projection and one that leaves
+// a partial stage, strided x rows, bias on and off, bf16 and fp16 x, and the same bits twice.
 TEST(Fp8GpuTest, Fp8GemvEqualsFp32MathOverDequantizedWeights) {
   SKIP_WITHOUT_CUDA();
   at::manual_seed(5);
