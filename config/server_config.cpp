@@ -23,6 +23,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "engine/common/text_value.h"
 #include "engine/compression/compression.h"
 #include "kernels/tuning.h"
 
@@ -31,52 +32,29 @@ extern char** environ;
 namespace dropkv {
 namespace {
 
-// Debian's abseil has its own string_view type (not an alias of std's): convert at the API edge.
 absl::string_view A(std::string_view s) {
-  return absl::string_view(s.data(), s.size());
+  return AbslView(s);
 }
 
-// ---- scalar parsers: each error says what was expected and what was given ------------------
+// ---- scalar parsers (engine/common/text_value.h) over abseil's string_view ------------------
 
+std::string_view S(absl::string_view s) {
+  return std::string_view(s.data(), s.size());
+}
 std::string Quote(absl::string_view s) {
-  return absl::StrCat("'", s, "'");
+  return QuoteText(S(s));
 }
-
 absl::StatusOr<int64_t> ParseInt(absl::string_view text) {
-  absl::string_view t = absl::StripAsciiWhitespace(text);
-  int64_t v = 0;
-  auto [ptr, ec] = std::from_chars(t.data(), t.data() + t.size(), v);
-  if (t.empty() || ec != std::errc() || ptr != t.data() + t.size()) {
-    return absl::InvalidArgumentError(absl::StrCat("expected an integer, got ", Quote(text)));
-  }
-  return v;
+  return ParseIntText(S(text));
 }
-
 absl::StatusOr<double> ParseDouble(absl::string_view text) {
-  std::string t(absl::StripAsciiWhitespace(text));
-  char* end = nullptr;
-  double v = t.empty() ? 0.0 : std::strtod(t.c_str(), &end);
-  if (t.empty() || end != t.c_str() + t.size() || !std::isfinite(v)) {
-    return absl::InvalidArgumentError(absl::StrCat("expected a number, got ", Quote(text)));
-  }
-  return v;
+  return ParseDoubleText(S(text));
 }
-
 absl::StatusOr<bool> ParseBool(absl::string_view text) {
-  std::string t = absl::AsciiStrToLower(absl::StripAsciiWhitespace(text));
-  if (t == "true" || t == "yes" || t == "on" || t == "1") return true;
-  if (t == "false" || t == "no" || t == "off" || t == "0") return false;
-  return absl::InvalidArgumentError(
-      absl::StrCat("expected a boolean (true/false), got ", Quote(text)));
+  return ParseBoolText(S(text));
 }
-
 std::string FormatDouble(double v) {
-  std::array<char, 64> buf{};
-  auto [ptr, ec] = std::to_chars(buf.data(), buf.data() + buf.size(), v);
-  std::string s(buf.data(), ptr);
-  // Keep doubles recognisable as numbers with a fraction in YAML ("1" -> "1.0").
-  if (s.find_first_of(".eE") == std::string::npos) s += ".0";
-  return s;
+  return FormatDoubleText(v);
 }
 
 constexpr std::array<NamedValue<LogFormat>, 2> kLogFormats{{
@@ -105,6 +83,24 @@ absl::string_view KindName(Kind kind) {
       return "list of numbers";
   }
   return "value";
+}
+
+Kind ConfigKind(compression::FieldKind kind) {
+  switch (kind) {
+    case compression::FieldKind::kEnum:
+      return Kind::kEnum;
+    case compression::FieldKind::kBool:
+      return Kind::kBool;
+    case compression::FieldKind::kInt:
+      return Kind::kInt;
+    case compression::FieldKind::kDouble:
+      return Kind::kDouble;
+    case compression::FieldKind::kString:
+      return Kind::kString;
+    case compression::FieldKind::kDoubleList:
+      return Kind::kDoubleList;
+  }
+  return Kind::kString;
 }
 
 struct Setting {
@@ -393,102 +389,19 @@ std::vector<Setting> MakeSettings() {
       }));
   v.push_back(BoolSetting("log_prompts", "include prompt text in request log lines",
                           [](C& c) -> bool& { return c.log_prompts; }));
-  // compression defaults
-  v.push_back(EnumSetting(
-      "compression.method", "scorer", [](C& c) -> ScoreMethod& { return c.compression.method; },
-      kScoreMethodNames));
-  v.push_back(DoubleSetting(
-      "compression.keep_ratio", "fraction of KV tokens kept, (0, 1]",
-      [](C& c) -> double& { return c.compression.keep_ratio; }, 0.0, 1.0,
-      /*min_exclusive=*/true));
-  {
-    Setting s{"compression.budget_tokens",
+  // compression defaults: one setting per stored row of the compression schema
+  for (const compression::CompressionField& field : compression::CompressionFields()) {
+    if (!field.stored()) continue;  // compression_ratio: requests and tools only
+    Setting s{absl::StrCat("compression.", A(field.name)),
               "",
-              Kind::kInt,
-              "absolute per-layer average budget; 0 = use keep_ratio",
+              ConfigKind(field.kind),
+              field.help,
               nullptr,
               nullptr};
-    s.set = [](C& c, absl::string_view text) -> absl::Status {
-      absl::StatusOr<int64_t> v = ParseInt(text);
-      if (!v.ok()) return v.status();
-      if (*v < 0) return CheckRange<int64_t>(*v, 0, kInt64Max);
-      c.compression.budget_tokens = *v == 0 ? std::nullopt : std::optional<int64_t>(*v);
-      return absl::OkStatus();
-    };
-    s.get = [](const C& c) { return std::to_string(c.compression.budget_tokens.value_or(0)); };
+    s.set = [&field](C& c, absl::string_view text) { return field.set(c.compression, S(text)); };
+    s.get = [&field](const C& c) { return field.get(c.compression); };
     v.push_back(std::move(s));
   }
-  v.push_back(EnumSetting(
-      "compression.allocator", "layer budgets",
-      [](C& c) -> BudgetAllocator& { return c.compression.allocator; }, kBudgetAllocatorNames));
-  {
-    Setting s{"compression.explicit_layer_prune",
-              "",
-              Kind::kDoubleList,
-              "allocator explicit: pruned fraction per layer, comma-separated in flags/env",
-              nullptr,
-              nullptr};
-    s.set = [](C& c, absl::string_view text) -> absl::Status {
-      std::vector<double> values;
-      absl::string_view t = absl::StripAsciiWhitespace(text);
-      if (!t.empty()) {
-        for (absl::string_view part : absl::StrSplit(t, ',')) {
-          absl::StatusOr<double> d = ParseDouble(part);
-          if (!d.ok()) {
-            return absl::InvalidArgumentError(
-                absl::StrCat("element ", values.size(), ": ", d.status().message()));
-          }
-          if (*d < 0.0 || *d >= 1.0) {
-            return absl::InvalidArgumentError(
-                absl::StrCat("element ", values.size(), ": value ", *d, " is out of range [0, 1)"));
-          }
-          values.push_back(*d);
-        }
-      }
-      c.compression.explicit_layer_prune = std::move(values);
-      return absl::OkStatus();
-    };
-    s.get = [](const C& c) {
-      std::vector<std::string> parts;
-      for (double d : c.compression.explicit_layer_prune) parts.push_back(FormatDouble(d));
-      return absl::StrJoin(parts, ",");
-    };
-    v.push_back(std::move(s));
-  }
-  v.push_back(StringSetting("compression.profile_path",
-                            "InfoNCE budget profile (JSON) for allocators mga and mlma*",
-                            [](C& c) -> std::string& { return c.compression.profile_path; }));
-  v.push_back(IntSetting<int32_t>(
-      "compression.window", "observation window W",
-      [](C& c) -> int32_t& { return c.compression.window; }, 1, 1 << 16));
-  v.push_back(EnumSetting(
-      "compression.pooling", "score smoothing",
-      [](C& c) -> PoolingType& { return c.compression.pooling; }, kPoolingTypeNames));
-  v.push_back(IntSetting<int32_t>(
-      "compression.pooling_kernel", "pooling kernel size (odd)",
-      [](C& c) -> int32_t& { return c.compression.pooling_kernel; }, 1, 1023));
-  v.push_back(BoolSetting("compression.protect_sinks", "always keep the first num_sinks tokens",
-                          [](C& c) -> bool& { return c.compression.protect_sinks; }));
-  v.push_back(IntSetting<int32_t>(
-      "compression.num_sinks", "attention-sink tokens kept",
-      [](C& c) -> int32_t& { return c.compression.num_sinks; }, 0, 1 << 16));
-  v.push_back(EnumSetting(
-      "compression.chunk_policy", "chunked prefill",
-      [](C& c) -> ChunkPolicy& { return c.compression.chunk_policy; }, kChunkPolicyNames));
-  v.push_back(IntSetting<int32_t>(
-      "compression.chunk_size", "prefill chunk tokens; 0 = one pass",
-      [](C& c) -> int32_t& { return c.compression.chunk_size; }, 0, 1 << 24));
-  v.push_back(IntSetting<int64_t>(
-      "compression.budget_cap_tokens", "chunk_policy budget: compress when a layer passes this",
-      [](C& c) -> int64_t& { return c.compression.budget_cap_tokens; }, 0, 1LL << 32));
-  v.push_back(IntSetting<int32_t>(
-      "compression.decode_margin",
-      "compress during decode past a layer's budget by this many entries; 0 = prefill only",
-      [](C& c) -> int32_t& { return c.compression.decode_margin; }, 0, 1 << 24));
-  v.push_back(IntSetting<int64_t>(
-      "compression.random_seed", "seed of the random scorer",
-      [](C& c) -> int64_t& { return reinterpret_cast<int64_t&>(c.compression.random_seed); }, 0,
-      kInt64Max));
   return v;
 }
 

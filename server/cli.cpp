@@ -15,6 +15,7 @@
 #include <CLI/CLI.hpp>
 
 #include "dropkv/v1/inference.grpc.pb.h"
+#include "server/compression_message.h"
 
 namespace {
 
@@ -77,8 +78,9 @@ int main(int argc, char** argv) {
   int32_t top_k = 0;
   int64_t seed = -1;
   std::vector<std::string> stops;
-  std::string method, allocator;
-  double keep_ratio = 0;
+  // The compression settings a request may carry, one flag per schema row with a message field
+  // (the tools' spellings: --method, --keep, --window, ...); the server checks the ranges.
+  dropkv::v1::CompressionSettings compression;
   gen->add_option("--prompt", prompt, "prompt text");
   gen->add_option("--token-ids", token_ids, "prompt as token ids instead of text");
   gen->add_option("--max-new-tokens", max_new_tokens, "tokens to generate")->capture_default_str();
@@ -90,9 +92,21 @@ int main(int argc, char** argv) {
   gen->add_option("--seed", seed, "sampling seed (-1 = random)");
   gen->add_option("--stop", stops, "stop string (repeatable)");
   gen->add_flag("--ignore-eos", ignore_eos);
-  gen->add_option("--method", method, "compression method (dropkv, snapkv, ...)");
-  gen->add_option("--keep-ratio", keep_ratio, "fraction of the KV cache kept");
-  gen->add_option("--allocator", allocator, "budget allocator (uniform, pyramid, ...)");
+  for (const dropkv::compression::CompressionField& field :
+       dropkv::compression::CompressionFields()) {
+    if (dropkv::CompressionMessageField(field) == nullptr) continue;
+    const std::string flag = "--" + std::string(field.tool_flag);
+    auto set = [&compression, &field, flag](const std::string& text) {
+      if (absl::Status s = dropkv::SetCompressionMessageText(&compression, field, text); !s.ok())
+        throw CLI::ValidationError(flag, std::string(s.message()));
+    };
+    if (field.kind == dropkv::compression::FieldKind::kBool) {
+      gen->add_flag_function(
+          flag, [set](int64_t n) { set(n > 0 ? "true" : "false"); }, "compression: " + field.help);
+    } else {
+      gen->add_option_function<std::string>(flag, set, "compression: " + field.help);
+    }
+  }
   gen->add_flag("-v,--verbose", verbose, "print usage and timings to stderr");
 
   auto* chat = app.add_subcommand("chat", "chat through the model's template (a turn per line)");
@@ -154,9 +168,7 @@ int main(int argc, char** argv) {
     if (seed >= 0) s->set_seed(static_cast<uint64_t>(seed));
     s->set_ignore_eos(ignore_eos);
     for (const auto& stop : stops) req.add_stop(stop);
-    if (!method.empty()) req.mutable_compression()->set_method(method);
-    if (keep_ratio > 0) req.mutable_compression()->set_keep_ratio(keep_ratio);
-    if (!allocator.empty()) req.mutable_compression()->set_allocator(allocator);
+    *req.mutable_compression() = compression;
     grpc::ClientContext ctx;
     make_context(ctx);
     if (stream) {

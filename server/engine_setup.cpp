@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "config/server_config.h"
 #include "engine/compression/compression.h"
+#include "server/compression_message.h"
 
 namespace dropkv {
 
@@ -85,24 +86,10 @@ absl::StatusOr<ServedEngine> CreateServedEngine(const ServerConfig& config,
   info.set_device(mc.device);
   info.set_block_size(config.block_size);
   info.set_max_new_tokens_limit(config.max_new_tokens_limit);
-  v1::CompressionSettings* dc = info.mutable_default_compression();
-  const CompressionParams& c = config.compression;
-  dc->set_method(std::string(ScoreMethodName(c.method)));
-  if (c.budget_tokens)
-    dc->set_budget_tokens(*c.budget_tokens);
-  else
-    dc->set_keep_ratio(c.keep_ratio);
-  dc->set_allocator(std::string(BudgetAllocatorName(c.allocator)));
-  dc->set_window(c.window);
-  dc->set_pooling(std::string(PoolingTypeName(c.pooling)));
-  dc->set_pooling_kernel(c.pooling_kernel);
-  dc->set_chunk_policy(std::string(ChunkPolicyName(c.chunk_policy)));
-  dc->set_chunk_size(c.chunk_size);
-  for (const char* m : {"none", "dropkv", "snapkv", "h2o", "h2o_vl1", "h2o_vl2", "streaming_llm",
-                        "knorm", "random"})
-    info.add_supported_methods(m);
-  for (const char* a : {"uniform", "pyramid", "mlp", "mga", "mlma2", "mlma4", "mlma6", "explicit"})
-    info.add_supported_allocators(a);
+  CompressionToMessage(config.compression, info.mutable_default_compression());
+  for (const auto& [method, name] : kScoreMethodNames) info.add_supported_methods(std::string(name));
+  for (const auto& [allocator, name] : kBudgetAllocatorNames)
+    info.add_supported_allocators(std::string(name));
   return served;
 }
 

@@ -12,24 +12,18 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "dropkv/v1/inference.pb.h"
+#include "engine/common/text_value.h"
 #include "engine/compression/compression.h"
 #include "engine/tokenizer/chat_template.h"
 #include "engine/tokenizer/tokenizer.h"
 #include "engine/tokenizer/unicode.h"
+#include "server/compression_message.h"
 
 namespace dropkv {
 namespace {
 
 absl::Status Invalid(absl::string_view field, absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat(field, ": ", what));
-}
-
-// The compression module owns the setting names; a request reports the field as
-// compression.<name>.
-template <typename T>
-absl::StatusOr<T> CompressionField(absl::StatusOr<T> parsed) {
-  if (parsed.ok()) return parsed;
-  return absl::InvalidArgumentError(absl::StrCat("compression.", parsed.status().message()));
 }
 
 std::string NewRequestId() {
@@ -209,56 +203,24 @@ absl::StatusOr<CompressionParams> MapCompression(const v1::CompressionSettings& 
                                                  const CompressionParams& defaults,
                                                  int64_t max_context_len, int32_t num_layers) {
   CompressionParams p = defaults;
-  if (!c.method().empty()) {
-    auto m = CompressionField(ParseScoreMethod(c.method()));
-    if (!m.ok()) return m.status();
-    p.method = *m;
+  // A budget form given in the request replaces the server's default budget whatever its form.
+  if (c.budget_case() != v1::CompressionSettings::BUDGET_NOT_SET) p.budget_tokens.reset();
+  // Each schema row reads the field of its name, when the request sets it (an empty string is
+  // unset: the server's default stays).
+  for (const compression::CompressionField& field : compression::CompressionFields()) {
+    const std::optional<std::string> text = CompressionMessageText(c, field);
+    if (!text) continue;
+    const std::string name = absl::StrCat("compression.", AbslView(field.name));
+    // Budgets: the lower bound is compression's, the upper one this server's context (0 is
+    // "none" in the config file, not a budget a request may ask for).
+    if (field.name == "budget_tokens" &&
+        (c.budget_tokens() < 1 || (max_context_len > 0 && c.budget_tokens() > max_context_len)))
+      return Invalid(name, absl::StrCat("must be in [1, ",
+                                        max_context_len > 0 ? max_context_len
+                                                            : compression::kMaxCompressionTokens,
+                                        "], got ", c.budget_tokens()));
+    if (absl::Status s = field.set(p, *text); !s.ok()) return Invalid(name, s.message());
   }
-  switch (c.budget_case()) {
-    case v1::CompressionSettings::kKeepRatio:
-      p.keep_ratio = c.keep_ratio();
-      p.budget_tokens.reset();
-      break;
-    case v1::CompressionSettings::kCompressionRatio:
-      if (!(c.compression_ratio() >= 0.0 && c.compression_ratio() < 1.0))
-        return Invalid("compression.compression_ratio",
-                       absl::StrCat("must be in [0, 1), got ", c.compression_ratio()));
-      p.keep_ratio = 1.0 - c.compression_ratio();
-      p.budget_tokens.reset();
-      break;
-    case v1::CompressionSettings::kBudgetTokens:
-      // The lower bound is compression's; the upper one this server's context.
-      if (max_context_len > 0 && c.budget_tokens() > max_context_len)
-        return Invalid("compression.budget_tokens", absl::StrCat("must be in [1, ", max_context_len,
-                                                                 "], got ", c.budget_tokens()));
-      p.budget_tokens = c.budget_tokens();
-      break;
-    case v1::CompressionSettings::BUDGET_NOT_SET:
-      break;
-  }
-  if (!c.allocator().empty()) {
-    auto a = CompressionField(ParseBudgetAllocator(c.allocator()));
-    if (!a.ok()) return a.status();
-    p.allocator = *a;
-  }
-  if (c.has_window()) p.window = c.window();
-  if (!c.pooling().empty()) {
-    auto k = CompressionField(ParsePoolingType(c.pooling()));
-    if (!k.ok()) return k.status();
-    p.pooling = *k;
-  }
-  if (c.has_pooling_kernel()) p.pooling_kernel = c.pooling_kernel();
-  if (!c.chunk_policy().empty()) {
-    auto k = CompressionField(ParseChunkPolicy(c.chunk_policy()));
-    if (!k.ok()) return k.status();
-    p.chunk_policy = *k;
-  }
-  if (c.has_chunk_size()) p.chunk_size = c.chunk_size();
-  if (c.has_budget_cap_tokens()) p.budget_cap_tokens = c.budget_cap_tokens();
-  if (c.has_protect_sinks()) p.protect_sinks = c.protect_sinks();
-  if (c.has_num_sinks()) p.num_sinks = c.num_sinks();
-  if (c.has_random_seed()) p.random_seed = c.random_seed();
-  if (c.has_decode_margin()) p.decode_margin = c.decode_margin();
   // Ranges and consistency: compression's one validator (with the model's depth when known).
   absl::Status valid = compression::ValidateCompression(p, num_layers);
   // The validator's messages start with the field ("window: ...").

@@ -19,42 +19,17 @@ int32_t ProtectedSinks(const CompressionParams& p) {
 }
 
 absl::Status ValidateCompression(const CompressionParams& p, int32_t num_layers) {
-  if (!(p.keep_ratio > 0.0 && p.keep_ratio <= 1.0)) {
-    return Invalid(absl::StrCat("keep_ratio: must be in (0, 1], got ", p.keep_ratio));
-  }
-  if (p.budget_tokens.has_value() && *p.budget_tokens <= 0) {
-    return Invalid(absl::StrCat("budget_tokens: must be >= 1, got ", *p.budget_tokens));
-  }
-  if (p.budget_tokens.has_value() && *p.budget_tokens > kMaxCompressionTokens) {
-    return Invalid(absl::StrCat("budget_tokens: must be <= ", kMaxCompressionTokens, ", got ",
-                                *p.budget_tokens));
-  }
-  if (p.window < 1 || p.window > kMaxWindow) {
-    return Invalid(absl::StrCat("window: must be in [1, ", kMaxWindow, "], got ", p.window));
-  }
-  if (p.pooling_kernel < 1 || p.pooling_kernel > kMaxPoolingKernel || p.pooling_kernel % 2 == 0) {
-    return Invalid(absl::StrCat("pooling_kernel: must be odd and in [1, ", kMaxPoolingKernel,
-                                "], got ", p.pooling_kernel));
-  }
-  if (p.num_sinks < 0 || p.num_sinks > kMaxNumSinks) {
-    return Invalid(
-        absl::StrCat("num_sinks: must be in [0, ", kMaxNumSinks, "], got ", p.num_sinks));
-  }
-  if (p.chunk_size < 0 || p.chunk_size > kMaxCompressionTokens ||
-      (p.chunk_size > 0 && p.chunk_size < p.window)) {
+  if (absl::Status ranges = CheckCompressionRanges(p); !ranges.ok()) return ranges;
+  // Consistency between fields; each field's own range is its row's.
+  if (p.chunk_size > 0 && p.chunk_size < p.window) {
     return Invalid(absl::StrCat("chunk_size: must be 0 or in [window (", p.window, "), ",
                                 kMaxCompressionTokens, "], got ", p.chunk_size,
                                 " (the last chunk's window queries score the cache)"));
   }
-  if (p.budget_cap_tokens < 0 || p.budget_cap_tokens > kMaxCompressionTokens) {
-    return Invalid(absl::StrCat("budget_cap_tokens: must be in [0, ", kMaxCompressionTokens,
-                                "], got ", p.budget_cap_tokens));
-  }
   if (p.chunk_policy == ChunkPolicy::kBudget && p.budget_cap_tokens == 0) {
     return Invalid("budget_cap_tokens: chunk_policy budget needs a cap > 0, got 0");
   }
-  if (p.decode_margin < 0 || p.decode_margin > kMaxCompressionTokens ||
-      (p.decode_margin > 0 && p.decode_margin < p.window)) {
+  if (p.decode_margin > 0 && p.decode_margin < p.window) {
     return Invalid(absl::StrCat("decode_margin: must be 0 or in [window (", p.window, "), ",
                                 kMaxCompressionTokens, "], got ", p.decode_margin,
                                 " (the last window decode steps' queries score the cache)"));

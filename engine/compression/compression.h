@@ -11,21 +11,14 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "engine/compression/budget.h"
+#include "engine/compression/schema.h"  // the fields' rows and bounds
 #include "engine/request.h"
 
 namespace dropkv::compression {
 
-// Upper bounds of the integer settings a client may send. They bound the work one request can
-// put on the engine thread: scoring costs window x context per layer and the pooling kernel's
-// size per score (docs/reliability.md, "Cost of one request").
-inline constexpr int32_t kMaxWindow = 1024;
-inline constexpr int32_t kMaxPoolingKernel = 127;
-inline constexpr int32_t kMaxNumSinks = 4096;
-inline constexpr int64_t kMaxCompressionTokens = int64_t{1} << 24;  // chunk sizes, budgets, caps
-
 // The one validator of compression settings (the server's requests, the config file, the tools'
 // flags): INVALID_ARGUMENT whose message starts with the field ("window: must be in [1, 1024],
-// got 0"; callers prefix "compression."). The fields' ranges and their consistency (chunk_size >=
+// got 0"; callers prefix "compression."). The fields' ranges (their schema rows) and their consistency (chunk_size >=
 // window, chunk_policy budget with a cap, a profile for the allocators that read one) are checked
 // whatever the method; with a method and num_layers > 0 also what depends on the model's depth
 // (explicit list length, the allocator's feasibility). It reads no file: a profile's values are

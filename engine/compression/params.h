@@ -1,7 +1,8 @@
 // Compression settings of a request (the methods, budgets and chunk policies of algorithms.md
-// sections 1-5) and the one table of their names. Torch-free and tiny: config, the server's
-// request validation, the CLI flags and the engine all include it, so a setting is declared and
-// spelled exactly once. Validation and the per-request plan are in compression.h / plan.h.
+// sections 1-5) and the tables of their enum names. Torch-free and tiny: config, the server's
+// request validation, the CLI flags and the engine all include it. Each field's name, range and
+// help are its row in schema.h, which every reader and writer of a setting goes through;
+// validation and the per-request plan are in compression.h / plan.h.
 #pragma once
 
 #include <array>
@@ -57,6 +58,9 @@ struct CompressionParams {
   // so far plus this many entries, the press re-scores it with the queries of the last `window`
   // decode steps and evicts back to the budget (docs/compression.md). 0 = prefill only.
   int32_t decode_margin = 0;
+#ifdef DROPKV_COMPRESSION_TEST_FIELD
+  int32_t test_field = 7;  // schema_extension_test's build only (schema.cpp's last row)
+#endif
 };
 
 inline constexpr std::array<NamedValue<ScoreMethod>, 9> kScoreMethodNames{{

@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "engine/common/status_macros.h"
+#include "engine/compression/schema.h"
 #include "engine/parallel/communicator.h"
 
 namespace dropkv {
@@ -41,24 +42,8 @@ class Writer {
     bytes_.append(reinterpret_cast<const char*>(values.data()), values.size_bytes());
   }
   void PutString(const std::string& s) { PutSpan(std::span<const char>(s.data(), s.size())); }
-  void PutCompression(const CompressionParams& c) {
-    Put(c.method);
-    Put(c.keep_ratio);
-    Put<int64_t>(c.budget_tokens.value_or(-1));
-    Put(c.allocator);
-    PutSpan(std::span<const double>(c.explicit_layer_prune));
-    PutString(c.profile_path);
-    Put(c.window);
-    Put(c.pooling_kernel);
-    Put(c.pooling);
-    Put(c.protect_sinks);
-    Put(c.num_sinks);
-    Put(c.chunk_policy);
-    Put(c.chunk_size);
-    Put(c.budget_cap_tokens);
-    Put(c.random_seed);
-    Put(c.decode_margin);
-  }
+  // The schema's encoding: every stored field, so none can be left out here.
+  void PutCompression(const CompressionParams& c) { PutString(compression::EncodeCompression(c)); }
   std::string& bytes() { return bytes_; }
 
  private:
@@ -91,24 +76,12 @@ class Reader {
     return std::string(chars.begin(), chars.end());
   }
   CompressionParams GetCompression() {
-    CompressionParams c;
-    c.method = Get<ScoreMethod>();
-    c.keep_ratio = Get<double>();
-    if (const auto budget = Get<int64_t>(); budget >= 0) c.budget_tokens = budget;
-    c.allocator = Get<BudgetAllocator>();
-    c.explicit_layer_prune = GetVector<double>();
-    c.profile_path = GetString();
-    c.window = Get<int32_t>();
-    c.pooling_kernel = Get<int32_t>();
-    c.pooling = Get<PoolingType>();
-    c.protect_sinks = Get<bool>();
-    c.num_sinks = Get<int32_t>();
-    c.chunk_policy = Get<ChunkPolicy>();
-    c.chunk_size = Get<int32_t>();
-    c.budget_cap_tokens = Get<int64_t>();
-    c.random_seed = Get<uint64_t>();
-    c.decode_margin = Get<int32_t>();
-    return c;
+    absl::StatusOr<CompressionParams> c = compression::DecodeCompression(GetString());
+    if (!c.ok()) {
+      ok_ = false;
+      return {};
+    }
+    return *c;
   }
   // Every field read so far was there.
   bool valid() const { return ok_; }

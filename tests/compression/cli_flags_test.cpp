@@ -70,6 +70,18 @@ TEST(CompressionFlags, ParsesEverySetting) {
   EXPECT_EQ(q.explicit_layer_prune, (std::vector<double>{0.1, 0.2, 0.3}));
 }
 
+TEST(CompressionFlags, ReadTheServersEnvironmentNames) {
+  setenv("DROPKV_COMPRESSION_KEEP_RATIO", "0.4", 1);
+  setenv("DROPKV_COMPRESSION_PROTECT_SINKS", "true", 1);
+  CompressionParams p;
+  const std::string error = Parse({}, &p);
+  unsetenv("DROPKV_COMPRESSION_KEEP_RATIO");
+  unsetenv("DROPKV_COMPRESSION_PROTECT_SINKS");
+  ASSERT_EQ(error, "");
+  EXPECT_DOUBLE_EQ(p.keep_ratio, 0.4);
+  EXPECT_TRUE(p.protect_sinks);
+}
+
 TEST(CompressionFlags, BadValuesNameTheFlag) {
   CompressionParams p;
   EXPECT_NE(Parse({"--method", "snap"}, &p).find("snapkv"), std::string::npos);
@@ -77,12 +89,16 @@ TEST(CompressionFlags, BadValuesNameTheFlag) {
   EXPECT_EQ(Parse({"--allocator", "pyr"}, &p),
             "--allocator: expected one of uniform|pyramid|mlp|mga|mlma2|mlma4|mlma6|explicit, "
             "got 'pyr'");
-  EXPECT_NE(Parse({"--compression-ratio", "1.0"}, &p).find("compression_ratio"), std::string::npos);
+  EXPECT_EQ(Parse({"--compression-ratio", "1.0"}, &p),
+            "--compression-ratio: must be in [0, 1), got 1");
   EXPECT_NE(Parse({"--allocator", "cone"}, &p).find("allocator"), std::string::npos);
   EXPECT_NE(Parse({"--keep", "0.5", "--compression-ratio", "0.5"}, &p), "");
-  // Ranges are not the parser's: the one validator names the field after it.
+  // Ranges are the schema rows': the flag names the field; the validator holds code-built
+  // settings to the same ranges.
   CompressionParams zero;
-  EXPECT_EQ(Parse({"--keep", "0"}, &zero), "");
+  EXPECT_EQ(Parse({"--keep", "0"}, &zero), "--keep: must be in (0, 1], got 0");
+  EXPECT_EQ(Parse({"--window", "2000"}, &zero), "--window: must be in [1, 1024], got 2000");
+  zero.keep_ratio = 0;
   absl::Status bad = ValidateCompression(zero, 4);
   EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(bad.message(), "keep_ratio: must be in (0, 1], got 0");

@@ -235,7 +235,7 @@ TEST(ServerConfigTest, OutOfRangeNamesTheKey) {
   c = ParseServerConfigYaml("compression: {keep_ratio: 0}", "f.yaml");
   ASSERT_FALSE(c.ok());
   EXPECT_THAT(c.status().message(),
-              HasSubstr("compression.keep_ratio: value 0 is out of range (0, 1]"));
+              HasSubstr("compression.keep_ratio: must be in (0, 1], got 0"));
 
   c = ParseServerConfigYaml("compression: {method: dropkvv}", "f.yaml");
   ASSERT_FALSE(c.ok());

@@ -117,7 +117,7 @@ TEST(ServerPrometheusE2eTest, RealServerRealPrometheus) {
       rcs[i] = RunCli({"--address", address, "generate", "--prompt",
                        "Once upon a time there was a little girl number " + std::to_string(i),
                        "--max-new-tokens", std::to_string(kNewTokens), "--ignore-eos", "--method",
-                       "dropkv", "--keep-ratio", "0.5"},
+                       "dropkv", "--keep", "0.5"},
                       dir / ("cli" + std::to_string(i) + ".log"));
     });
   }
@@ -126,7 +126,7 @@ TEST(ServerPrometheusE2eTest, RealServerRealPrometheus) {
     EXPECT_EQ(rcs[i], 0) << ReadText(dir / ("cli" + std::to_string(i) + ".log"));
   }
   // One request the server must refuse (keep ratio out of range): INVALID_ARGUMENT.
-  EXPECT_NE(RunCli({"--address", address, "generate", "--prompt", "x", "--keep-ratio", "2"},
+  EXPECT_NE(RunCli({"--address", address, "generate", "--prompt", "x", "--keep", "2"},
                    dir / "cli_bad.log"),
             0);
 

@@ -6,6 +6,7 @@
 #include "dropkv/v1/inference.pb.h"
 #include "engine/compression/compression.h"
 #include "engine/tokenizer/chat_template.h"
+#include "server/compression_message.h"
 #include "tests/scheduler/fake_tokenizer.h"
 
 namespace dropkv {
@@ -368,6 +369,47 @@ TEST_F(ValidationTest, CompressionIntegersAreBoundedAbove) {
   r = ok_;
   r.mutable_compression()->set_decode_margin(kHuge);
   ExpectInvalid(r, "compression.decode_margin");
+}
+
+// The request maps to the compression schema by field name: a CompressionSettings field without a
+// row would be ignored silently, so every field must have one.
+TEST(CompressionSchemaMappingTest, EveryRequestFieldHasASchemaRow) {
+  const auto* descriptor = v1::CompressionSettings::descriptor();
+  for (int i = 0; i < descriptor->field_count(); ++i) {
+    EXPECT_NE(compression::FindCompressionField(descriptor->field(i)->name()), nullptr)
+        << descriptor->field(i)->name() << " has no row in engine/compression/schema.cpp";
+  }
+}
+
+// ServerInfo's default compression, read back as a request over other defaults, gives the
+// server's defaults again (every field the message has).
+TEST(CompressionSchemaMappingTest, DefaultsRoundTripThroughTheMessage) {
+  CompressionParams server;
+  server.method = ScoreMethod::kSnapKV;
+  server.budget_tokens = 12;
+  server.window = 4;
+  server.pooling = PoolingType::kNone;
+  server.pooling_kernel = 3;
+  server.protect_sinks = true;
+  server.num_sinks = 2;
+  server.chunk_policy = ChunkPolicy::kEveryChunk;
+  server.chunk_size = 16;
+  server.decode_margin = 8;
+  server.random_seed = 5;
+  v1::CompressionSettings message;
+  CompressionToMessage(server, &message);
+  EXPECT_EQ(message.budget_case(), v1::CompressionSettings::kBudgetTokens);
+  absl::StatusOr<CompressionParams> back =
+      MapCompression(message, CompressionParams{}, /*max_context_len=*/32);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(compression::EncodeCompression(*back), compression::EncodeCompression(server));
+  // A keep ratio in the request replaces a default token budget.
+  v1::CompressionSettings keep;
+  keep.set_keep_ratio(0.5);
+  back = MapCompression(keep, server, 32);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_FALSE(back->budget_tokens.has_value());
+  EXPECT_EQ(back->keep_ratio, 0.5);
 }
 
 TEST_F(ValidationTest, StopStrings) {
