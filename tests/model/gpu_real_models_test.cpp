@@ -40,6 +40,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "allocator/block_pool.h"
 #include "engine/compression/press.h"
 #include "engine/engine.h"
 #include "engine/model/config.h"
