@@ -13,7 +13,13 @@
 # ~4 MB), each with
 #   carry: [".gpu-stage/callN", ".whl/gguf"]     command: bash scripts/gpu_stage_models.sh
 # made back to back on one warm machine (it is given back ~30 s after a call ends, and files
-# outside the repository copy survive only while it is held). Order does not matter.
+# outside the repository copy survive only while it is held). Order does not matter. .gitignore
+# must ignore /.gpu-stage/ (and /.whl/): untracked, its ~670 MB would travel with every call.
+# The test call after them carries the pack instead (no pieces), e.g.
+#   carry [".gpu-pack", ".whl/kvpress"] (~30 + 15 MB; the pack of dropkv-quality-tasks,
+#   dropkv-quality and model_gpu_real_models_test), command: bash scripts/gpu_stage_models.sh &&
+#   source scripts/gpu_pack.sh --unpack && DROPKV_GPU_MODELS=/tmp/dropkv-stage/models ... (the
+#   test), then bash bench/quality/run_gpu.sh.
 #
 # There (no arguments): copies the carried pieces to $DROPKV_STAGE (default /tmp/dropkv-stage),
 # skipping a piece already there with the right sha256 (a piece with a wrong one is replaced, or
