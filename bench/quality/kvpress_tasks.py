@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """kvpress 0.5.5 on tasks.py's prompts (issue 23): the peer of dropkv-quality-tasks.
 
-Run with $DROPKV_KVPRESS_PYTHON (scripts/setup.sh's venv-kvpress). Loads the same Hugging Face
-folder in fp32 on the CPU (SDPA attention; a second copy with eager attention for
+Run with $DROPKV_KVPRESS_PYTHON (scripts/setup.sh's venv-kvpress; on the GPU machine, python3
+with the wheels of bench/quality/run_gpu.sh on PYTHONPATH). Loads the same Hugging Face folder in
+--dtype on --device (default fp32 on the CPU; SDPA attention; a second copy with eager attention for
 ObservedAttention, which needs the attention weights, while CriticalAdaKV refuses eager), and for
 each prompt and press prefills the WHOLE prompt under the press (as our engine does: context,
 question and answer prefix are all compressed, the last `window` tokens protected by the
@@ -23,6 +24,7 @@ A press name may end in `:wN` (its own window, e.g. `snapkv:w64`, kvpress's defa
 that several windows share the one prefill.
 
   kvpress_tasks.py --model DIR --prompts P.jsonl --out R.jsonl [--keeps 0.1] [--window 8]
+      [--device cpu|cuda] [--dtype float32|bfloat16]
       [--presses full,snapkv,streaming_llm,knorm,observed_attention,tova,expected_attention,
        criticalkv,critical_adakv,adakv,pyramidkv] [--limit N] [--threads 1]
 """
@@ -33,13 +35,37 @@ import sys
 import time
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-import kvpress
-from kvpress import (AdaKVPress, CriticalAdaKVPress, CriticalKVPress, ExpectedAttentionPress,
-                     KnormPress, ObservedAttentionPress, PyramidKVPress, SnapKVPress,
-                     StreamingLLMPress, TOVAPress)
-from kvpress.presses.base_press import BasePress
+
+def optional_imports():
+    """kvpress imports datasets and fire at import time for presses this driver never makes
+    (DuoAttention, the Expected Attention statistics CLI). Where they do not import (the GPU
+    machine: its pyarrow or fsspec may not suit the carried datasets wheel), stand-ins that fail
+    when used let kvpress load."""
+    import importlib
+    import types
+    for name in ("datasets", "fire"):
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # noqa: BLE001 (any import failure)
+            stub = types.ModuleType(name)
+
+            def unavailable(*args, _name=name, _e=e, **kwargs):
+                raise RuntimeError(f"{_name} is not importable here ({_e})")
+            stub.load_dataset = stub.Fire = unavailable
+            sys.modules[name] = stub
+            print(f"kvpress_tasks: {name} does not import ({type(e).__name__}: {e}); a stand-in "
+                  "is used (no press of this driver needs it)", file=sys.stderr)
+
+
+optional_imports()
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache  # noqa: E402
+
+import kvpress  # noqa: E402
+from kvpress import (AdaKVPress, CriticalAdaKVPress, CriticalKVPress,  # noqa: E402
+                     ExpectedAttentionPress, KnormPress, ObservedAttentionPress, PyramidKVPress,
+                     SnapKVPress, StreamingLLMPress, TOVAPress)
+from kvpress.presses.base_press import BasePress  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from score import answer_score  # noqa: E402
@@ -111,11 +137,15 @@ class FanOutPress(BasePress):
         return c
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 def decode(model, cache, first, pos, max_new, eos):
     gen = [first]
+    dev = model.device
     for _ in range(max_new - 1):
-        out = model(input_ids=torch.tensor([[gen[-1]]]), past_key_values=cache,
-                    position_ids=torch.tensor([[pos]]), logits_to_keep=1)
+        out = model(input_ids=torch.tensor([[gen[-1]]], device=dev), past_key_values=cache,
+                    position_ids=torch.tensor([[pos]], device=dev), logits_to_keep=1)
         pos += 1
         gen.append(int(out.logits[0, -1].argmax()))
     cut = next((i for i, t in enumerate(gen) if t in eos), len(gen))
@@ -128,7 +158,8 @@ def greedy_shared(model, ids, presses, max_new, eos):
     fan = FanOutPress(presses)
     cache = DynamicCache()
     with fan(model):
-        out = model(input_ids=torch.tensor([ids]), past_key_values=cache, logits_to_keep=1)
+        out = model(input_ids=torch.tensor([ids], device=model.device), past_key_values=cache,
+                    logits_to_keep=1)
     first = int(out.logits[0, -1].argmax())
     full = decode(model, cache, first, len(ids), max_new, eos)
     return full, [decode(model, fan.cache(i), first, len(ids), max_new, eos)
@@ -138,7 +169,7 @@ def greedy_shared(model, ids, presses, max_new, eos):
 @torch.inference_mode()
 def greedy(model, ids, press, max_new, eos):
     cache = DynamicCache()
-    x = torch.tensor([ids])
+    x = torch.tensor([ids], device=model.device)
     if press is None:
         out = model(input_ids=x, past_key_values=cache, logits_to_keep=1)
     else:
@@ -157,6 +188,8 @@ def main():
     ap.add_argument("--window", type=int, default=8)
     ap.add_argument("--limit", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
+    ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     ap.add_argument("--separate", action="store_true",
                     help="a prefill per press under its own context manager")
     args = ap.parse_args()
@@ -166,7 +199,7 @@ def main():
         prompts = prompts[:args.limit]
     tok = AutoTokenizer.from_pretrained(args.model)
     load = lambda impl: AutoModelForCausalLM.from_pretrained(
-        args.model, dtype=torch.float32, attn_implementation=impl).eval()
+        args.model, dtype=DTYPES[args.dtype], attn_implementation=impl).to(args.device).eval()
     names = args.presses.split(",")
     bases = [split_window(n, args.window)[0] for n in names]
     model = load("sdpa")
@@ -202,7 +235,8 @@ def main():
                 base, window = split_window(name, args.window)
                 f.write(json.dumps({
                     "engine": "kvpress", "method": base, "keep": keep, "allocator": "uniform",
-                    "window": window, "task": p["task"], "length": p["length"],
+                    "window": window, "device": args.device, "dtype": args.dtype,
+                    "task": p["task"], "length": p["length"],
                     "idx": p["idx"], "format": p["format"], "num_tokens": p["num_tokens"],
                     "answers": p["answers"], "match": p["match"],
                     "score": answer_score(text, p["answers"], p["match"]),

@@ -10,7 +10,9 @@
 // Prints a Markdown table (means, with the standard error over prompts); --per-prompt FILE also
 // writes every configuration's per-prompt values as JSON lines (paired comparisons between
 // presses: the same prompts run under each). --window / --pooling / --pooling-kernel apply to
-// every press (ablations).
+// every press (ablations). --device cuda / --dtype bfloat16 run it on a GPU (RunnerOptions, as
+// dropkv-generate takes them; default: the CPU in fp32). Prompts are sampled on the CPU from the
+// logits, with the same seeded generator on either device.
 #include <ATen/ATen.h>
 
 #include <cmath>
@@ -87,8 +89,11 @@ int main(int argc, char** argv) {
   std::string per_prompt_path, pooling = "max";
   int window = 8, pooling_kernel = 11;
   bool h2o_per_query = false;
+  std::string device = "cpu", dtype = "float32";
   app.add_option("--model", model_dir, "Hugging Face model folder")->required();
   app.add_option("--profile", profile, "InfoNCE profile for mga")->required();
+  app.add_option("--device", device, "cpu or cuda[:N]")->capture_default_str();
+  app.add_option("--dtype", dtype, "auto, float32, bfloat16, float16")->capture_default_str();
   app.add_option("--num-prompts", num_prompts)->capture_default_str();
   app.add_option("--prompt-len", prompt_len)->capture_default_str();
   app.add_option("--gen-len", gen_len)->capture_default_str();
@@ -109,7 +114,8 @@ int main(int argc, char** argv) {
 
   dropkv::RunnerOptions ro;
   ro.model_dir = model_dir;
-  ro.dtype = "float32";
+  ro.device = device;
+  ro.dtype = dtype;
   ro.num_kv_blocks = static_cast<int64_t>(num_prompts) * 64 * ((prompt_len + gen_len) / 16 + 2);
   auto runner_or = ModelRunner::Create(ro);
   if (!runner_or.ok()) {
@@ -148,7 +154,7 @@ int main(int argc, char** argv) {
       if (t + 1 == prompt_len) break;
       auto l = runner.Decode(seqs, next);
       if (!l.ok()) return std::cerr << l.status() << "\n", 1;
-      logits = *l;
+      logits = l->to(at::kCPU, at::kFloat);
     }
     for (SequenceId s : seqs) runner.Release(s);
   }

@@ -1,7 +1,8 @@
 // dropkv-quality-tasks: accuracy of each press on the long-context tasks of tasks.py (issue 23).
 //   dropkv-quality-tasks --model DIR --prompts PROMPTS.jsonl [--methods full,dropkv,...]
 //       [--keeps 0.05,0.1,0.25] [--allocators uniform] [--quantization none|fp8]
-//       [--kv-cache-dtype auto|fp8] [--out RESULTS.jsonl]
+//       [--kv-cache-dtype auto|fp8] [--device cpu|cuda[:N]] [--dtype float32|bfloat16|...]
+//       [--out RESULTS.jsonl]
 // A method may carry settings of its own after colons, so that variants share the one prefill:
 // `dropkv:max21` (max-pool 21), `dropkv:avg5`, `dropkv:none` (no pooling), `snapkv:w16`
 // (window 16), `dropkv:sinks4` (never evict the first 4 tokens); unset ones come from the flags.
@@ -13,6 +14,7 @@
 // --quantization / --kv-cache-dtype are the runner's (RunnerOptions, as dropkv-generate and
 // dropkv-bench-e2e take them): FP8 weights and an FP8 KV pool (issue 26) apply to every
 // configuration of the run, the full cache included; each result line records them.
+// --device / --dtype too (default: the CPU in fp32; on a GPU, e.g. --device cuda --dtype bfloat16).
 #include <ATen/ATen.h>
 
 #include <chrono>
@@ -111,6 +113,9 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_flag("--h2o-per-query", h2o_per_query,
                "H2O divides each key's attention sum by the number of queries that see it");
+  app.add_option("--device", ro.device, "cpu or cuda[:N]")->capture_default_str();
+  app.add_option("--dtype", ro.dtype, "auto (bf16 on CUDA, fp32 on the CPU), float32, bfloat16, float16")
+      ->capture_default_str();
   app.add_option("--quantization", ro.quantization, "none, fp8 (projection weights in FP8 e4m3)")
       ->capture_default_str();
   app.add_option("--kv-cache-dtype", ro.kv_cache_dtype, "auto, fp8 (the KV pool in FP8 e4m3)")
@@ -220,6 +225,7 @@ int main(int argc, char** argv) {
               {"protect_sinks", configs[c].params.protect_sinks},
               {"num_sinks", configs[c].params.num_sinks},
               {"h2o_per_query", h2o_per_query},
+              {"device", ro.device},
               {"dtype", ro.dtype},
               {"quantization", ro.quantization},
               {"kv_cache_dtype", ro.kv_cache_dtype},
@@ -242,10 +248,10 @@ int main(int argc, char** argv) {
     }
     for (const auto& [key, cell] : scores) {
       std::printf(
-          "\n%s, %lld tokens, %s prompts, %s, quantization %s, kv_cache_dtype %s\n\n"
+          "\n%s, %lld tokens, %s prompts, %s %s, quantization %s, kv_cache_dtype %s\n\n"
           "| method | keep | allocator | accuracy | n |\n",
           key.first.c_str(), static_cast<long long>(key.second), prompts->front().format.c_str(),
-          ro.dtype.c_str(), ro.quantization.c_str(), ro.kv_cache_dtype.c_str());
+          ro.device.c_str(), ro.dtype.c_str(), ro.quantization.c_str(), ro.kv_cache_dtype.c_str());
       std::printf("|---|---|---|---|---|\n");
       for (size_t c = 0; c < configs.size(); ++c) {
         const auto s = dropkv::quality::Summarise(cell[c]);
