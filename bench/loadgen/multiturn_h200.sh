@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 25's multi-turn chat load, the full gRPC server on the H200, in one device call:
+# Multi-turn chat load (prefix cache), the full gRPC server on the H200, in one device call:
 #   here:  scripts/gpu_pack.sh bin/dropkv-server bin/dropkv-loadgen bin/dropkv-bench-e2e
 #          mkdir -p .gpu-pack/tok && cp ../shared/tokenizers/llama3/tokenizer*.json.gz .gpu-pack/tok/
 #   there: carry [".gpu-pack"], command `bash bench/loadgen/multiturn_h200.sh`

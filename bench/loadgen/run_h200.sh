@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 10's GPU load sweep, the full gRPC server on the H200, in one device call:
+# The GPU load sweep, the full gRPC server on the H200, in one device call:
 #   here:  scripts/gpu_pack.sh bin/dropkv-server bin/dropkv-loadgen bin/dropkv-bench-e2e
 #          mkdir -p .gpu-pack/tok && cp ../shared/tokenizers/llama3/tokenizer*.json.gz .gpu-pack/tok/
 #   there: run with carry [".gpu-pack"], command `bash bench/loadgen/run_h200.sh`
