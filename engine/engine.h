@@ -34,7 +34,7 @@ struct EngineOptions {
   // The server's layer profile for the MGA / MLMA allocators (compression.profile_path): read and
   // checked against the model once here, so a bad file stops the start-up and no request reads it.
   std::string compression_profile_path;
-  // Tensor parallelism (issue 28): the model split over this many ranks, one process each (on
+  // Tensor parallelism: the model split over this many ranks, one process each (on
   // runner.device's GPU and the next ones, or on the CPU over Gloo). This engine is rank 0: it
   // starts the others as `rank_command` (this executable and its arguments) plus
   // "--tp-rank R --tp-store DIR", which then call Engine::FollowRankZero. The prefix cache is

@@ -1,4 +1,4 @@
-// The decode step's GEMVs on CUDA (issue 8): y = x W^T (+ bias) for a few rows x (the decode
+// The decode step's GEMVs on CUDA: y = x W^T (+ bias) for a few rows x (the decode
 // batch's tokens), W streamed once through shared memory. The product accumulates in fp32
 // (tensor cores) and is rounded once after the bias, like cuBLAS. The K reduction order is fixed
 // (no atomics): the same inputs give the same bits on every call. (Variants with the norm or the

@@ -1,4 +1,4 @@
-// Fused elementwise ops of the transformer layer on CUDA (issue 8): each replaces a chain of ATen
+// Fused elementwise ops of the transformer layer on CUDA: each replaces a chain of ATen
 // kernels that a decode step would launch per layer (a CUDA graph replays them at ~2 us each):
 //   AddRmsNorm:       residual add + RMSNorm                    (2 kernels -> 1; Gemma 7 -> 1)
 //   RopeWriteKv:      RoPE on q and k + the K/V store into the paged cache (7 -> 1)

@@ -1,4 +1,4 @@
-// dropkv-bench-e2e: engine-level prefill and decode timings on real model geometry (issue 8).
+// dropkv-bench-e2e: engine-level prefill and decode timings on real model geometry.
 //
 // The model is a Hugging Face config folder; with --random-weights no weights are read: they are
 // drawn on the device (normal, std 0.02), so Llama-3.1-8B / Qwen2.5-7B / Gemma-7B shapes run with

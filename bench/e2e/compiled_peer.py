@@ -37,7 +37,7 @@ tokens with no cache, and exits 1 past the tolerance (fp32 on the CPU: 1e-4 of t
 
 Output: a markdown table on stdout and one JSON line per measurement, prefixed "RESULT ".
   CPU smoke test: compiled_peer.py --device cpu --geometry tiny --no-compile --check
-  H200: bench/e2e/run_peer_h200.sh (ours and this peer in one call)
+  H200: bash bench/run.sh peer (ours and this peer in one call)
 """
 import argparse
 import json

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Prints the issue-8 table from dropkv-bench-e2e --json outputs (one file per geometry)."""
+"""Prints the end-to-end table from dropkv-bench-e2e --json outputs (one file per geometry)."""
 import json
 import sys
 

@@ -1,6 +1,6 @@
-# Sourced by the H200 load scripts in bench/loadgen (run_h200.sh, multiturn_h200.sh,
-# soak_h200.sh): the packed binaries on PATH, the Llama-3.1-8B geometry folder, and the server's
-# start, /metrics and idle wait. Expects $OUT to exist.
+# Sourced by the H200 load suites (bench/suites/load.sh, multiturn.sh, soak.sh): the packed
+# binaries on PATH, the Llama-3.1-8B geometry folder, and the server's start, /metrics and idle
+# wait. Expects $OUT to exist.
 source scripts/gpu_pack.sh --unpack || exit 1
 
 # Writes the Llama-3.1-8B geometry's config.json (the bench draws its weights once: a few

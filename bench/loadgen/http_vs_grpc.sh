@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# HTTP against gRPC for the same load on one server (issue 22's overhead row): alternating rounds
+# HTTP against gRPC for the same load on one server (the HTTP path's overhead): alternating rounds
 # of dropkv-loadgen (--steady: tokens streamed inside the window) with the same token-id prompts,
 # streamed /v1/completions on one path and GenerateStream on the other. Prints a Markdown table;
 # the JSON reports stay in $OUT.

@@ -1,4 +1,4 @@
-// dropkv-loadgen's engine (issue 10): drives a loopback dropkv-server over gRPC or over its
+// dropkv-loadgen's engine: drives a loopback dropkv-server over gRPC or over its
 // OpenAI-compatible HTTP API (an address "http://HOST:PORT": streamed /v1/completions of the same
 // token-id prompts) in a closed loop (N streams back to back) or an open loop (Poisson arrivals at
 // R requests/s), and measures time to first token, inter-token latency and end-to-end latency per

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Markdown tables from `dropkv-loadgen --turns N --json` reports (bench/loadgen/multiturn_h200.sh):
+"""Markdown tables from `dropkv-loadgen --turns N --json` reports (bash bench/run.sh multiturn):
 per (compression, streams), a row per turn with the variants' TTFT side by side; then a row per
 (variant, compression, streams) with the run's totals and its dropkv_prefix_cache* /metrics deltas.
 Each folder is one server variant (its name is the folder's), holding turns_<mode>_c<N>.json.

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""One Markdown table from `dropkv-loadgen --steady --json` reports (bench/loadgen/run_h200.sh):
+"""One Markdown table from `dropkv-loadgen --steady --json` reports (bash bench/run.sh load):
 a row per (concurrency, compression), compressions side by side, and each compressed row's
 throughput as a multiple of the uncompressed row at the same concurrency.
   python3 bench/loadgen/steady_table.py OUT/load_*_c*.json

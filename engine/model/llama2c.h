@@ -1,6 +1,6 @@
 // llama2.c checkpoints (stories260K) to a standard Hugging Face Llama folder: config.json,
 // model.safetensors, generation_config.json, tokenizer.json + tokenizer_config.json (from the
-// tok512.bin tokenizer, issue 4's converter). Layout: ../shared/models/stories260K/SOURCE.md.
+// tok512.bin tokenizer). Layout: ../shared/models/stories260K/SOURCE.md.
 #pragma once
 
 #include <string>

@@ -42,7 +42,7 @@ class AttentionBackend {
 };
 
 // Sees each layer's attention output (o_proj output, before the residual add): [N, hidden].
-// For calibration (issue 6). Called in layer order.
+// For calibration (dropkv-calibrate). Called in layer order.
 using AttentionObserver = std::function<void(int32_t layer_idx, const at::Tensor& attn_out)>;
 
 // Contiguous in-forward attention: every token sees the earlier tokens of the same forward

@@ -1,4 +1,4 @@
-// Continuous batching (issue 7; DESIGN.md decision 7). One engine thread owns the ModelRunner and
+// Continuous batching (DESIGN.md decision 7). One engine thread owns the ModelRunner and
 // calls Step() in a loop; server threads only Submit() requests and read their RequestChannel.
 //
 // One Step():

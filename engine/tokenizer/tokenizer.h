@@ -1,4 +1,4 @@
-// The tokenizer contract the rest of the engine and the server use (issue 4 implements it).
+// The tokenizer contract the rest of the engine and the server use.
 // Reads a Hugging Face model folder's tokenizer.json + tokenizer_config.json.
 #pragma once
 

@@ -1,4 +1,4 @@
-// Programmatic dependent launch (PDL, sm_90+) for the decode step's kernels (issue 8). A decode
+// Programmatic dependent launch (PDL, sm_90+) for the decode step's kernels. A decode
 // step is ~10 dependent kernels per layer, each a few to ~60 us; launched the usual way, each
 // starts only after its predecessor has fully drained (launch latency + ramp-up every time).
 // Launched with LaunchMaybePdl, a kernel may start while its predecessor still runs: it does

@@ -1,4 +1,4 @@
-// Top-k selection without a sort (selection.h, issue 5). A row's k-th largest score comes from a
+// Top-k selection without a sort (selection.h). A row's k-th largest score comes from a
 // radix select on order-preserving uint32 keys (4 passes of 8 bits); each pass is one histogram
 // kernel over all (row, chunk) CTAs, so a row is spread over the whole GPU (v1, one CTA per row,
 // was latency-bound: 0.245 ms at 128K), and one tiny kernel per row that picks the bin. Then the

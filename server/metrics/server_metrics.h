@@ -1,4 +1,4 @@
-// Prometheus metrics of one server process (issue 9; names and meaning in docs/metrics.md).
+// Prometheus metrics of one server process (names and meaning in docs/metrics.md).
 // The scheduler and the front ends call the On*/Set* methods; server/http serves RenderText() at
 // GET /metrics (MetricsHttpServer on metrics_port, and the HTTP API port). Every method is
 // thread-safe and cheap (atomics; no allocation after the first call with a given status code). No

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A real benchmark client against the HTTP API (issue 22): NVIDIA's AIPerf (pinned in
+"""A real benchmark client against the HTTP API: NVIDIA's AIPerf (pinned in
 scripts/requirements-aiperf.txt, its own venv) runs a short bounded load (streamed completions,
 concurrency 4, 16 requests) against dropkv-server on loopback (the demo model: the engine is not
 what is measured here), and its JSON report must show every request completed, none failed, and

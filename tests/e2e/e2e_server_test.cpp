@@ -1,4 +1,4 @@
-// End to end (issue 7 acceptance): the real dropkv-server binary on a loopback port serving
+// End to end: the real dropkv-server binary on a loopback port serving
 // stories260K (converted by the e2e fixture), driven by the generated C++ client. References:
 // dropkv-generate (the model runtime's own single-request path) and each request run alone.
 #include <grpcpp/grpcpp.h>

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The HTTP API (issue 22) driven by the official `openai` Python client (pinned in
+"""The HTTP API driven by the official `openai` Python client (pinned in
 scripts/requirements.txt) against the real dropkv-server binary:
 
   server A: the default model (SmolLM2-135M-Instruct), a bearer token, gRPC beside it:
@@ -209,7 +209,7 @@ def test_default_model(args, pb, pb_grpc, grpc):
                                           max_tokens=4, temperature=0)
         check(len(batch.choices) == 2 and batch.usage.completion_tokens <= 8,
               "a batch of two prompts: two choices")
-        # --- the prefix cache and a kept compressed conversation (issue 25) ---
+        # --- the prefix cache and a kept compressed conversation ---
         story_ids = list(stub.Tokenize(pb.TokenizeRequest(text=story * 2), metadata=md,
                                        timeout=60).token_ids)
         first = client.completions.create(model=model, prompt=story_ids, max_tokens=8,

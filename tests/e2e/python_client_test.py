@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """E2E with a client whose transport no one here wrote: grpcio + grpcio-health-checking +
-grpcio-reflection against the real dropkv-server binary (issue 7). Stubs are generated from
+grpcio-reflection against the real dropkv-server binary. Stubs are generated from
 proto/dropkv/v1/*.proto at test time with grpcio-tools. Exits non-zero on the first failure."""
 import argparse
 import os

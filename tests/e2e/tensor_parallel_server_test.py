@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The server under tensor parallelism (issue 28), on the CPU over Gloo, driven by the official
+"""The server under tensor parallelism, on the CPU over Gloo, driven by the official
 `openai` client against the real dropkv-server binary and SmolLM2-135M-Instruct:
 
   the same requests to a server at tensor_parallel_size 1 and one at 3 (three rank processes):

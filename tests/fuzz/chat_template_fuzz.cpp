@@ -1,4 +1,4 @@
-// libFuzzer target for chat templates (issue 20). The first byte picks what the rest is:
+// libFuzzer target for chat templates. The first byte picks what the rest is:
 //   even: a template source, parsed and rendered with a fixed conversation (tools included);
 //   odd:  a chat request as JSON ({"messages", "tools", "documents", "add_generation_prompt",
 //         "continue_final_message", "kwargs"}), rendered with every template in

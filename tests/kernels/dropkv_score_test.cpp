@@ -240,7 +240,7 @@ TEST(DropKvScoreTest, BadInputsNameTheField) {
   EXPECT_NE(st.message().find("cu_seqlens"), std::string::npos) << st;
 }
 
-// Approximation quality (issue 5): on n <= 16 tokens, compare DropKV's greedy eviction (the k
+// Approximation quality: on n <= 16 tokens, compare DropKV's greedy eviction (the k
 // lowest scores) with the best k-subset under the exact joint output shift of removing a set J:
 // sum over window rows of || sum_{i in J} p_i (a - v_i) ||^2 / (1 - P_J)^2.
 TEST(DropKvScoreTest, GreedyIsCloseToTheBestSubset) {

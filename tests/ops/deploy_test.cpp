@@ -233,7 +233,7 @@ TEST(DeployTest, DashboardAlertsAndAutoscalerUseOnlyExportedMetrics) {
   }
   std::set<std::string> dash_names = ReferencedNames(exprs);
   EXPECT_THAT(Unknown(dash_names, exported), ::testing::IsEmpty()) << "dashboard";
-  // The dashboard shows what issue 9 asks for: TTFT, ITL, throughput, KV usage, evictions, queue.
+  // The dashboard shows TTFT, ITL, throughput, KV usage, evictions and the queue.
   for (const char* needed :
        {"dropkv_time_to_first_token_seconds_bucket", "dropkv_inter_token_latency_seconds_bucket",
         "dropkv_generation_tokens_total", "dropkv_kv_usage_ratio", "dropkv_kv_tokens_evicted_total",

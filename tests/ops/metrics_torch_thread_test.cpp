@@ -1,5 +1,5 @@
-// The /metrics server thread must work in a process that has LibTorch loaded (issue 9: civetweb's
-// small thread stacks cannot hold torch's static TLS). Here the render callback itself runs an
+// The /metrics server thread must work in a process that has LibTorch loaded (civetweb's small
+// thread stacks cannot hold torch's static TLS). Here the render callback itself runs an
 // ATen op on the server thread and the test checks the scraped result.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>

@@ -18,7 +18,7 @@ namespace {
 using testing::HttpGet;
 using testing::ParsePrometheusText;
 
-// The names issue 9 and the ops brief require, with their types.
+// The metric families the server must export, with their types.
 const std::map<std::string, std::string> kRequiredFamilies = {
     {"dropkv_requests_running", "gauge"},
     {"dropkv_requests_waiting", "gauge"},

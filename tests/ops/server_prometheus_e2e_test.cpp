@@ -1,4 +1,4 @@
-// Issue 9 acceptance through the real binary: dropkv-server (demo model, CPU) with its /metrics
+// The metrics through the real binary: dropkv-server (demo model, CPU) with its /metrics
 // endpoint, a real Prometheus server scraping it every second, traffic sent with dropkv-cli over
 // gRPC, and Prometheus's HTTP API asked what it stored: request counters equal what was sent,
 // histograms have the right counts, KV usage returns to 0 after the load.

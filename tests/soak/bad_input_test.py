@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Bad input against the real dropkv-server process (issue 10, ctest server_bad_input_test, label
-e2e): what a client or an operator can get wrong, the status or exit code each gets, and that the
+"""Bad input against the real dropkv-server process (ctest server_bad_input_test, label e2e):
+what a client or an operator can get wrong, the status or exit code each gets, and that the
 server is still serving afterwards. docs/reliability.md's table cites the case names printed here.
 
 Client side (server with a bearer token, TLS and max_message_bytes 1 MiB):

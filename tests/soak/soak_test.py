@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Soak test (issue 10, ctest server_soak_test, label soak): the real dropkv-server on stories260K
+"""Soak test (ctest server_soak_test, label soak): the real dropkv-server on stories260K
 under ~3 minutes of mixed load, CPU, loopback only.
 
 Load: 16 client threads, each a closed loop of streaming Generate calls with random prompt lengths

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The issue-8 benchmark on the GPU machine, in one call (carry .gpu; see DEVELOPERS.md):
+# The end-to-end engine benchmark on the GPU machine, in one call (carry .gpu; see DEVELOPERS.md):
 # builds through scripts/gpu_check.sh (kernel GPU tests included), runs the model runtime's GPU
 # tests (graph vs eager decode, HF parity on CUDA), then dropkv-bench-e2e on Llama-3.1-8B geometry
 # with the HF transformers peer (decode with CUDA graphs on and off, decode throughput at the

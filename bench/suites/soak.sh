@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A GPU soak of the whole server on the H200, in one device call (docs/reliability.md, "GPU soak"):
 #   here:  scripts/gpu_pack.sh -B build bin/dropkv-server bin/dropkv-loadgen bin/dropkv-cli
-#   there: carry [".gpu-pack"], command `bash bench/loadgen/soak_h200.sh`
+#   there: carry [".gpu-pack"], command `bash bench/run.sh soak`
 # SmolLM2-135M geometry with random weights (bf16, .gpu-pack/smollm2) for DURATION seconds (300)
 # under three loads at once: a closed loop of 32 streams with a mix of compression methods and
 # prompt/output lengths; 16 streams whose 0.3 s deadline expires mid-generation; and back-to-back

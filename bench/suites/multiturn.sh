@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Issue 25's multi-turn chat load, the full gRPC server on the H200, in one device call:
+# Multi-turn chat load (prefix cache), the full gRPC server on the H200, in one device call:
 #   here:  scripts/gpu_pack.sh bin/dropkv-server bin/dropkv-loadgen bin/dropkv-bench-e2e
 #          mkdir -p .gpu-pack/tok && cp ../shared/tokenizers/llama3/tokenizer*.json.gz .gpu-pack/tok/
-#   there: carry [".gpu-pack"], command `bash bench/loadgen/multiturn_h200.sh`
-# Llama-3.1-8B geometry with random weights (bf16) as in run_h200.sh (its context is 131072).
+#   there: carry [".gpu-pack"], command `bash bench/run.sh multiturn`
+# Llama-3.1-8B geometry with random weights (bf16) as in the load suite (its context is 131072).
 # Each closed-loop stream runs TURNS-turn conversations (dropkv-loadgen --turns): turn 1 is
 # PROMPT_LEN fresh tokens, each later turn is the previous prompt + the ids the server streamed
 # for it (OUTPUT_LEN) + TURN_GROWTH new tokens, so turn 8 is 2048 + 7 x 2176 = 17280 tokens with

@@ -5,9 +5,10 @@
 # side (decode bs1 8K and bs16 2K at keep 1.0 / 0.1 with CUDA graphs, the 32K sequences that fit,
 # the decode throughput at that full-memory batch). Logs and tables go to $OUT (5 files);
 # the rows are printed last; the exit status is the tests'. About 1 minute (2026-12-02).
-#   there: bash PACKDIR/run_kv_fp8_h200.sh   (PACKDIR holds scripts/gpu_pack.sh and .gpu-pack/)
+#   there: PACKDIR=DIR bash bench/run.sh kv-fp8   (DIR holds scripts/gpu_pack.sh and .gpu-pack/;
+#   without PACKDIR: this file's own folder, so a copy of it in DIR runs as `bash DIR/kv-fp8.sh`)
 set -uo pipefail
-here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+here=${PACKDIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)}
 OUT=${OUT:-/tmp/kv_fp8_out}
 mkdir -p "$OUT"
 source "$here/scripts/gpu_pack.sh" --unpack || exit 1

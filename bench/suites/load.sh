@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Issue 10's GPU load sweep, the full gRPC server on the H200, in one device call:
+# The GPU load sweep, the full gRPC server on the H200, in one device call:
 #   here:  scripts/gpu_pack.sh bin/dropkv-server bin/dropkv-loadgen bin/dropkv-bench-e2e
 #          mkdir -p .gpu-pack/tok && cp ../shared/tokenizers/llama3/tokenizer*.json.gz .gpu-pack/tok/
-#   there: run with carry [".gpu-pack"], command `bash bench/loadgen/run_h200.sh`
+#   there: run with carry [".gpu-pack"], command `bash bench/run.sh load`
 # Llama-3.1-8B geometry with random weights (bf16) and the Llama-3 tokenizer; 8K-token prompts,
 # 256 output tokens; a closed-loop concurrency sweep at keep 100% and at DropKV keep 10%.
 # Steady-state points (`--steady`): each point warms up, measures a window (tokens streamed in it,

@@ -6,7 +6,7 @@
 # BENCHES in turn, ROUNDS times (an A/B of two builds alternates them in one call; the table
 # runs the last). The tests' log and the table go to $OUT, the runs' logs to /tmp/fp8_runs;
 # everything is printed; the exit status is the tests'.
-#   there: source scripts/gpu_pack.sh --unpack; bash bench/e2e/run_fp8_h200.sh
+#   there: source scripts/gpu_pack.sh --unpack; bash bench/run.sh fp8
 #   BENCHES (default dropkv-bench-e2e), ROUNDS (1), SKIP_TESTS=1, SKIP_TABLE=1,
 #   RUNS (default "fp8w fp8w_fp8kv bf16"), PREFILL (8192,32768), DECODE (1x8192,4x4096,8x4096,16x2048)
 set -uo pipefail

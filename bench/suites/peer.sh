@@ -4,7 +4,7 @@
 # dropkv-bench-e2e on Llama-3.1-8B geometry (random weights, bf16, CUDA graphs, random K/V as the
 # context, keep 1.0), then the peer on the same geometry and cases, then a ratio table last.
 # From the repo root, with carry [".gpu-pack"] (scripts/gpu_pack.sh bin/dropkv-bench-e2e, built
-# here for sm_90):  bash bench/e2e/run_peer_h200.sh
+# here for sm_90):  bash bench/run.sh peer
 # Our figure is the median step (ids read back every step); the peer's the best round's mean step,
 # with ids read back every step (sync step) or fed on the device (sync round, gpt-fast's loop).
 # The peer compiles one graph per case and attention mode, about a minute each for 32 layers
