@@ -19,7 +19,7 @@
 #   PRESSES    kvpress, one prefill for all [full,snapkv,snapkv:w64,pyramidkv,pyramidkv:w64,tova,
 #              expected_attention,criticalkv,knorm,streaming_llm] (`:w64`: kvpress's default window)
 #   SEPARATE   kvpress presses that need a prefill each [adakv,critical_adakv]; "" = none
-#   SKIP_OURS=1 / SKIP_KVPRESS=1    BUDGET [480]: seconds; a step that would start past it is skipped
+#   SKIP_OURS=1 / SKIP_KVPRESS=1    BUDGET [480]: seconds, shared equally by the runs; a step past its run's share is cut
 #   DROPKV_GPU_MODELS [/tmp/dropkv-stage/models]   DEVICE [cuda] (cpu: a check of this script here,
 #   with DROPKV_PYTHON, DROPKV_KVPRESS_PYTHON and build/bin on PATH)
 # $OUT gets ours.jsonl, kvpress.jsonl, tables.md and run.log (4 files; the limit is 8).
@@ -98,11 +98,17 @@ fi
 device=${DEVICE:-cuda}
 nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | sed 's/^/run_gpu: GPU /' | tee -a "$log"
 
-left() { echo $((budget - (SECONDS - t0))); }
+# Each model:length run gets an equal share of what is left when it starts, so a slow first run
+# cannot starve the later ones (tasks.py writes prompts prompt-major: a cut run keeps every task).
+run_end=0
+left() {
+  local all=$((budget - (SECONDS - t0))) run=$((run_end - SECONDS))
+  echo $((run < all ? run : all))
+}
 step() {  # step NAME CMD...: runs CMD with the time left, unless none is
   local name=$1; shift
   local l; l=$(left)
-  if [[ $l -le 10 ]]; then say "run_gpu: $name skipped (budget ${budget}s spent)"; return 1; fi
+  if [[ $l -le 10 ]]; then say "run_gpu: $name skipped (its share of the ${budget}s budget is spent)"; return 1; fi
   local s=$SECONDS
   timeout "$l" "$@" >> "$log" 2>&1
   local rc=$?
@@ -111,8 +117,11 @@ step() {  # step NAME CMD...: runs CMD with the time left, unless none is
 }
 
 rm -f "$work"/*.jsonl
+runs_left=$(wc -w <<< "$runs")
 for run in $runs; do
   model=${run%%:*} length=${run##*:}
+  run_end=$((SECONDS + (budget - (SECONDS - t0)) / runs_left))
+  runs_left=$((runs_left - 1))
   dir="$models_dir/$model"
   [[ -f "$dir/config.json" ]] || { say "run_gpu: no $dir (stage it: scripts/gpu_stage_models.sh)"; continue; }
   tag="${model}_${length}"
@@ -120,9 +129,13 @@ for run in $runs; do
   step "prompts $tag" "$py" "$root/bench/quality/tasks.py" --model "$dir" --lengths "$length" \
     --num "$num" --tasks "$tasks" --format raw --seed "$seed" --out "$prompts" || continue
   if [[ -z "${SKIP_OURS:-}" ]]; then
+    # With kvpress to follow, ours (the faster) gets 40% of the run's share.
+    end=$run_end
+    [[ -z "${SKIP_KVPRESS:-}" ]] && run_end=$((SECONDS + (run_end - SECONDS) * 2 / 5))
     step "ours $tag" "$ours_bin" --model "$dir" --prompts "$prompts" --methods "$methods" \
       --keeps "$keeps" --window "$window" --device "$device" --dtype "$dtype" \
       --out "$work/ours_$tag.jsonl"
+    run_end=$end
   fi
   if [[ -z "${SKIP_KVPRESS:-}" ]]; then
     step "kvpress $tag" "${kvpy[@]}" "$root/bench/quality/kvpress_tasks.py" --model "$dir" \

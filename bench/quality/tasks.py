@@ -352,10 +352,13 @@ def main():
     checked = 0
     with open(args.out, "w") as f:
         for length in [int(x) for x in args.lengths.split(",")]:
-            for task in args.tasks.split(","):
+            tasks = args.tasks.split(",")
+            for task in tasks:
                 if task not in TASKS:
                     sys.exit(f"--tasks: unknown task '{task}' (known: {', '.join(TASKS)})")
-                for i in range(args.num):
+            # Prompt-major: a run its time budget cuts short still has every task at one n.
+            for i in range(args.num):
+                for task in tasks:
                     # One generator per prompt: a prompt does not change when --num grows.
                     rng = random.Random(f"{args.seed}-{task}-{length}-{i}")
                     b = Builder(tok, args.format)
