@@ -1,4 +1,4 @@
-// Logging set-up (issue 9): spdlog's default logger writes human-readable lines by default, or one
+// Logging set-up: spdlog's default logger writes human-readable lines by default, or one
 // JSON object per line (--log-format json) for log collectors. LogRequest writes the one line per
 // finished request; prompt text only when log_prompts is on (prompts may hold private data).
 #pragma once

@@ -1,6 +1,6 @@
 // The server's one typed configuration: every setting with its default, and the loader that
 // layers defaults <- YAML file (--config) <- command-line flags <- DROPKV_* environment variables.
-// Environment wins over flags on purpose (issue 9): a deployment (ConfigMap + env in a Pod spec)
+// Environment wins over flags on purpose: a deployment (ConfigMap + env in a Pod spec)
 // can pin a value whatever the container's command line says. docs/configuration.md lists all keys.
 // No LibTorch, no gRPC: main() loads this once and hands each module the fields it needs.
 #pragma once

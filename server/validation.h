@@ -1,4 +1,4 @@
-// Request validation at the gRPC edge (issue 7): every field of a GenerateRequest is checked before
+// Request validation at the gRPC edge: every field of a GenerateRequest is checked before
 // anything is queued, and the proto is mapped to the engine's plain structs (engine/request.h).
 // Errors are INVALID_ARGUMENT and start with the proto field path ("sampling.top_p: ..."), except
 // that rendering chat keeps the chat template's code after "chat: " (FAILED_PRECONDITION: the

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""What a kept compressed conversation loses (issue 25): a needle task asked in two turns.
+"""What a kept compressed conversation loses: a needle task asked in two turns.
 
 Turn 1 is the haystack (with the needle) and a short instruction; turn 2 appends turn 1's answer,
 the question and the answer prefix. Three ways to serve turn 2, on a running dropkv-server (its

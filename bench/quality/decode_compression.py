@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""What compression during decode loses (issue 25): long answers against the full cache.
+"""What compression during decode loses: long answers against the full cache.
 
 Chat prompts that ask for a long answer about a named character (short prompts: the cache is
 almost all generated tokens, the case compression at prefill cannot help). Each prompt is answered

@@ -1,4 +1,4 @@
-// One prefill, many presses (issue 23): the quality harness prefills a prompt once with the full
+// One prefill, many presses: the quality harness prefills a prompt once with the full
 // cache kept while every configured press (scorer x keep x allocator) selects from the same layer
 // views, then gives each press a copy of the full cache compacted to its selection.
 //

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""kvpress 0.5.5 on tasks.py's prompts (issue 23): the peer of dropkv-quality-tasks.
+"""kvpress 0.5.5 on tasks.py's prompts: the peer of dropkv-quality-tasks.
 
 Run with $DROPKV_KVPRESS_PYTHON (scripts/setup.sh's venv-kvpress; on the GPU machine, python3
 with the wheels of bench/quality/run_gpu.sh on PYTHONPATH). Loads the same Hugging Face folder in

@@ -1,4 +1,4 @@
-// dropkv-quality: how much each press changes greedy generation (issue 6 quality table).
+// dropkv-quality: how much each press changes greedy generation (docs/quality.md's table).
 //   dropkv-quality --model DIR --profile PROFILE.json [--num-prompts 200] [--prompt-len 256]
 // Prompts are sampled from the model itself (BOS, temperature 1, fixed seed). For every scorer x
 // keep ratio x allocator, each prompt is prefilled under compression and decoded greedily for

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Tables from the per-prompt results of dropkv-quality-tasks (--out) and kvpress_tasks.py (issue 23).
+"""Tables from the per-prompt results of dropkv-quality-tasks (--out) and kvpress_tasks.py.
 
 Each input line is one prompt under one configuration: {engine, method, keep, allocator, window,
 task, length, idx, format, answers, match, text, score}. A prompt's score is RULER's string match
@@ -10,7 +10,7 @@ each configuration against ours DropKV (uniform allocator) at the same keep (pro
 idx), with its standard error; |diff| > 2 s.e. is marked. A DepthKV allocator other than uniform
 is named in brackets after the method, and its row is paired against the same method and settings
 under the uniform allocator. A run with FP8 weights or an FP8 KV cache (dropkv-quality-tasks
---quantization fp8 / --kv-cache-dtype fp8, issue 26) is named after the method too ("FP8 weights",
+--quantization fp8 / --kv-cache-dtype fp8) is named after the method too ("FP8 weights",
 "FP8 KV"), and its rows are paired against the same method, settings and allocator with the
 model's own weights and KV dtype (with how many prompts give the same output text).
 
@@ -60,7 +60,7 @@ def variant(r):
 
 
 def numerics(r):
-    """FP8 weights / FP8 KV cache (issue 26), as a list of names; [] = the model's own dtypes."""
+    """FP8 weights / FP8 KV cache, as a list of names; [] = the model's own dtypes."""
     n = []
     if r.get("quantization", "none") not in ("none", ""):
         n.append(f"{r['quantization'].upper()} weights")

@@ -1,4 +1,4 @@
-// Long-context task evaluation (issue 23): the prompts of bench/quality/tasks.py run through our
+// Long-context task evaluation: the prompts of bench/quality/tasks.py run through our
 // engine, one prefill per prompt feeding every press (fanout.h), each followed by its own greedy
 // decode; scored by the answer strings in the output, as RULER does. Used by
 // dropkv-quality-tasks and tests/quality.

@@ -1,4 +1,4 @@
-"""Long-context task prompts after RULER's designs, written for this project (issue 23).
+"""Long-context task prompts after RULER's designs, written for this project.
 
 Writes one JSON line per prompt: {task, length, idx, format, input_ids, answers, match,
 max_new_tokens, num_tokens}. Both harnesses read the same ids: dropkv-quality-tasks (ours) and

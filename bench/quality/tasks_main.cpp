@@ -1,4 +1,4 @@
-// dropkv-quality-tasks: accuracy of each press on the long-context tasks of tasks.py (issue 23).
+// dropkv-quality-tasks: accuracy of each press on the long-context tasks of tasks.py.
 //   dropkv-quality-tasks --model DIR --prompts PROMPTS.jsonl [--methods full,dropkv,...]
 //       [--keeps 0.05,0.1,0.25] [--allocators uniform] [--quantization none|fp8]
 //       [--kv-cache-dtype auto|fp8] [--device cpu|cuda[:N]] [--dtype float32|bfloat16|...]
@@ -12,7 +12,7 @@
 // Markdown table (accuracy mean ± standard error over prompts, n) per task and length; --out
 // writes one JSON line per prompt and configuration (score.py reads it, beside kvpress_tasks.py's).
 // --quantization / --kv-cache-dtype are the runner's (RunnerOptions, as dropkv-generate and
-// dropkv-bench-e2e take them): FP8 weights and an FP8 KV pool (issue 26) apply to every
+// dropkv-bench-e2e take them): FP8 weights and an FP8 KV pool apply to every
 // configuration of the run, the full cache included; each result line records them.
 // --device / --dtype too (default: the CPU in fp32; on a GPU, e.g. --device cuda --dtype bfloat16).
 #include <ATen/ATen.h>

@@ -1,4 +1,4 @@
-// GPU parity with Hugging Face transformers 5.17 (issue 8): the tiny models of the CPU parity
+// GPU parity with Hugging Face transformers 5.17: the tiny models of the CPU parity
 // fixture in bf16 on CUDA, ours vs HF's on CUDA (gpu_parity_reference.py), prefill + 32 greedy
 // decode steps: relative logits error < 2e-2 at every step and the same greedy tokens. Decode
 // runs through the CUDA paged-attention kernel and the captured graphs (and eagerly too).

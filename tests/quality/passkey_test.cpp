@@ -1,11 +1,11 @@
 // DropKV at keep 10% on SmolLM2-135M-Instruct must keep answering the pass keys the full cache
-// answers (issue 23, item 7). 10 fixed prompts of bench/quality/tasks.py (niah_number, 2048
+// answers. 10 fixed prompts of bench/quality/tasks.py (niah_number, 2048
 // tokens, raw format, seed 0: prompts 0-9 of docs/quality.md's SmolLM2 table), greedy, scored by
 // the answer string. The share thresholds are docs/quality.md's measured shares on these 10
 // prompts minus a stated margin; the same prefill also gates DropKV under the DepthKV MGA
 // allocator with config/profiles/smollm2-135m-instruct.json. Also checks the harness's one-prefill
 // fan-out against a real compressed prefill (same kept positions in every layer, same greedy
-// output), also with FP8 weights and an FP8 KV pool (issue 26: the fork copies the pool's bytes).
+// output), also with FP8 weights and an FP8 KV pool (the fork copies the pool's bytes).
 // Skips when scripts/setup.sh's models are not installed.
 #include <gtest/gtest.h>
 
@@ -158,7 +158,7 @@ TEST_F(PassKeyTest, FanOutEqualsACompressedPrefill) {
 }
 
 TEST_F(PassKeyTest, FanOutEqualsACompressedPrefillWithFp8WeightsAndKv) {
-  // dropkv-quality-tasks --quantization fp8 --kv-cache-dtype fp8 (docs/quality.md, issue 26): the
+  // dropkv-quality-tasks --quantization fp8 --kv-cache-dtype fp8 (docs/quality.md): the
   // fork moves the e4m3 pool as bytes, the compaction rewrites kept entries in e4m3.
   const std::vector<int32_t> prompt(prompts_[0].input_ids.begin(),
                                     prompts_[0].input_ids.begin() + 512);
