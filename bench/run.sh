@@ -17,6 +17,7 @@ suites=(
   "fused-ops: the fused decode ops against the ATen ops (--fused-ops off / on), HF peer"
   "load: the gRPC server under load, steady-state concurrency points, none and DropKV keep 10% (SERVERS: an A/B of builds)"
   "multiturn: multi-turn chats against the server, TTFT per turn per server variant (VARIANTS: e.g. prefix cache off / on)"
+  "quality: the trained models staged by scripts/gpu_stage_models.sh: their parity with HF on the GPU, then bench/quality/run_gpu.sh's task table (ours and kvpress)"
   "soak: a GPU soak of the whole server (mixed, deadline and cancelling loads), then the pool, RSS and GPU memory"
 )
 
