@@ -1,5 +1,5 @@
 // A press = scorer + budget allocator + selection policy, behind the runner's KvSelector hook
-// (engine/runner/kv_selector.h). One press per sequence: it keeps per-layer state across prefill
+// (kv_selector.h). One press per sequence: it keeps per-layer state across prefill
 // chunks (H2O's accumulated attention, staged per chunk so that a failed chunk's replay replaces
 // rather than adds). Scoring and selection are the kernels'
 // functions (kernels/dropkv_score.h, kernels/scorers.h, kernels/selection.h); this file decides
@@ -11,8 +11,8 @@
 
 #include "absl/status/statusor.h"
 #include "engine/compression/budget.h"
+#include "engine/compression/kv_selector.h"
 #include "engine/request.h"
-#include "engine/runner/kv_selector.h"
 
 namespace dropkv {
 struct ModelConfig;
