@@ -20,7 +20,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "absl/status/statusor.h"
-#include "engine/runner/kv_selector.h"
+#include "engine/compression/kv_selector.h"
 #include "engine/runner/model_runner.h"
 
 namespace dropkv::quality {

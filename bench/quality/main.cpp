@@ -123,13 +123,12 @@ int main(int argc, char** argv) {
     return 1;
   }
   ModelRunner& runner = **runner_or;
-  dropkv::compression::PressOverrides overrides;
-  overrides.h2o_divide_by_num_queries = h2o_per_query;
-  runner.SetKvSelectorFactory(
-      [overrides](const CompressionParams& p, const dropkv::ModelConfig& c) {
-        return dropkv::compression::CreateKvSelector(
-            p, {c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim}, overrides);
-      });
+  dropkv::quality::KvpressOptions options;
+  options.h2o_divide_by_num_queries = h2o_per_query;
+  runner.SetKvSelectorFactory([options](const CompressionParams& p, const dropkv::ModelConfig& c) {
+    return dropkv::quality::CreateKvpressSelector(
+        p, {c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim}, options);
+  });
   const int32_t bos = runner.config().bos_token_id >= 0 ? runner.config().bos_token_id : 1;
 
   // Prompts sampled from the model: BOS, then temperature-1 sampling, all prompts in one batch.

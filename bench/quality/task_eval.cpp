@@ -83,7 +83,7 @@ int64_t BlocksNeeded(const ModelRunner& runner, int64_t prompt_len,
 absl::StatusOr<std::vector<std::vector<int32_t>>> GreedyUnderEveryPress(
     ModelRunner& runner, const std::vector<int32_t>& prompt,
     const std::vector<CompressionParams>& configs, int32_t max_new_tokens,
-    const compression::PressOverrides& overrides) {
+    const KvpressOptions& options) {
   const ModelConfig& config = runner.config();
   const compression::PressModelInfo info = compression::PressModelInfoFor(config);
   std::vector<std::unique_ptr<KvSelector>> presses;
@@ -94,7 +94,7 @@ absl::StatusOr<std::vector<std::vector<int32_t>>> GreedyUnderEveryPress(
       return absl::InvalidArgumentError(
           "GreedyUnderEveryPress: every_chunk and budget policies need a prefill of their own");
     }
-    auto press = compression::CreateKvSelector(configs[c], info, overrides);
+    auto press = CreateKvpressSelector(configs[c], info, options);
     if (!press.ok()) return press.status();
     press_of[c] = static_cast<int>(presses.size());
     presses.push_back(std::move(*press));

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "bench/quality/kvpress_scorers.h"
 #include "engine/compression/press.h"
 #include "engine/request.h"
 #include "engine/runner/model_runner.h"
@@ -42,7 +43,7 @@ double AnswerScore(const std::string& text, const std::vector<std::string>& answ
 absl::StatusOr<std::vector<std::vector<int32_t>>> GreedyUnderEveryPress(
     ModelRunner& runner, const std::vector<int32_t>& prompt,
     const std::vector<CompressionParams>& configs, int32_t max_new_tokens,
-    const compression::PressOverrides& overrides = {});
+    const KvpressOptions& options = {});
 
 // `ids` up to (not including) the first of `eos_ids`.
 std::vector<int32_t> CutAtEos(const std::vector<int32_t>& ids, const std::vector<int32_t>& eos_ids);

@@ -187,8 +187,8 @@ int main(int argc, char** argv) {
     dropkv::ModelRunner& runner = **runner_or;
     std::vector<CompressionParams> params;
     for (const auto& c : configs) params.push_back(c.params);
-    dropkv::compression::PressOverrides overrides;
-    overrides.h2o_divide_by_num_queries = h2o_per_query;
+    dropkv::quality::KvpressOptions options;
+    options.h2o_divide_by_num_queries = h2o_per_query;
     const std::vector<int32_t> eos = runner.config().eos_token_ids;
 
     std::ofstream out;
@@ -202,7 +202,7 @@ int main(int argc, char** argv) {
     for (size_t i = 0; i < prompts->size(); ++i) {
       const auto& p = (*prompts)[i];
       auto gen = dropkv::quality::GreedyUnderEveryPress(runner, p.input_ids, params,
-                                                        p.max_new_tokens, overrides);
+                                                        p.max_new_tokens, options);
       if (!gen.ok()) return std::cerr << gen.status() << "\n", 1;
       auto& cell = scores[{p.task, p.length}];
       cell.resize(configs.size());

@@ -1,18 +1,19 @@
-// A press = scorer + budget allocator + selection policy, behind the runner's KvSelector hook
-// (engine/runner/kv_selector.h). One press per sequence: it keeps per-layer state across prefill
-// chunks (H2O's accumulated attention, staged per chunk so that a failed chunk's replay replaces
-// rather than adds). Scoring and selection are the kernels'
-// functions (kernels/dropkv_score.h, kernels/scorers.h, kernels/selection.h); this file decides
-// which tokens, how many (budget.h) and when (chunk policy, algorithms.md section 5).
+// A press = scorer (scorer.h, one file per method in scorers/) + budget allocator + selection
+// policy, behind the runner's KvSelector hook (kv_selector.h). One press per sequence. Scoring and
+// selection are the kernels' functions (kernels/dropkv_score.h, kernels/scorers.h,
+// kernels/selection.h); the press decides how many (budget.h) and when (chunk policy,
+// algorithms.md section 5).
 #pragma once
 
 #include <cstdint>
 #include <memory>
+#include <string>
 
 #include "absl/status/statusor.h"
 #include "engine/compression/budget.h"
+#include "engine/compression/kv_selector.h"
+#include "engine/compression/scorer.h"
 #include "engine/request.h"
-#include "engine/runner/kv_selector.h"
 
 namespace dropkv {
 struct ModelConfig;
@@ -20,33 +21,18 @@ struct ModelConfig;
 
 namespace dropkv::compression {
 
-// The model geometry a press needs (a subset of the model config).
-struct PressModelInfo {
-  int32_t num_layers = 0;  // the layers the press compresses (a model's global layers)
-  int32_t num_q_heads = 0;
-  int32_t num_kv_heads = 0;
-  int32_t head_dim = 0;
-  double attention_scale = 0;  // softmax scale of the logits the scorers rebuild (0 = 1/sqrt(D))
-};
-
-// Knobs beyond CompressionParams, for parity with other implementations. Defaults = our policy.
-struct PressOverrides {
-  // Keep the last W entries whatever the method (DropKV and SnapKV always protect them; for
-  // H2O, K-norm, random and StreamingLLM this is our server policy, kvpress does not).
-  bool protect_window_all_methods = true;
-  // kvpress ObservedAttention divides the H2O sums by the number of queries that see each key.
-  bool h2o_divide_by_num_queries = false;
-  int32_t snapkv_pool_kernel = 5;  // kvpress SnapKVPress.kernel_size
-  BudgetRounding rounding = BudgetRounding::kExactGlobal;
-  // Precomputed profile for MGA / MLMA (skips reading params.profile_path).
-  const LayerProfile* profile = nullptr;
-};
-
-// A KvSelector for `params` (validated here with ValidateCompression). kNone gives a selector that
-// keeps everything.
+// A KvSelector for `params` (validated here with ValidateCompression) with params.method's scorer.
+// kNone gives a selector that keeps everything. `profile`: the MGA / MLMA profile already loaded
+// (null: params.profile_path is read).
 absl::StatusOr<std::unique_ptr<KvSelector>> CreateKvSelector(const CompressionParams& params,
                                                              const PressModelInfo& model,
-                                                             const PressOverrides& overrides = {});
+                                                             const LayerProfile* profile = nullptr);
+
+// The same with a scorer of the caller's instead of params.method's (bench and tests build other
+// implementations' variants this way) and the budgets rounded by `rounding`.
+absl::StatusOr<std::unique_ptr<KvSelector>> CreateKvSelectorWithScorer(
+    const CompressionParams& params, const PressModelInfo& model, std::unique_ptr<Scorer> scorer,
+    BudgetRounding rounding = BudgetRounding::kExactGlobal, const LayerProfile* profile = nullptr);
 
 // The geometry a press needs for `config`: its global layers (sliding-window layers keep their
 // window whatever the request), their softmax scale, the head counts.

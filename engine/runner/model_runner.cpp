@@ -21,6 +21,8 @@
 #include "absl/strings/str_cat.h"
 #include "allocator/block_pool.h"
 #include "engine/common/status_macros.h"
+#include "engine/compression/decode_compression.h"
+#include "engine/compression/kv_selector.h"
 #include "engine/model/attention.h"
 #include "engine/model/config.h"
 #include "engine/model/log.h"
@@ -29,7 +31,6 @@
 #include "engine/runner/cuda_graph.h"
 #include "engine/runner/decode_query_ring.h"
 #include "engine/runner/demo_model.h"
-#include "engine/runner/kv_selector.h"
 #include "kernels/cache_ops.h"
 #include "kernels/kv_cache_fp8.h"
 #include "kernels/paged_attention.h"
@@ -448,15 +449,8 @@ class TorchModelRunner : public ModelRunner {
   }
 
   // --- compression during decode (CompressionParams::decode_margin) ----------------------------
-  // A sequence that compresses during decode: its press, and the budgets it last computed.
-  struct DecodePress {
-    std::unique_ptr<KvSelector> press;
-    int32_t margin = 0;
-    int32_t window = 0;
-    int64_t num_decoded = 0;       // decode steps since its last prefill chunk
-    std::vector<int64_t> budgets;  // per global layer, at the logical length of the last check
-    int64_t evicted_entries = 0;
-  };
+  // The policy (when, which layers) is compression::DecodeCompression's; here: the query ring,
+  // gathering a layer and storing what the press keeps.
 
   bool KeepsQueries(std::span<const int64_t> ids) const {
     if (query_ring_.empty()) return false;
@@ -468,64 +462,50 @@ class TorchModelRunner : public ModelRunner {
   void SetDecodeCompression(SequenceId seq, const CompressionParams& compression) {
     decode_presses_.erase(seq);
     query_ring_.Remove(seq);
-    if (compression.method == ScoreMethod::kNone || compression.decode_margin <= 0) return;
+    if (!compression::DecodeCompression::Enabled(compression)) return;
     auto press = factory_(compression, config());  // SelectorFor made one already: a factory
     absl::Status st = press.ok() ? query_ring_.Add(seq, compression.window) : press.status();
     if (!st.ok()) {
       LogWarn(absl::StrCat("sequence ", seq, ": no compression during decode: ", st.ToString()));
       return;
     }
-    DecodePress& d = decode_presses_[seq];
-    d.press = std::move(*press);
-    d.margin = compression.decode_margin;
-    d.window = compression.window;
+    decode_presses_.try_emplace(seq, std::move(*press), compression.decode_margin,
+                                compression.window);
   }
 
-  // After a decode step of `ids` (logical lengths moved on): every sequence that compresses
-  // during decode and has a layer holding more than its budget + margin entries has each layer
-  // over its budget scored with the queries of its last W decode steps and compacted to the
-  // budget. Budgets grow with the tokens seen, so a check against the budgets of an earlier
-  // length is a cheap necessary condition; they are computed again only when it passes. A failed
-  // eviction leaves the layer as it was (the next step tries again).
+  // After a decode step of `ids` (logical lengths moved on): each layer the policy finds over its
+  // budget is scored with the queries of its last W decode steps and compacted to the budget. A
+  // failed eviction leaves the layer as it was (the next step tries again).
   void CompressDuringDecode(std::span<const int64_t> ids) {
     if (decode_presses_.empty()) return;
+    const int32_t num_global = config().num_global_layers();
+    std::vector<int64_t> stored(num_global);
     for (int64_t seq : ids) {
       auto it = decode_presses_.find(seq);
       if (it == decode_presses_.end()) continue;
-      DecodePress& d = it->second;
-      if (++d.num_decoded < d.window) continue;  // the ring holds fewer than W decode queries
-      if (!OverBudget(seq, d)) continue;
-      const int64_t end = pool_->logical_len(seq);
-      auto budgets = d.press->Budgets(end);
-      if (!budgets.ok() || budgets->empty()) continue;
-      d.budgets = std::move(*budgets);
-      if (!OverBudget(seq, d)) continue;
+      compression::DecodeCompression& d = it->second;
+      for (int32_t l = 0; l < config().num_layers; ++l) {
+        if (const int32_t g = global_index(l); g >= 0) stored[g] = pool_->stored_len(seq, l);
+      }
+      const std::vector<bool> due = d.LayersToCompact(pool_->logical_len(seq), stored);
+      if (std::none_of(due.begin(), due.end(), [](bool b) { return b; })) continue;
       const auto start = std::chrono::steady_clock::now();
       for (int32_t l = 0; l < config().num_layers; ++l) {
         const int32_t g = global_index(l);
-        if (g < 0 || pool_->stored_len(seq, l) <= d.budgets[g]) continue;
-        absl::StatusOr<int64_t> evicted = EvictDuringDecode(seq, l, d);
+        if (g < 0 || !due[g]) continue;
+        absl::StatusOr<int64_t> evicted = EvictDuringDecode(seq, l, d.press());
         if (!evicted.ok()) {
           LogWarn(
               absl::StrCat("sequence ", seq, " layer ", l,
                            ": compression during decode failed: ", evicted.status().ToString()));
           continue;
         }
-        d.evicted_entries += *evicted;
+        d.AddEvicted(*evicted);
         ++decode_stats_.num_evictions;
         decode_stats_.num_evicted_entries += *evicted;
       }
       decode_stats_.seconds += MicrosSince(start) * 1e-6;
     }
-  }
-
-  bool OverBudget(SequenceId seq, const DecodePress& d) const {
-    if (d.budgets.empty()) return true;  // none computed yet
-    for (int32_t l = 0; l < config().num_layers; ++l) {
-      const int32_t g = global_index(l);
-      if (g >= 0 && pool_->stored_len(seq, l) > d.budgets[g] + d.margin) return true;
-    }
-    return false;
   }
 
   // Whether no other sequence or the prefix cache holds a block of this layer of `seq`.
@@ -539,7 +519,7 @@ class TorchModelRunner : public ModelRunner {
   // One layer of `seq` scored by its press with the last W decode queries and compacted to what
   // the press keeps (in place when it owns its blocks, as a compressed sequence does: no free
   // block is needed); returns the entries dropped.
-  absl::StatusOr<int64_t> EvictDuringDecode(SequenceId seq, int32_t layer_idx, DecodePress& d) {
+  absl::StatusOr<int64_t> EvictDuringDecode(SequenceId seq, int32_t layer_idx, KvSelector& press) {
     c10::InferenceMode guard;
     try {
       LayerKvView view;
@@ -551,7 +531,7 @@ class TorchModelRunner : public ModelRunner {
       ASSIGN_OR_RETURN(view.positions, StoredPositions(seq, layer_idx));
       view.is_last_chunk = true;
       view.reduce_scores = score_reducer();
-      ASSIGN_OR_RETURN(std::optional<at::Tensor> kept, d.press->Select(view));
+      ASSIGN_OR_RETURN(std::optional<at::Tensor> kept, press.Select(view));
       if (!kept) return 0;
       const int64_t before = pool_->stored_len(seq, layer_idx);
       std::vector<int32_t> old;
@@ -716,7 +696,7 @@ class TorchModelRunner : public ModelRunner {
     if (auto it = compression_seconds_.find(seq); it != compression_seconds_.end())
       info.compression_seconds = it->second;
     if (auto it = decode_presses_.find(seq); it != decode_presses_.end())
-      info.decode_evicted_entries = it->second.evicted_entries;
+      info.decode_evicted_entries = it->second.evicted_entries();
     return info;
   }
 
@@ -1094,7 +1074,7 @@ class TorchModelRunner : public ModelRunner {
   KvSelectorFactory factory_;
   std::unordered_map<SequenceId, std::unique_ptr<KvSelector>> selectors_;  // until the last chunk
   std::unordered_map<SequenceId, double> compression_seconds_;  // selector time of committed chunks
-  std::unordered_map<SequenceId, DecodePress> decode_presses_;
+  std::unordered_map<SequenceId, compression::DecodeCompression> decode_presses_;
   DecodeQueryRing query_ring_;
   DecodeCompressionStats decode_stats_;
   // Per sequence, per layer: positions [Hkv, stored] once a layer was compacted (undefined =

@@ -1,4 +1,4 @@
-// The contract between the scheduler (issue 7) and the model runtime (issue 3): one forward step
+// The contract between the scheduler and the model runtime: one forward step
 // for one prefill chunk or one batched decode step, over the paged KV cache.
 // The runner owns the model, the block pool and the per-sequence cache state. It is used from one
 // thread only (the engine thread). Nothing here throws: failures are statuses.
@@ -46,7 +46,7 @@ struct DecodeCompressionStats {
   double seconds = 0;               // scoring, selection and compaction (host wall time)
 };
 
-// The compression hook (issue 6). The runner asks the registered factory for a selector when a
+// The compression hook. The runner asks the registered factory for a selector when a
 // Prefill's CompressionParams.method is not kNone; the selector's Select() then runs after each
 // layer's attention (see kv_selector.h). A selector passed to PrefillWithSelector wins.
 using KvSelectorFactory = std::function<absl::StatusOr<std::unique_ptr<KvSelector>>(
@@ -136,7 +136,7 @@ class ModelRunner {
   // Drops `seq` and its references to its blocks; unknown ids are ignored.
   virtual void Release(SequenceId seq) = 0;
 
-  // --- extensions (issue 3); defaults keep test doubles of this interface compiling ------------
+  // --- extensions; defaults keep test doubles of this interface compiling ----------------------
   virtual const Model* model() const { return nullptr; }
   // Turns CUDA-graph decode on or off from the next Decode (RunnerOptions.cuda_graphs at start);
   // benchmarks time both in one run. No effect on CPU.
@@ -162,7 +162,7 @@ class ModelRunner {
   virtual absl::StatusOr<at::Tensor> StoredPositions(SequenceId seq, int32_t layer_idx) const {
     return absl::UnimplementedError("StoredPositions");
   }
-  // For calibration (issue 6): a full-cache causal forward of `tokens` from position 0 that does
+  // For calibration: a full-cache causal forward of `tokens` from position 0 that does
   // not touch the pool; returns each layer's attention output (o_proj output, before the residual
   // add), [num_tokens, hidden] per layer, in the model dtype.
   virtual absl::StatusOr<std::vector<at::Tensor>> CaptureAttentionOutputs(

@@ -49,7 +49,7 @@ struct RunnerOptions {
   bool cuda_decode_gemv = true;
   // CPU fp32: the large projections in oneDNN's packed layout (Model::PackForCpu).
   bool cpu_packed_weights = kernels::Tuning().cpu_packed_weights;
-  // Tensor parallelism (issue 28): this rank's group (not owned; it outlives the runner). The
+  // Tensor parallelism: this rank's group (not owned; it outlives the runner). The
   // runner then holds this rank's shard of the model and a pool of its KV heads, and every rank
   // must make the same runner calls in the same order. null: the whole model here.
   Communicator* communicator = nullptr;

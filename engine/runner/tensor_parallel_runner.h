@@ -1,4 +1,4 @@
-// Tensor parallelism's control path (issue 28). Rank 0 runs the scheduler over a runner that
+// Tensor parallelism's control path. Rank 0 runs the scheduler over a runner that
 // repeats each call changing the cache on the other ranks before making it itself: the call goes
 // as one message over a CPU control channel, and every rank then runs the same forward on its
 // shard, meeting at the model's collectives. The others only follow (FollowRankZero); what

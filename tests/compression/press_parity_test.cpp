@@ -5,7 +5,8 @@
 // kvpress keeps int(n * (1 - cr)) per layer (PyramidKV: round() of its per-layer formula),
 // unsorted -> BudgetRounding::kKvpress and we compare sets. kvpress protects no window for
 // K-norm, ObservedAttention and StreamingLLM -> protect_window_all_methods = false; its
-// ObservedAttention divides by the number of queries that see each key.
+// ObservedAttention divides by the number of queries that see each key. Both are
+// bench/quality/kvpress_scorers.h's wrappers of our scorers.
 //
 // A kept-set difference is allowed only at a tie: the reference score of the differing index is
 // within fp32 rounding (relative 1e-5, absolute 1e-8) of the reference's k-th largest score. The
@@ -18,6 +19,7 @@
 
 #include <gtest/gtest.h>
 
+#include "bench/quality/kvpress_scorers.h"
 #include "engine/compression/budget.h"
 #include "engine/compression/press.h"
 #include "kernels/dropkv_score.h"
@@ -117,7 +119,7 @@ TEST_F(PressParity, KvpressPressesKeepTheSameTokens) {
     CompressionParams p;
     p.keep_ratio = *KeepRatioFromCompressionRatio(cr);
     p.window = manifest_["window"];
-    PressOverrides o;
+    quality::KvpressOptions o;
     o.protect_window_all_methods = false;
     o.rounding = BudgetRounding::kKvpress;
     if (press == "snapkv") {
@@ -136,7 +138,7 @@ TEST_F(PressParity, KvpressPressesKeepTheSameTokens) {
     } else {
       FAIL() << "unknown press " << press;
     }
-    auto selector = CreateKvSelector(p, model_, o);
+    auto selector = quality::CreateKvpressSelector(p, model_, o);
     ASSERT_TRUE(selector.ok()) << selector.status();
     Diff diff;
     for (int32_t l = 0; l < model_.num_layers; ++l) {

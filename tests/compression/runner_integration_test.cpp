@@ -218,10 +218,10 @@ TEST(RunnerIntegration, LastChunkPrefillKeepsWhatOnePassKeeps) {
   }
 }
 
-// The same on a Gemma-3-shaped model (issue 23: H2O and K-norm lose every needle on
-// Gemma-3-270M): sliding layers (rings, never compressed) between global ones, so the presses
-// see the global layers numbered 0..G-1 and H2O's column sums must carry over chunks of the
-// global layers only. Random weights at a small geometry; prompt longer than the window.
+// The same on a Gemma-3-shaped model (as Gemma-3-270M): sliding layers (rings, never
+// compressed) between global ones, so the presses see the global layers numbered 0..G-1 and H2O's
+// column sums must carry over chunks of the global layers only. Random weights at a small geometry;
+// prompt longer than the window.
 TEST(RunnerIntegration, LastChunkPrefillKeepsWhatOnePassKeepsWithSlidingLayers) {
   const auto dir = testing::ScratchDir("runner-gemma3-sliding");
   std::ofstream(dir / "config.json") << R"({

@@ -41,10 +41,10 @@
 #include <nlohmann/json.hpp>
 
 #include "allocator/block_pool.h"
+#include "engine/compression/kv_selector.h"
 #include "engine/compression/press.h"
 #include "engine/engine.h"
 #include "engine/model/config.h"
-#include "engine/runner/kv_selector.h"
 #include "engine/runner/model_runner.h"
 #include "engine/scheduler/scheduler.h"
 #include "engine/tokenizer/tokenizer.h"

@@ -16,9 +16,9 @@
 #include <vector>
 
 #include "allocator/block_pool.h"
+#include "engine/compression/kv_selector.h"
 #include "engine/compression/press.h"
 #include "engine/model/config.h"
-#include "engine/runner/kv_selector.h"
 #include "engine/runner/model_runner.h"
 #include "engine/tokenizer/tokenizer.h"
 #include "kernels/dropkv_score.h"

@@ -14,10 +14,10 @@
 #include <thread>
 
 #include "allocator/block_pool.h"
+#include "engine/compression/kv_selector.h"
 #include "engine/model/config.h"
 #include "engine/model/model.h"
 #include "engine/runner/demo_model.h"
-#include "engine/runner/kv_selector.h"
 #include "engine/tokenizer/tokenizer.h"
 #include "tests/common/test_env.h"
 

@@ -1,4 +1,4 @@
-// The compression hook (issue 6 implements it; the runner of issue 3 calls it). During prefill,
+// The compression hook: compression implements it (press.h), the runner calls it. During prefill,
 // after a layer's attention has used the full K/V, the runner asks the selector which tokens each
 // KV head keeps; only those are stored in that layer's paged block table. The model layers know
 // nothing of it.
