@@ -12,7 +12,9 @@ is named in brackets after the method, and its row is paired against the same me
 under the uniform allocator. A run with FP8 weights or an FP8 KV cache (dropkv-quality-tasks
 --quantization fp8 / --kv-cache-dtype fp8) is named after the method too ("FP8 weights",
 "FP8 KV"), and its rows are paired against the same method, settings and allocator with the
-model's own weights and KV dtype (with how many prompts give the same output text).
+model's own weights and KV dtype (with how many prompts give the same output text). An
+automatic budget (dropkv:tolN, "auto, tolerance" in its name) shows its ceiling and the mean
+fraction it kept.
 
   python3 bench/quality/score.py ours.jsonl kvpress.jsonl [--reference dropkv]
 
@@ -56,6 +58,8 @@ def variant(r):
         v.append("per-query")
     if r.get("protect_sinks") and r["method"] != "streaming_llm":
         v.append(f"sinks {r.get('num_sinks', 4)}")
+    if r.get("tolerance", 0) > 0:
+        v.append(f"auto, tolerance {r['tolerance']:g}")
     return f" ({', '.join(v)})" if v else ""
 
 
@@ -88,6 +92,7 @@ def main():
     cells = collections.defaultdict(dict)  # (task, length, format) -> (engine, method, keep) -> {idx: score}
     baseline = {}  # a row's method name -> the same method and settings with the model's dtypes
     texts = {}  # (task, length, format, key, idx) -> output text
+    kept = collections.defaultdict(list)  # automatic budgets: (cell, key) -> kept fractions
     for path in args.results:
         for line in open(path):
             r = json.loads(line)
@@ -99,6 +104,8 @@ def main():
                 baseline[key[1]] = r["method"] + variant(r)
             cells[(r["task"], r["length"], r["format"])].setdefault(key, {})[r["idx"]] = s
             texts[(r["task"], r["length"], r["format"], key, r["idx"])] = r["text"]
+            if r.get("tolerance", 0) > 0:
+                kept[(r["task"], r["length"], r["format"], key)].append(r["kept_fraction"])
     for (task, length, fmt), runs in sorted(cells.items()):
         print(f"\n{task}, {length} tokens, {fmt} prompts\n")
         print(f"| method | keep | accuracy | n | paired vs our {args.reference} |")
@@ -137,6 +144,8 @@ def main():
             if alloc not in ("uniform", "-"):
                 name += f" [{alloc}]"
             keep_s = "1.00" if method in ("full", "none") else f"{keep:.2f}"
+            if kept.get((task, length, fmt, key)):  # automatic: the ceiling, then what it kept
+                keep_s = f"<= {keep:.2f}: {sum(kept[(task, length, fmt, key)]) / len(scores):.3f}"
             print(f"| {name} | {keep_s} | {m:.3f} ± {se:.3f} | {len(scores)} | {paired} |")
     if args.formats:
         fa, fb = args.formats.split(":")

@@ -83,7 +83,7 @@ int64_t BlocksNeeded(const ModelRunner& runner, int64_t prompt_len,
 absl::StatusOr<std::vector<std::vector<int32_t>>> GreedyUnderEveryPress(
     ModelRunner& runner, const std::vector<int32_t>& prompt,
     const std::vector<CompressionParams>& configs, int32_t max_new_tokens,
-    const KvpressOptions& options) {
+    const KvpressOptions& options, std::vector<double>* kept_fraction) {
   const ModelConfig& config = runner.config();
   const compression::PressModelInfo info = compression::PressModelInfoFor(config);
   std::vector<std::unique_ptr<KvSelector>> presses;
@@ -118,6 +118,20 @@ absl::StatusOr<std::vector<std::vector<int32_t>>> GreedyUnderEveryPress(
     if (!s.ok()) return release_all(), s;
   }
   runner.Release(base);
+  if (kept_fraction != nullptr) {
+    kept_fraction->assign(configs.size(), 1.0);
+    for (size_t c = 0; c < configs.size(); ++c) {
+      const std::vector<int64_t> stored = runner.CacheInfo(seqs[c]).stored_len_per_layer;
+      int64_t kept = 0, seen = 0;
+      const bool every_layer = static_cast<int32_t>(stored.size()) == config.num_layers;
+      for (int32_t l = 0; l < static_cast<int32_t>(stored.size()); ++l) {
+        if (every_layer && config.is_sliding(l)) continue;
+        kept += stored[l];
+        seen += static_cast<int64_t>(prompt.size());
+      }
+      if (seen > 0) (*kept_fraction)[c] = static_cast<double>(kept) / static_cast<double>(seen);
+    }
+  }
 
   std::vector<std::vector<int32_t>> out(configs.size());
   std::vector<int32_t> next(configs.size(), first);

@@ -40,10 +40,12 @@ double AnswerScore(const std::string& text, const std::vector<std::string>& answ
 // from the same layer views, and each compressed copy of the full cache decodes on its own (all
 // copies as one batch). Configurations must use a single pass or the last_chunk policy (anything
 // else is INVALID_ARGUMENT: those policies need their own prefill). Cuts nothing at EOS.
+// `kept_fraction` (optional): each configuration's entries kept over those seen, over its global
+// layers after the prefill (1 for the full cache).
 absl::StatusOr<std::vector<std::vector<int32_t>>> GreedyUnderEveryPress(
     ModelRunner& runner, const std::vector<int32_t>& prompt,
     const std::vector<CompressionParams>& configs, int32_t max_new_tokens,
-    const KvpressOptions& options = {});
+    const KvpressOptions& options = {}, std::vector<double>* kept_fraction = nullptr);
 
 // `ids` up to (not including) the first of `eos_ids`.
 std::vector<int32_t> CutAtEos(const std::vector<int32_t>& ids, const std::vector<int32_t>& eos_ids);

@@ -5,7 +5,8 @@
 //       [--out RESULTS.jsonl]
 // A method may carry settings of its own after colons, so that variants share the one prefill:
 // `dropkv:max21` (max-pool 21), `dropkv:avg5`, `dropkv:none` (no pooling), `snapkv:w16`
-// (window 16), `dropkv:sinks4` (never evict the first 4 tokens); unset ones come from the flags.
+// (window 16), `dropkv:sinks4` (never evict the first 4 tokens), `dropkv:tol10` (the automatic
+// budget at tolerance 0.10, the keep ratio its ceiling); unset ones come from the flags.
 // Each prompt is prefilled once with every press selecting from the same layer views
 // (task_eval.h), then every configuration decodes greedily from its own compressed copy. A
 // prompt's score is RULER's string match of its answers in the output (cut at EOS). Prints one
@@ -65,8 +66,9 @@ absl::StatusOr<std::string> ApplyVariant(const std::string& spec, CompressionPar
   };
   for (size_t i = 1; i < parts.size(); ++i) {
     const std::string& t = parts[i];
-    absl::StatusOr<int> n = absl::InvalidArgumentError(
-        "--methods: unknown setting '" + t + "' in '" + spec + "' (maxK, avgK, none, wN, sinksN)");
+    absl::StatusOr<int> n =
+        absl::InvalidArgumentError("--methods: unknown setting '" + t + "' in '" + spec +
+                                   "' (maxK, avgK, none, wN, sinksN, tolN)");
     if (t == "none") {
       p->pooling = dropkv::PoolingType::kNone;
       continue;
@@ -79,6 +81,9 @@ absl::StatusOr<std::string> ApplyVariant(const std::string& spec, CompressionPar
     } else if (t.rfind("sinks", 0) == 0) {
       n = number(t, 5);
       if (n.ok()) p->protect_sinks = true, p->num_sinks = *n;
+    } else if (t.rfind("tol", 0) == 0) {  // tolN: automatic budget, tolerance N / 100
+      n = number(t, 3);
+      if (n.ok()) p->tolerance = *n / 100.0;
     } else if (t.rfind("w", 0) == 0) {
       n = number(t, 1);
       if (n.ok()) p->window = *n;
@@ -201,8 +206,9 @@ int main(int argc, char** argv) {
     const auto t0 = std::chrono::steady_clock::now();
     for (size_t i = 0; i < prompts->size(); ++i) {
       const auto& p = (*prompts)[i];
+      std::vector<double> kept;
       auto gen = dropkv::quality::GreedyUnderEveryPress(runner, p.input_ids, params,
-                                                        p.max_new_tokens, options);
+                                                        p.max_new_tokens, options, &kept);
       if (!gen.ok()) return std::cerr << gen.status() << "\n", 1;
       auto& cell = scores[{p.task, p.length}];
       cell.resize(configs.size());
@@ -224,6 +230,8 @@ int main(int argc, char** argv) {
               {"pooling_kernel", configs[c].params.pooling_kernel},
               {"protect_sinks", configs[c].params.protect_sinks},
               {"num_sinks", configs[c].params.num_sinks},
+              {"tolerance", configs[c].params.tolerance},
+              {"kept_fraction", kept[c]},
               {"h2o_per_query", h2o_per_query},
               {"device", ro.device},
               {"dtype", ro.dtype},

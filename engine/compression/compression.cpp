@@ -37,6 +37,12 @@ absl::Status ValidateCompression(const CompressionParams& p, int32_t num_layers)
   if (p.decode_margin > 0 && p.method == ScoreMethod::kNone) {
     return Invalid("decode_margin: compression during decode needs a method other than none");
   }
+  if (p.tolerance > 0 && p.method != ScoreMethod::kDropKV) {
+    return Invalid(
+        absl::StrCat("tolerance: the automatic budget reads DropKV's output-shift "
+                     "scores; method ",
+                     std::string(ScoreMethodName(p.method)), " has none"));
+  }
   if (AllocatorNeedsProfile(p.allocator) && p.profile_path.empty()) {
     return Invalid(absl::StrCat("profile_path: required by allocator ",
                                 std::string(BudgetAllocatorName(p.allocator))));

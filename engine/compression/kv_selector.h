@@ -42,6 +42,9 @@ struct LayerKvView {
   // copy's query heads, the score one rank would give, the same bits on every copy (which then
   // keep the same entries). Empty otherwise.
   std::function<absl::Status(at::Tensor& scores)> reduce_scores;
+  // Tensor parallelism: the largest of every rank's `count` (each rank holds other KV heads, and
+  // a layer keeps as many entries on every rank). Empty on one rank.
+  std::function<absl::StatusOr<int64_t>(int64_t count)> max_over_ranks;
 };
 
 class KvSelector {

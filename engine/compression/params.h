@@ -58,6 +58,12 @@ struct CompressionParams {
   // so far plus this many entries, the press re-scores it with the queries of the last `window`
   // decode steps and evicts back to the budget (docs/compression.md). 0 = prefill only.
   int32_t decode_margin = 0;
+  // > 0: an automatic budget. Each layer keeps the fewest entries whose removal leaves the window
+  // queries' estimated output shift (the removed entries' DropKV scores over the window's output
+  // energy, square-rooted: a relative L2 change) at most this, its worst KV head deciding; the
+  // budget of keep_ratio / budget_tokens is the ceiling (what admission reserves). 0 = the fixed
+  // budget. DropKV only.
+  double tolerance = 0;
 #ifdef DROPKV_COMPRESSION_TEST_FIELD
   int32_t test_field = 7;  // schema_extension_test's build only (schema.cpp's last row)
 #endif

@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <exception>
 #include <vector>
 
@@ -106,8 +107,9 @@ class Press final : public KvSelector {
 
     absl::StatusOr<std::vector<int64_t>> budgets = Budgets(v.logical_len);
     if (!budgets.ok()) return budgets.status();
-    const int64_t keep = std::min<int64_t>((*budgets)[v.layer_idx], n);
-    if (keep >= n) return std::optional<at::Tensor>();
+    int64_t keep = std::min<int64_t>((*budgets)[v.layer_idx], n);
+    const bool automatic = params_.tolerance > 0;  // the budget is a ceiling
+    if (keep >= n && !automatic) return std::optional<at::Tensor>();
     if (keep < 1) return absl::InternalError("layer budget below 1 token");
 
     absl::StatusOr<at::Tensor> scores = scorer_->Score(in);
@@ -124,11 +126,44 @@ class Press final : public KvSelector {
     sp.window = static_cast<int32_t>(std::min<int64_t>(rule.window, keep));
     sp.num_sinks =
         static_cast<int32_t>(std::min<int64_t>(ProtectedSinks(params_), keep - sp.window));
+    if (automatic) {
+      absl::StatusOr<int64_t> fewest = FewestWithinTolerance(in, *scores, sp);
+      if (!fewest.ok()) return fewest.status();
+      const int64_t floor = std::min<int64_t>(n, rule.window + ProtectedSinks(params_));
+      keep = std::clamp(*fewest, floor, keep);
+      if (keep >= n) return std::optional<at::Tensor>();
+    }
     absl::StatusOr<at::Tensor> idx = kernels::SelectTopK(*scores, keep, sp);
     if (!idx.ok()) return idx.status();
     at::Tensor kept = (*idx)[0];  // int64 [Hkv, keep], ascending
     scorer_->Kept(v.layer_idx, kept);
     return std::optional<at::Tensor>(kept);
+  }
+
+  // The automatic budget: the fewest entries a layer keeps, in selection's order (pooled, the
+  // window and sinks first), so that the entries it evicts carry at most tolerance^2 of the
+  // window's output energy in DropKV score, on every KV head (and every rank's). One host sync.
+  absl::StatusOr<int64_t> FewestWithinTolerance(const ScorerInput& in, const at::Tensor& scores,
+                                                const kernels::SelectParams& sp) {
+    absl::StatusOr<at::Tensor> energy = scorer_->OutputEnergy(in);  // [1, Hkv]
+    if (!energy.ok()) return energy.status();
+    absl::StatusOr<at::Tensor> ranked = kernels::PoolScores(scores, sp.pool, sp.pool_kernel);
+    if (!ranked.ok()) return ranked.status();
+    at::Tensor order_by = ranked->is_same(scores) ? ranked->clone() : *ranked;
+    if (absl::Status s = kernels::ProtectScores(order_by, sp.window, sp.num_sinks); !s.ok()) {
+      return s;
+    }
+    const at::Tensor order = std::get<1>(order_by.sort(-1, /*descending=*/true));
+    // evicted_from[i]: the score of every entry ranked i or lower (what keeping i evicts).
+    const at::Tensor evicted_from = scores.gather(-1, order).flip(-1).cumsum(-1).flip(-1);
+    const at::Tensor limit = energy->unsqueeze(-1) * (params_.tolerance * params_.tolerance);
+    int64_t fewest = (evicted_from > limit).sum(-1).max().item<int64_t>();
+    if (in.view.max_over_ranks) {
+      absl::StatusOr<int64_t> agreed = in.view.max_over_ranks(fewest);
+      if (!agreed.ok()) return agreed.status();
+      fewest = *agreed;
+    }
+    return fewest;
   }
 
   CompressionParams params_;

@@ -232,6 +232,25 @@ std::vector<Field> MakeFields() {
                      "compress during decode when a layer passes its budget by this many entries "
                      "(>= window); 0 = prefill only"));
   {
+    const DoubleRange range{0.0, 1.0, false, true};
+    Field f = NewField("tolerance", "tolerance", FieldKind::kDouble,
+                       absl::StrCat("automatic budget (dropkv): the largest estimated relative "
+                                    "output shift a layer's evictions may cause, ",
+                                    range.text(), "; the budget is then a ceiling; 0 = fixed"));
+    f.set = [range](P& p, std::string_view text) -> absl::Status {
+      absl::StatusOr<double> v = ParseInRange(text, range);
+      if (!v.ok()) return v.status();
+      p.tolerance = *v;
+      return absl::OkStatus();
+    };
+    f.get = [](const P& p) { return FormatDoubleText(p.tolerance); };
+    f.check = [range](const P& p) -> absl::Status {
+      if (!range.contains(p.tolerance)) return OutOfRange(range.text(), absl::StrCat(p.tolerance));
+      return absl::OkStatus();
+    };
+    v.push_back(std::move(f));
+  }
+  {
     Field f =
         NewField("random_seed", "compression-seed", FieldKind::kInt, "seed of the random scorer");
     f.set = [](P& p, std::string_view text) -> absl::Status {

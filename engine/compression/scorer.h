@@ -56,6 +56,13 @@ class Scorer {
   // The entries a layer kept after Score (int64 [Hkv, k], ascending): state that follows the cache.
   virtual void Kept(int32_t /*layer_idx*/, const at::Tensor& /*kept*/) {}
   virtual SelectionRule Selection() const = 0;
+  // What an automatic budget (CompressionParams::tolerance) measures removals against: the
+  // squared norm of the window queries' attention outputs, in the score's units (summed over the
+  // window, averaged over each KV head's query heads), fp32 [1, Hkv]. Only scorers whose score is
+  // a squared output shift have one.
+  virtual absl::StatusOr<at::Tensor> OutputEnergy(const ScorerInput& /*in*/) {
+    return absl::UnimplementedError("this scorer's scores are not output shifts");
+  }
 };
 
 // The scorer of params.method (INVALID_ARGUMENT for kNone, which scores nothing). `params` and

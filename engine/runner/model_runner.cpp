@@ -531,6 +531,7 @@ class TorchModelRunner : public ModelRunner {
       ASSIGN_OR_RETURN(view.positions, StoredPositions(seq, layer_idx));
       view.is_last_chunk = true;
       view.reduce_scores = score_reducer();
+      view.max_over_ranks = rank_max();
       ASSIGN_OR_RETURN(std::optional<at::Tensor> kept, press.Select(view));
       if (!kept) return 0;
       const int64_t before = pool_->stored_len(seq, layer_idx);
@@ -915,6 +916,22 @@ class TorchModelRunner : public ModelRunner {
     };
   }
 
+  // LayerKvView::max_over_ranks under tensor parallelism: every rank's count gathered, their
+  // largest (an automatic budget keeps as many entries on every rank). Empty on one rank.
+  std::function<absl::StatusOr<int64_t>(int64_t)> rank_max() const {
+    Communicator* comm = model_->communicator();
+    if (comm == nullptr) return {};
+    // fp32 (what both communicators carry) holds the counts exactly: they stay below 2^24.
+    const at::Device device =
+        comm->device_type() == at::kCPU ? at::Device(at::kCPU) : model_->device();
+    return [comm, device](int64_t count) -> absl::StatusOr<int64_t> {
+      const at::Tensor mine = at::full({1}, static_cast<double>(count),
+                                       at::TensorOptions().dtype(at::kFloat).device(device));
+      ASSIGN_OR_RETURN(at::Tensor all, comm->AllGather(mine));
+      return static_cast<int64_t>(all.max().item<float>());
+    };
+  }
+
  private:
   // Writes the packed decode inputs of `ids` (after AppendSlots: the new token's slot is the
   // last stored one of each layer, or its ring entry) into `base` (lay.num_bytes()). Rows past
@@ -1142,6 +1159,7 @@ absl::StatusOr<at::Tensor> PrefillBackend::Attend(int32_t layer_idx, const at::T
     view.positions = all_pos;
     view.is_last_chunk = is_last_chunk_;
     view.reduce_scores = runner_.score_reducer();
+    view.max_over_ranks = runner_.rank_max();
     if (const int64_t rows = std::min(selector_->num_attention_rows(), t_len);
         rows > 0 && lse.defined()) {
       view.window_attn_out = out.narrow(0, t_len - rows, rows).transpose(0, 1);  // [Hq, w, D]

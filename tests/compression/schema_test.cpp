@@ -31,6 +31,7 @@ CompressionParams Unusual() {
   p.chunk_size = 64;
   p.budget_cap_tokens = 4096;
   p.decode_margin = 32;
+  p.tolerance = 0.0625;
   p.random_seed = 18446744073709551615ull;
   return p;
 }

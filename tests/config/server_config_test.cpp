@@ -154,6 +154,8 @@ TEST(ServerConfigTest, EachKeyReachesItsField) {
        [](const ServerConfig& c) { return c.compression.budget_cap_tokens == 4096; }},
       {"compression: {decode_margin: 64}",
        [](const ServerConfig& c) { return c.compression.decode_margin == 64; }},
+      {"compression: {tolerance: 0.05}",
+       [](const ServerConfig& c) { return c.compression.tolerance == 0.05; }},
       {"compression: {random_seed: 42}",
        [](const ServerConfig& c) { return c.compression.random_seed == 42u; }},
   };

@@ -243,6 +243,15 @@ def test_default_model(args, pb, pb_grpc, grpc):
         check(decoding.usage.completion_tokens == 48 and evicted > 0 and
               first.usage.model_extra["decode_evicted_kv_tokens"] == 0,
               f"decode_margin: {evicted} KV entries evicted during decode")
+        # The automatic budget: keep_ratio 0.5 as the ceiling; a loose tolerance keeps less.
+        def kept(extra):
+            got = client.completions.create(model=model, prompt=story_ids, max_tokens=2,
+                                            temperature=0, extra_body={"kv_compression": extra})
+            return got.usage.model_extra["kv_tokens_kept_per_layer"]
+        fixed = kept({"method": "dropkv", "keep_ratio": 0.5})
+        auto = kept({"method": "dropkv", "keep_ratio": 0.5, "tolerance": 0.9})
+        check(len(auto) == len(fixed) and all(a <= f for a, f in zip(auto, fixed)) and
+              sum(auto) < sum(fixed), f"tolerance: kept {sum(auto)} under a ceiling of {sum(fixed)}")
         ids_prompt = client.completions.create(model=model, prompt=list(grpc_c.token_ids[:4]) or [1],
                                                max_tokens=2, temperature=0)
         check(ids_prompt.usage.prompt_tokens == min(4, len(grpc_c.token_ids)) or
@@ -274,6 +283,12 @@ def test_default_model(args, pb, pb_grpc, grpc):
         expect_error(lambda: cc(model=model, prompt="x", extra_body={"kv_compression": {
                          "method": "dropkv", "window": 8, "decode_margin": 4}}),
                      400, "kv_compression.decode_margin", "decode_margin below the window")
+        expect_error(lambda: cc(model=model, prompt="x", extra_body={"kv_compression": {
+                         "method": "snapkv", "tolerance": 0.1}}),
+                     400, "kv_compression.tolerance", "tolerance with a method that has no shifts")
+        expect_error(lambda: cc(model=model, prompt="x", extra_body={"kv_compression": {
+                         "method": "dropkv", "tolerance": 1}}),
+                     400, "kv_compression.tolerance", "tolerance 1")
         expect_error(lambda: cc(model=model, prompt="x", extra_body={"priority": 2**31}), 400,
                      "priority", "priority beyond int32")
         expect_error(lambda: cc(model=model, prompt="x", extra_body={"priority": "high"}), 400,

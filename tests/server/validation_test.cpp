@@ -369,6 +369,9 @@ TEST_F(ValidationTest, CompressionIntegersAreBoundedAbove) {
   r = ok_;
   r.mutable_compression()->set_decode_margin(kHuge);
   ExpectInvalid(r, "compression.decode_margin");
+  r = ok_;
+  r.mutable_compression()->set_tolerance(1.0);
+  ExpectInvalid(r, "compression.tolerance");
 }
 
 // The request maps to the compression schema by field name: a CompressionSettings field without a

@@ -3,6 +3,8 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <memory>
 
 #include "engine/compression/scorer.h"
@@ -39,6 +41,35 @@ class DropKvScorer final : public Scorer {
                                                 lse.narrow(1, skip, num_window).unsqueeze(0), dp);
     }
     return kernels::DropKvScores(q_window, in.keys, in.values, dp);
+  }
+
+  // sum_t ||a_t||^2 over the window rows, the mean over each KV head's g query heads: the
+  // score's own normalisation (algorithms.md section 1), so that removed score / energy is the
+  // squared relative output shift.
+  absl::StatusOr<at::Tensor> OutputEnergy(const ScorerInput& in) override {
+    const int64_t n = in.keys.size(2), hkv = in.keys.size(1), hq = in.queries.size(1);
+    const int64_t num_window = std::min<int64_t>({params_.window, in.chunk_len, n});
+    at::Tensor out;  // [Hq, w, D]
+    const at::Tensor& attn = in.view.window_attn_out;
+    if (attn.defined() && attn.size(1) >= num_window) {
+      out = attn.narrow(1, attn.size(1) - num_window, num_window).to(at::kFloat);
+    } else {
+      // The window rows' attention, rebuilt: row i sits at entry n - w + i and sees entries <= it.
+      const at::Tensor q = in.queries[0]
+                               .slice(1, in.chunk_len - num_window, in.chunk_len)
+                               .to(at::kFloat)
+                               .reshape({hkv, hq / hkv, num_window, -1});
+      const at::Tensor k = in.keys[0].to(at::kFloat).unsqueeze(1);  // [Hkv, 1, n, D]
+      const at::Tensor v = in.values[0].to(at::kFloat).unsqueeze(1);
+      const double scale = scale_ > 0 ? scale_ : 1.0 / std::sqrt(static_cast<double>(q.size(3)));
+      at::Tensor logits = at::matmul(q, k.transpose(-1, -2)) * scale;  // [Hkv, g, w, n]
+      const at::Tensor row = at::arange(num_window, logits.options().dtype(at::kLong));
+      const at::Tensor col = at::arange(n, logits.options().dtype(at::kLong));
+      const at::Tensor future = col.unsqueeze(0) > (row + (n - num_window)).unsqueeze(1);
+      logits = logits.masked_fill(future, -std::numeric_limits<float>::infinity());
+      out = at::matmul(at::softmax(logits, -1), v).reshape({hq, num_window, -1});
+    }
+    return out.pow(2).sum({1, 2}).reshape({1, hkv, hq / hkv}).mean(2);
   }
 
   SelectionRule Selection() const override {
