@@ -25,7 +25,7 @@
 # skipping a piece already there with the right sha256 (a piece with a wrong one is replaced, or
 # reported and dropped); joins a file once all its pieces are there and checks the joined file's
 # size and sha256; once both files are joined, installs the gguf wheel into $DROPKV_STAGE/site
-# (if carried and not yet there) and converts with convert_models.py --gguf into
+# (if carried and not yet there) and converts each joined one with convert_models.py --gguf into
 # $DROPKV_STAGE/models (skipped when its stamp matches). Prints one line last:
 #   gpu_stage: smollm2-135m-instruct ready, gemma-3-270m 5/9 pieces (calls still to make: call6)
 # A later call that carries no pieces (the test call) runs it too and only reports. Exit 1 on a
@@ -187,7 +187,10 @@ for m in "${models[@]}"; do
   fi
 done
 
-if [[ ${status[smollm2-135m-instruct]} == joined && ${status[gemma-3-270m]} == joined ]]; then
+# Each joined model converts at once (one model can be used before the other is staged).
+ready_to_convert=()
+for m in "${models[@]}"; do [[ ${status[$m]} == joined ]] && ready_to_convert+=("$m"); done
+if (( ${#ready_to_convert[@]} > 0 )); then
   py=${DROPKV_PYTHON:-python3}
   export PYTHONPATH="$stage/site${PYTHONPATH:+:$PYTHONPATH}"
   if ! "$py" -c 'import gguf' 2> /dev/null; then
@@ -199,17 +202,21 @@ if [[ ${status[smollm2-135m-instruct]} == joined && ${status[gemma-3-270m]} == j
   fi
   if "$py" -c 'import gguf' 2> /dev/null; then
     args=()
-    for m in "${models[@]}"; do args+=(--gguf "$m=$stage/gguf/$m.gguf"); done
+    for m in "${ready_to_convert[@]}"; do args+=(--gguf "$m=$stage/gguf/$m.gguf"); done
     if "$py" "$root/scripts/convert_models.py" "$stage/models" "${args[@]}" \
         > "$stage/convert.log" 2>&1; then
-      for m in "${models[@]}"; do status[$m]="ready"; done
+      for m in "${ready_to_convert[@]}"; do status[$m]="ready"; done
     else
       tail -5 "$stage/convert.log" >&2
-      for m in "${models[@]}"; do status[$m]="joined, conversion failed ($stage/convert.log)"; done
+      for m in "${ready_to_convert[@]}"; do
+        status[$m]="joined, conversion failed ($stage/convert.log)"
+      done
       bad=1
     fi
   else
-    for m in "${models[@]}"; do status[$m]="joined, not converted (no gguf module: carry .whl/gguf)"; done
+    for m in "${ready_to_convert[@]}"; do
+      status[$m]="joined, not converted (no gguf module: carry .whl/gguf)"
+    done
   fi
 fi
 
