@@ -14,8 +14,8 @@
 #include "config/server_config.h"
 #include "server/http/metrics_http_server.h"
 #include "server/metrics/server_metrics.h"
+#include "tests/common/http_test_util.h"
 #include "tests/common/test_env.h"
-#include "tests/ops/ops_test_util.h"
 
 namespace dropkv {
 namespace {

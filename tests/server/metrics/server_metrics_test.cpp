@@ -10,7 +10,7 @@
 
 #include <thread>
 
-#include "tests/ops/ops_test_util.h"
+#include "tests/common/http_test_util.h"
 
 namespace dropkv {
 namespace {

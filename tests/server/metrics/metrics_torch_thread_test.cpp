@@ -6,7 +6,7 @@
 
 #include "server/http/metrics_http_server.h"
 #include "server/metrics/server_metrics.h"
-#include "tests/ops/ops_test_util.h"
+#include "tests/common/http_test_util.h"
 
 namespace dropkv {
 namespace {

@@ -12,7 +12,7 @@
 #include <sstream>
 
 #include "config/logging.h"
-#include "tests/ops/ops_test_util.h"
+#include "tests/common/http_test_util.h"
 
 namespace dropkv {
 namespace {

@@ -2,7 +2,7 @@
 // fires on a Dockerfile that breaks it, and the images agree with the project (CUDA archs 80;90,
 // LibTorch 2.11.0, health check on the configured port via the gRPC health service, files that
 // the build copies exist).
-#include "tests/ops/dockerfile_lint.h"
+#include "tests/deploy/dockerfile_lint.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>

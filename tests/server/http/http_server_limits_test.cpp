@@ -10,7 +10,7 @@
 #include <thread>
 
 #include "server/http/metrics_http_server.h"
-#include "tests/ops/ops_test_util.h"
+#include "tests/common/http_test_util.h"
 
 namespace dropkv {
 namespace {

@@ -1,5 +1,6 @@
-// Test helpers for the ops area: a loopback HTTP GET, a Prometheus text-format parser, a child
-// process (for the real Prometheus server) and a free-port picker. Header-only, no LibTorch.
+// Test helpers for HTTP endpoints on loopback (the metrics, HTTP and deploy tests): a GET, a
+// Prometheus text-format parser, a child process (for the real Prometheus server) and a free-port
+// picker. Header-only, no LibTorch.
 #pragma once
 
 #include <arpa/inet.h>

@@ -10,8 +10,8 @@
 #include <nlohmann/json.hpp>
 #include <regex>
 
+#include "tests/common/http_test_util.h"
 #include "tests/common/test_env.h"
-#include "tests/ops/ops_test_util.h"
 
 namespace dropkv {
 namespace {
