@@ -72,6 +72,24 @@ absl::StatusOr<double> ParseInRange(std::string_view text, const DoubleRange& ra
   return *v;
 }
 
+// A double field in `range`; the help ends with the range.
+Field DoubleRow(std::string_view name, std::string_view flag, double P::*member,
+                const DoubleRange& range, std::string help) {
+  Field f = NewField(name, flag, FieldKind::kDouble, std::move(help));
+  f.set = [member, range](P& p, std::string_view text) -> absl::Status {
+    absl::StatusOr<double> v = ParseInRange(text, range);
+    if (!v.ok()) return v.status();
+    p.*member = *v;
+    return absl::OkStatus();
+  };
+  f.get = [member](const P& p) { return FormatDoubleText(p.*member); };
+  f.check = [member, range](const P& p) -> absl::Status {
+    if (!range.contains(p.*member)) return OutOfRange(range.text(), absl::StrCat(p.*member));
+    return absl::OkStatus();
+  };
+  return f;
+}
+
 template <typename E, size_t N>
 Field EnumRow(std::string_view name, std::string_view flag, E P::*member,
               const std::array<NamedValue<E>, N>& table, std::string help) {
@@ -93,21 +111,9 @@ std::vector<Field> MakeFields() {
       EnumRow("method", "method", &P::method, kScoreMethodNames, "scorer (none = full cache)"));
   {
     const DoubleRange range{0.0, 1.0, true, false};
-    Field f = NewField("keep_ratio", "keep", FieldKind::kDouble,
-                       absl::StrCat("fraction of the KV cache kept, ", range.text()));
+    Field f = DoubleRow("keep_ratio", "keep", &P::keep_ratio, range,
+                        absl::StrCat("fraction of the KV cache kept, ", range.text()));
     f.exclusive_group = "budget";
-    f.set = [range](P& p, std::string_view text) -> absl::Status {
-      absl::StatusOr<double> v = ParseInRange(text, range);
-      if (!v.ok()) return v.status();
-      p.keep_ratio = *v;
-      return absl::OkStatus();
-    };
-    f.get = [](const P& p) { return FormatDoubleText(p.keep_ratio); };
-    f.check = [range](const P& p) -> absl::Status {
-      if (!range.contains(p.keep_ratio))
-        return OutOfRange(range.text(), absl::StrCat(p.keep_ratio));
-      return absl::OkStatus();
-    };
     v.push_back(std::move(f));
   }
   {
@@ -233,22 +239,10 @@ std::vector<Field> MakeFields() {
                      "(>= window); 0 = prefill only"));
   {
     const DoubleRange range{0.0, 1.0, false, true};
-    Field f = NewField("tolerance", "tolerance", FieldKind::kDouble,
-                       absl::StrCat("automatic budget (dropkv): the largest estimated relative "
-                                    "output shift a layer's evictions may cause, ",
-                                    range.text(), "; the budget is then a ceiling; 0 = fixed"));
-    f.set = [range](P& p, std::string_view text) -> absl::Status {
-      absl::StatusOr<double> v = ParseInRange(text, range);
-      if (!v.ok()) return v.status();
-      p.tolerance = *v;
-      return absl::OkStatus();
-    };
-    f.get = [](const P& p) { return FormatDoubleText(p.tolerance); };
-    f.check = [range](const P& p) -> absl::Status {
-      if (!range.contains(p.tolerance)) return OutOfRange(range.text(), absl::StrCat(p.tolerance));
-      return absl::OkStatus();
-    };
-    v.push_back(std::move(f));
+    v.push_back(DoubleRow("tolerance", "tolerance", &P::tolerance, range,
+                          absl::StrCat("automatic budget (dropkv): the largest estimated relative "
+                                       "output shift a layer's evictions may cause, ",
+                                       range.text(), "; the budget is then a ceiling; 0 = fixed")));
   }
   {
     Field f =
