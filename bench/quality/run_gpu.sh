@@ -15,6 +15,7 @@
 #              8,192 positions (prompt + answer), so its "8K" is 8000
 #   NUM [3]    prompts per task and length      TASKS [niah_number,mk_niah,mv_niah,vt,qa]
 #   KEEPS [0.05,0.1,0.25]    DTYPE [bfloat16]   SEED [0]   WINDOW [8] (ours and kvpress's own W)
+#   FORMAT [raw]: tasks.py's prompt format (chat: the model's chat template around the task)
 #   METHODS    ours [full,dropkv,snapkv,h2o,streaming_llm,knorm]
 #   PRESSES    kvpress, one prefill for all [full,snapkv,snapkv:w64,pyramidkv,pyramidkv:w64,tova,
 #              expected_attention,criticalkv,knorm,streaming_llm] (`:w64`: kvpress's default window)
@@ -65,6 +66,7 @@ tasks=${TASKS:-niah_number,mk_niah,mv_niah,vt,qa}
 keeps=${KEEPS:-0.05,0.1,0.25}
 dtype=${DTYPE:-bfloat16}
 seed=${SEED:-0}
+format=${FORMAT:-raw}
 window=${WINDOW:-8}
 methods=${METHODS:-full,dropkv,snapkv,h2o,streaming_llm,knorm}
 presses=${PRESSES:-full,snapkv,snapkv:w64,pyramidkv,pyramidkv:w64,tova,expected_attention,criticalkv,knorm,streaming_llm}
@@ -127,7 +129,7 @@ for run in $runs; do
   tag="${model}_${length}"
   prompts="$work/prompts_$tag.jsonl"
   step "prompts $tag" "$py" "$root/bench/quality/tasks.py" --model "$dir" --lengths "$length" \
-    --num "$num" --tasks "$tasks" --format raw --seed "$seed" --out "$prompts" || continue
+    --num "$num" --tasks "$tasks" --format "$format" --seed "$seed" --out "$prompts" || continue
   if [[ -z "${SKIP_OURS:-}" ]]; then
     # With kvpress to follow, ours (the faster) gets 40% of the run's share.
     end=$run_end
@@ -160,7 +162,7 @@ for run in $runs; do
   [[ -n "$files" ]] || continue
   # One table set per model (score.py pairs rows by task, length and prompt idx).
   grep -q "^## $model\$" "$OUT/tables.md" && continue
-  { echo "## $model"; echo; echo "$dtype on $device, $num prompts per task and length, seed $seed"
+  { echo "## $model"; echo; echo "$dtype on $device, $num $format prompts per task and length, seed $seed"
     "$py" "$root/bench/quality/score.py" $files; echo; } >> "$OUT/tables.md" 2>&1
 done
 cat "$OUT/tables.md"

@@ -6,7 +6,8 @@
 // A method may carry settings of its own after colons, so that variants share the one prefill:
 // `dropkv:max21` (max-pool 21), `dropkv:avg5`, `dropkv:none` (no pooling), `snapkv:w16`
 // (window 16), `dropkv:sinks4` (never evict the first 4 tokens), `dropkv:tol10` (the automatic
-// budget at tolerance 0.10, the keep ratio its ceiling); unset ones come from the flags.
+// budget at tolerance 0.10, the keep ratio its ceiling; `tol0.5` is 0.005); unset ones come from
+// the flags.
 // Each prompt is prefilled once with every press selecting from the same layer views
 // (task_eval.h), then every configuration decodes greedily from its own compressed copy. A
 // prompt's score is RULER's string match of its answers in the output (cut at EOS). Prints one
@@ -20,6 +21,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <iostream>
 #include <map>
@@ -81,9 +83,15 @@ absl::StatusOr<std::string> ApplyVariant(const std::string& spec, CompressionPar
     } else if (t.rfind("sinks", 0) == 0) {
       n = number(t, 5);
       if (n.ok()) p->protect_sinks = true, p->num_sinks = *n;
-    } else if (t.rfind("tol", 0) == 0) {  // tolN: automatic budget, tolerance N / 100
-      n = number(t, 3);
-      if (n.ok()) p->tolerance = *n / 100.0;
+    } else if (t.rfind("tol", 0) == 0) {  // tolN: automatic budget, tolerance N / 100 (tol0.5)
+      const std::string percent = t.substr(3);
+      char* end = nullptr;
+      const double value = std::strtod(percent.c_str(), &end);
+      if (percent.empty() || *end != '\0' || !(value > 0.0 && value < 100.0)) {
+        return absl::InvalidArgumentError("--methods: bad setting '" + t + "' in '" + spec + "'");
+      }
+      p->tolerance = value / 100.0;
+      continue;
     } else if (t.rfind("w", 0) == 0) {
       n = number(t, 1);
       if (n.ok()) p->window = *n;
