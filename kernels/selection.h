@@ -28,13 +28,16 @@ struct SelectParams {
   TieOrder ties = TieOrder::kDeviceDefault;
   PoolType pool = PoolType::kPoolTypeMax;  // DropKV evaluation path: max; its cache: avg
   int32_t pool_kernel = 11;                // odd; stride 1, padding kernel / 2
+  int32_t pool_lookback = 0;               // then max over the entry and the this-many before it
   int32_t window = 8;                      // last `window` positions protected (0 = none)
   int32_t num_sinks = 0;                   // first `num_sinks` positions protected
 };
 
 // Pools along the last axis. scores: fp32 [..., n] -> same shape. Avg counts the zero padding
-// (torch's count_include_pad=True default, as kvpress and the DropKV reference call it).
-absl::StatusOr<at::Tensor> PoolScores(const at::Tensor& scores, PoolType pool, int32_t kernel);
+// (torch's count_include_pad=True default, as kvpress and the DropKV reference call it). With
+// lookback L > 0 the pooled row y becomes max(y[i - L], ..., y[i]) (positions before 0 ignored).
+absl::StatusOr<at::Tensor> PoolScores(const at::Tensor& scores, PoolType pool, int32_t kernel,
+                                      int32_t lookback = 0);
 
 // Sets the last `window` and first `num_sinks` entries of each row to rowmax + 1 (in place).
 // scores: fp32 [..., n]. Pooling happens before protection, so it cannot spread the protection.

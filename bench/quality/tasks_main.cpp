@@ -5,7 +5,8 @@
 //       [--out RESULTS.jsonl]
 // A method may carry settings of its own after colons, so that variants share the one prefill:
 // `dropkv:max21` (max-pool 21), `dropkv:avg5`, `dropkv:none` (no pooling), `snapkv:w16`
-// (window 16), `dropkv:sinks4` (never evict the first 4 tokens), `dropkv:tol10` (the automatic
+// (window 16), `dropkv:sinks4` (never evict the first 4 tokens), `dropkv:lb32` (pooling lookback
+// 32: the 32 entries after a high score share it), `dropkv:tol10` (the automatic
 // budget at tolerance 0.10, the keep ratio its ceiling; `tol0.5` is 0.005); unset ones come from
 // the flags.
 // Each prompt is prefilled once with every press selecting from the same layer views
@@ -70,7 +71,7 @@ absl::StatusOr<std::string> ApplyVariant(const std::string& spec, CompressionPar
     const std::string& t = parts[i];
     absl::StatusOr<int> n =
         absl::InvalidArgumentError("--methods: unknown setting '" + t + "' in '" + spec +
-                                   "' (maxK, avgK, none, wN, sinksN, tolN)");
+                                   "' (maxK, avgK, none, wN, sinksN, tolN, lbN)");
     if (t == "none") {
       p->pooling = dropkv::PoolingType::kNone;
       continue;
@@ -92,6 +93,9 @@ absl::StatusOr<std::string> ApplyVariant(const std::string& spec, CompressionPar
       }
       p->tolerance = value / 100.0;
       continue;
+    } else if (t.rfind("lb", 0) == 0) {  // lbN: pooling lookback N
+      n = number(t, 2);
+      if (n.ok()) p->pooling_lookback = *n;
     } else if (t.rfind("w", 0) == 0) {
       n = number(t, 1);
       if (n.ok()) p->window = *n;
@@ -127,7 +131,8 @@ int main(int argc, char** argv) {
   app.add_flag("--h2o-per-query", h2o_per_query,
                "H2O divides each key's attention sum by the number of queries that see it");
   app.add_option("--device", ro.device, "cpu or cuda[:N]")->capture_default_str();
-  app.add_option("--dtype", ro.dtype, "auto (bf16 on CUDA, fp32 on the CPU), float32, bfloat16, float16")
+  app.add_option("--dtype", ro.dtype,
+                 "auto (bf16 on CUDA, fp32 on the CPU), float32, bfloat16, float16")
       ->capture_default_str();
   app.add_option("--quantization", ro.quantization, "none, fp8 (projection weights in FP8 e4m3)")
       ->capture_default_str();
@@ -236,6 +241,7 @@ int main(int argc, char** argv) {
               {"window", configs[c].params.window},
               {"pooling", std::string(dropkv::PoolingTypeName(configs[c].params.pooling))},
               {"pooling_kernel", configs[c].params.pooling_kernel},
+              {"pooling_lookback", configs[c].params.pooling_lookback},
               {"protect_sinks", configs[c].params.protect_sinks},
               {"num_sinks", configs[c].params.num_sinks},
               {"tolerance", configs[c].params.tolerance},

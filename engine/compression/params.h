@@ -48,6 +48,10 @@ struct CompressionParams {
   int32_t window = 8;                        // observation window W (>= 1)
   int32_t pooling_kernel = 11;               // odd, >= 1
   PoolingType pooling = PoolingType::kMax;
+  // > 0: after pooling, each entry also takes the largest pooled score of the this-many entries
+  // before it, so a kept value keeps the tokens that continue it (a value the question points at
+  // by its first tokens, read to its end during decode). 0 = symmetric pooling only.
+  int32_t pooling_lookback = 0;
   bool protect_sinks = false;
   int32_t num_sinks = 4;
   ChunkPolicy chunk_policy = ChunkPolicy::kLastChunk;

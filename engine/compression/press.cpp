@@ -122,6 +122,7 @@ class Press final : public KvSelector {
     kernels::SelectParams sp;
     sp.pool = ToKernelPool(rule.pooling);
     if (rule.pooling != PoolingType::kNone) sp.pool_kernel = rule.pooling_kernel;
+    sp.pool_lookback = rule.pooling_lookback;
     // Protection cannot cover more than the budget (n <= W is never compressed; keep >= W).
     sp.window = static_cast<int32_t>(std::min<int64_t>(rule.window, keep));
     sp.num_sinks =
@@ -147,7 +148,7 @@ class Press final : public KvSelector {
                                                 const kernels::SelectParams& sp) {
     absl::StatusOr<at::Tensor> energy = scorer_->OutputEnergy(in);  // [1, Hkv]
     if (!energy.ok()) return energy.status();
-    absl::StatusOr<at::Tensor> ranked = kernels::PoolScores(scores, sp.pool, sp.pool_kernel);
+    absl::StatusOr<at::Tensor> ranked = kernels::PoolScores(scores, sp.pool, sp.pool_kernel, sp.pool_lookback);
     if (!ranked.ok()) return ranked.status();
     at::Tensor order_by = ranked->is_same(scores) ? ranked->clone() : *ranked;
     if (absl::Status s = kernels::ProtectScores(order_by, sp.window, sp.num_sinks); !s.ok()) {

@@ -213,6 +213,10 @@ std::vector<Field> MakeFields() {
       EnumRow("pooling", "pooling", &P::pooling, kPoolingTypeNames, "DropKV score smoothing"));
   v.push_back(IntRow("pooling_kernel", "pooling-kernel", &P::pooling_kernel, 1, kMaxPoolingKernel,
                      "pooling kernel size", /*odd=*/true));
+  v.push_back(IntRow("pooling_lookback", "pooling-lookback", &P::pooling_lookback, 0,
+                     kMaxPoolingKernel,
+                     "entries after a high pooled score that share it (keeps a value's "
+                     "continuation); 0 = none"));
   {
     Field f = NewField("protect_sinks", "protect-sinks", FieldKind::kBool,
                        "never evict the first num_sinks tokens (StreamingLLM always keeps them)");

@@ -40,7 +40,8 @@ struct ScorerInput {
 struct SelectionRule {
   int32_t window = 0;
   PoolingType pooling = PoolingType::kNone;
-  int32_t pooling_kernel = 1;  // odd; used only with pooling
+  int32_t pooling_kernel = 1;    // odd; used only with pooling
+  int32_t pooling_lookback = 0;  // the entries before one whose pooled score it also takes
 };
 
 class Scorer {

@@ -38,23 +38,35 @@ at::Tensor SelectKeptAscendingAten(const at::Tensor& scores, int64_t keep) {
 
 }  // namespace
 
-absl::StatusOr<at::Tensor> PoolScores(const at::Tensor& scores, PoolType pool, int32_t kernel) {
+absl::StatusOr<at::Tensor> PoolScores(const at::Tensor& scores, PoolType pool, int32_t kernel,
+                                      int32_t lookback) {
   if (!scores.defined() || scores.dim() < 1) {
     return absl::InvalidArgumentError("scores: expected a [..., n] tensor");
   }
-  if (pool == PoolType::kPoolTypeNone || kernel == 1) return scores.clone();
-  if (kernel < 1 || kernel % 2 == 0) {
+  if (lookback < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("pool_lookback must be >= 0, got ", lookback));
+  }
+  const bool symmetric = pool != PoolType::kPoolTypeNone && kernel != 1;
+  if (!symmetric && lookback == 0) return scores.clone();
+  if (symmetric && (kernel < 1 || kernel % 2 == 0)) {
     return absl::InvalidArgumentError(
         absl::StrCat("pool_kernel must be odd and >= 1, got ", kernel));
   }
   return CatchTorch("PoolScores", [&]() -> absl::StatusOr<at::Tensor> {
     const int64_t n = scores.size(-1);
-    auto x = scores.reshape({-1, 1, n});  // [rows, 1, n]
+    at::Tensor y = scores.reshape({-1, 1, n});  // [rows, 1, n]
     // torch pools reject padding > kernel/2 only; n < kernel/2 is fine with padding.
-    at::Tensor y = pool == PoolType::kPoolTypeMax
-                       ? at::max_pool1d(x, {kernel}, {1}, {kernel / 2})
-                       : at::avg_pool1d(x, {kernel}, {1}, {kernel / 2}, /*ceil_mode=*/false,
-                                        /*count_include_pad=*/true);
+    if (symmetric) {
+      y = pool == PoolType::kPoolTypeMax
+              ? at::max_pool1d(y, {kernel}, {1}, {kernel / 2})
+              : at::avg_pool1d(y, {kernel}, {1}, {kernel / 2}, /*ceil_mode=*/false,
+                               /*count_include_pad=*/true);
+    }
+    if (lookback > 0) {  // one-sided: -inf on the left only, so position i sees [i - L, i]
+      y = at::max_pool1d(
+          at::constant_pad_nd(y, {lookback, 0}, -std::numeric_limits<float>::infinity()),
+          {lookback + 1}, {1});
+    }
     return y.reshape(scores.sizes());
   });
 }
@@ -92,7 +104,8 @@ absl::StatusOr<at::Tensor> SelectTopK(const at::Tensor& scores, int64_t keep,
   if (keep < 1 || keep > n) {
     return absl::InvalidArgumentError(absl::StrCat("keep must be in [1, ", n, "], got ", keep));
   }
-  auto pooled = PoolScores(scores.to(at::kFloat), params.pool, params.pool_kernel);
+  auto pooled =
+      PoolScores(scores.to(at::kFloat), params.pool, params.pool_kernel, params.pool_lookback);
   if (!pooled.ok()) return pooled.status();
   if (auto s = ProtectScores(*pooled, params.window, params.num_sinks); !s.ok()) return s;
   auto rows = CatchTorch("SelectTopK", [&]() -> absl::StatusOr<at::Tensor> {

@@ -32,6 +32,7 @@ CompressionParams Unusual() {
   p.budget_cap_tokens = 4096;
   p.decode_margin = 32;
   p.tolerance = 0.0625;
+  p.pooling_lookback = 24;
   p.random_seed = 18446744073709551615ull;
   return p;
 }

@@ -140,6 +140,8 @@ TEST(ServerConfigTest, EachKeyReachesItsField) {
        [](const ServerConfig& c) { return c.compression.pooling == PoolingType::kAvg; }},
       {"compression: {pooling_kernel: 7}",
        [](const ServerConfig& c) { return c.compression.pooling_kernel == 7; }},
+      {"compression: {pooling_lookback: 32}",
+       [](const ServerConfig& c) { return c.compression.pooling_lookback == 32; }},
       {"compression: {protect_sinks: yes}",
        [](const ServerConfig& c) { return c.compression.protect_sinks; }},
       {"compression: {num_sinks: 2}",

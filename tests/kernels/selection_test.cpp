@@ -36,6 +36,38 @@ TEST(SelectionTest, PoolingMatchesLoops) {
             absl::StatusCode::kInvalidArgument);
 }
 
+// Lookback L: the symmetric pool, then each position takes the max over itself and the L before.
+TEST(SelectionTest, LookbackExtendsPooledScoresForward) {
+  at::manual_seed(22);
+  for (PoolType pool : {PoolType::kPoolTypeNone, PoolType::kPoolTypeMax, PoolType::kPoolTypeAvg}) {
+    for (int32_t lookback : {1, 4, 32}) {
+      for (int64_t n : {1, 7, 50}) {
+        auto s = at::randn({2, 3, n});
+        auto sym = PoolScores(s, pool, 5);
+        auto got = PoolScores(s, pool, 5, lookback);
+        ASSERT_TRUE(sym.ok() && got.ok()) << sym.status() << got.status();
+        auto ya = sym->accessor<float, 3>();
+        for (int64_t b = 0; b < 2; ++b)
+          for (int64_t h = 0; h < 3; ++h)
+            for (int64_t j = 0; j < n; ++j) {
+              float m = -1e30f;
+              for (int64_t t = std::max<int64_t>(0, j - lookback); t <= j; ++t)
+                m = std::max(m, ya[b][h][t]);
+              EXPECT_FLOAT_EQ((*got)[b][h][j].item<float>(), m) << lookback << " " << n;
+            }
+      }
+    }
+  }
+  // A single spike spreads to the L entries after it, not before.
+  auto spike = at::zeros({1, 1, 10});
+  spike[0][0][3] = 1.0f;
+  auto one_sided = PoolScores(spike, PoolType::kPoolTypeNone, 1, 4);
+  ASSERT_TRUE(one_sided.ok());
+  EXPECT_TRUE(at::equal(one_sided->gt(0).nonzero().select(1, 2), at::arange(3, 8, at::kLong)));
+  EXPECT_EQ(PoolScores(spike, PoolType::kPoolTypeMax, 3, -1).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 TEST(SelectionTest, ProtectAndKeepCount) {
   auto s = at::arange(10, at::kFloat).view({1, 1, 10}).flip(-1).contiguous();  // 9 .. 0
   ASSERT_TRUE(ProtectScores(s, 3, 2).ok());

@@ -73,7 +73,7 @@ class DropKvScorer final : public Scorer {
   }
 
   SelectionRule Selection() const override {
-    return {params_.window, params_.pooling, params_.pooling_kernel};
+    return {params_.window, params_.pooling, params_.pooling_kernel, params_.pooling_lookback};
   }
 
  private:
