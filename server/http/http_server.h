@@ -4,8 +4,10 @@
 //
 // The handler runs on an I/O thread and answers through an Exchange, at once or later from any
 // thread (the engine thread streams tokens). While an answer is pending the connection keeps
-// reading, so a client that hangs up is noticed at once and the Exchange's gone-callback runs:
-// that is how a disconnect cancels a generation. Keep-alive, HEAD, chunked server-sent events,
+// reading, so a client that resets the connection is noticed at once and the Exchange's
+// gone-callback runs: that is how a disconnect cancels a generation. A FIN alone is a half-close
+// (the client may still read): the answer goes on, and a client that has closed for good is
+// noticed when a write fails (a stream: at its next piece but one). Keep-alive, HEAD, chunked server-sent events,
 // request size limits (413), the limits of ServerOptions (request deadline 408, write stall,
 // output queue, connection count 503) and TLS (same PEM files as gRPC) are handled here.
 #pragma once
@@ -79,7 +81,9 @@ struct ServerOptions {
   // Streamed bytes (Exchange::Write) of one answer queued in the server and not yet written; more
   // closes the connection as client-gone, so a client that never reads costs bounded memory.
   int64_t max_output_bytes_per_exchange = 8 << 20;
-  // Open connections; one more is answered 503 (plain HTTP; closed at once with TLS) and closed.
+  // Open connections. At the limit a new one takes the place of the connection idle longest (no
+  // request being answered: silent since its accept, still sending its request, or kept alive);
+  // when every one is answering, it is answered 503 (plain HTTP; closed at once with TLS).
   int64_t max_connections = 1024;
   ErrorFormatter error_formatter;  // null: text/plain
 };
