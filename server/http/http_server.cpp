@@ -9,6 +9,9 @@
 // time, the close linger) and the write timer (a pending write that makes no progress).
 #include "server/http/http_server.h"
 
+#include <linux/sockios.h>
+#include <sys/ioctl.h>
+
 #include <array>
 #include <deque>
 #include <mutex>
@@ -44,6 +47,7 @@ constexpr uint32_t kMaxHeaderBytes = 64 * 1024;
 // Bytes a client may send ahead (pipelined requests) while an answer is pending.
 constexpr size_t kMaxPipelinedBytes = 1 << 20;
 constexpr auto kCloseLinger = std::chrono::seconds(5);
+constexpr auto kBacklogPoll = std::chrono::milliseconds(50);
 
 // Lets an Exchange that outlives the server (held by a job on the engine thread) post safely: a
 // session must not be used, nor released, once the io_context is gone, so an Exchange reaches its
@@ -125,6 +129,21 @@ class ExchangeImpl final : public Exchange, public std::enable_shared_from_this<
     std::lock_guard<std::mutex> lock(mu_);
     if (!done_) held_.push_back(std::move(state));
   }
+  void OnBacklog(std::function<void(bool)> on_change) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!done_) on_backlog_ = std::move(on_change);
+  }
+
+  // Session side, on the strand.
+  void NotifyBacklog(bool backlogged) {
+    std::function<void(bool)> on_backlog;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (done_) return;
+      on_backlog = on_backlog_;
+    }
+    if (on_backlog) on_backlog(backlogged);
+  }
 
   // Session side, on the strand: `n` streamed bytes reached the socket.
   void OnStreamBytesWritten(size_t n) { unwritten_bytes_ -= static_cast<int64_t>(n); }
@@ -139,6 +158,7 @@ class ExchangeImpl final : public Exchange, public std::enable_shared_from_this<
       if (done_) return;
       done_ = true;
       on_gone.swap(on_gone_);
+      on_backlog_ = nullptr;
       held.swap(held_);
     }
     if (client_gone && on_gone) on_gone();
@@ -165,6 +185,7 @@ class ExchangeImpl final : public Exchange, public std::enable_shared_from_this<
   std::mutex mu_;
   bool done_ = false;
   std::function<void()> on_gone_;
+  std::function<void(bool)> on_backlog_;
   std::vector<std::shared_ptr<void>> held_;
 };
 
@@ -236,7 +257,8 @@ class Session final : public SessionBase {
       : stream_(std::move(stream)),
         server_(server),
         read_timer_(stream_.get_executor()),
-        write_timer_(stream_.get_executor()) {
+        write_timer_(stream_.get_executor()),
+        backlog_timer_(stream_.get_executor()) {
     ++server_.num_connections;
   }
   ~Session() override { --server_.num_connections; }
@@ -406,6 +428,7 @@ class Session final : public SessionBase {
       beast::error_code ec;
       const size_t used = parser_->put(buffer_.data(), ec);
       buffer_.consume(used);
+      if (used > 0) header_scanned_ = 0;
       if (ec == bhttp::error::need_more) {
         MaybeSendContinue();
         if (used == 0) break;
@@ -435,11 +458,16 @@ class Session final : public SessionBase {
   // Beast unfolds obs-fold lines; RFC 9112 (5.2) lets a server refuse them instead, and we do:
   // a front proxy that does not unfold would see other fields than we do. The parser takes the
   // header only once all of it is buffered, so the check runs on the whole header.
-  bool HasObsFold() const {
+  // The search for the header's end resumes where the last one stopped, so that a header dripped
+  // byte by byte costs linear time.
+  bool HasObsFold() {
     const std::string_view data(static_cast<const char*>(buffer_.data().data()),
                                 buffer_.data().size());
-    const size_t end = data.find("\r\n\r\n");
-    if (end == std::string_view::npos) return false;
+    const size_t end = data.find("\r\n\r\n", header_scanned_ >= 3 ? header_scanned_ - 3 : 0);
+    if (end == std::string_view::npos) {
+      header_scanned_ = data.size();
+      return false;
+    }
     const std::string_view header = data.substr(0, end + 2);
     return header.find("\n ") != std::string_view::npos ||
            header.find("\n\t") != std::string_view::npos;
@@ -590,6 +618,7 @@ class Session final : public SessionBase {
             [self = Self(), data, exchange = exchange_](beast::error_code ec, size_t) {
               if (exchange) exchange->OnStreamBytesWritten(data->size());
               self->OnWritten(ec, /*final=*/false);
+              self->CheckBacklog();
             });
         return;
       }
@@ -603,6 +632,30 @@ class Session final : public SessionBase {
         break;
     }
     writing_ = false;
+  }
+
+  // What the client has not taken of the stream in progress: queued here, and in the socket's send
+  // queue (sent but not acknowledged, or not sent: the client's receive window is full). Checked
+  // after each write and, while backlogged, by a timer (a paused stream writes nothing).
+  void CheckBacklog() {
+    const int64_t limit = server_.options.unread_stream_bytes;
+    if (closed_ || !exchange_ || limit <= 0) return;
+    int in_socket = 0;
+    if (::ioctl(LowestLayer(stream_).native_handle(), SIOCOUTQ, &in_socket) != 0) in_socket = 0;
+    const int64_t unread = in_socket + exchange_->unwritten_bytes();
+    if (!backlogged_ && unread > limit) {
+      backlogged_ = true;
+      exchange_->NotifyBacklog(true);
+    } else if (backlogged_ && unread <= limit / 2) {
+      backlogged_ = false;
+      exchange_->NotifyBacklog(false);
+    }
+    if (!backlogged_) return;
+    backlog_timer_.expires_after(kBacklogPoll);
+    backlog_timer_.async_wait([weak = weak_from_this()](beast::error_code ec) {
+      if (ec) return;
+      if (auto s = weak.lock()) static_cast<Session*>(s.get())->CheckBacklog();
+    });
   }
 
   // A complete response and its serializer, alive until its last partial write.
@@ -633,6 +686,8 @@ class Session final : public SessionBase {
       exchange_.reset();
       out_.clear();
       done->Finish(/*client_gone=*/false);
+      backlogged_ = false;
+      backlog_timer_.cancel();
       idle_since_ns = SteadyNowNs();
       idle = true;
       if (!keep_alive_) return CloseAfterWrites();
@@ -664,6 +719,7 @@ class Session final : public SessionBase {
     out_.clear();
     read_timer_.cancel();
     write_timer_.cancel();
+    backlog_timer_.cancel();
     beast::error_code ec;
     LowestLayer(stream_).shutdown(tcp::socket::shutdown_both, ec);
     LowestLayer(stream_).close(ec);
@@ -674,6 +730,8 @@ class Session final : public SessionBase {
   Server::Impl& server_;
   asio::steady_timer read_timer_;
   asio::steady_timer write_timer_;
+  asio::steady_timer backlog_timer_;  // while backlogged: is the client reading again?
+  bool backlogged_ = false;
   std::chrono::steady_clock::time_point last_write_progress_;
   bool write_timer_armed_ = false;
   std::array<char, kReadChunkBytes> read_chunk_;
@@ -688,6 +746,7 @@ class Session final : public SessionBase {
   bool sent_continue_ = false;
   bool request_started_ = false;    // the request deadline runs: a byte of it (or the accept) came
   bool request_has_bytes_ = false;  // a byte of the request came
+  size_t header_scanned_ = 0;       // buffered header bytes HasObsFold searched for the end already
   bool peer_done_sending_ = false;  // EOF while an answer was pending (a half-close)
   bool closing_ = false;
   bool closed_ = false;

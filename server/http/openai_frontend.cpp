@@ -123,6 +123,13 @@ class CompletionJob : public std::enable_shared_from_this<CompletionJob> {
       if (auto job = weak.lock()) job->CancelAll();
     });
     exchange_->Hold(shared_from_this());
+    // A client that stops reading pauses its choices: their decode slots go to waiting requests
+    // (the scheduler recomputes them once it reads again), not to filling its buffers.
+    if (request_.stream)
+      exchange_->OnBacklog([weak](bool backlogged) {
+        if (auto job = weak.lock())
+          for (Choice& c : job->choices_) c.channel->SetPaused(backlogged);
+      });
     if (request_.stream)
       exchange_->StartStream(200, "text/event-stream",
                              {{"Cache-Control", "no-cache"}, {"X-Accel-Buffering", "no"}});
@@ -421,6 +428,7 @@ absl::StatusOr<std::unique_ptr<HttpFrontend>> HttpFrontend::Start(HttpFrontendOp
   server_options.tls_client_ca_file = options.tls_client_ca_file;
   server_options.write_stall_timeout = options.write_stall_timeout;
   server_options.max_connections = options.max_connections;
+  server_options.unread_stream_bytes = options.unread_stream_bytes;
   // 413 and unparsable requests in OpenAI's error shape too.
   server_options.error_formatter = [](int status, std::string_view message) {
     ApiError error = openai::MakeError(status, std::string(message));

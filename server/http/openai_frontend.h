@@ -46,6 +46,7 @@ struct HttpFrontendOptions {
   // Connection bounds (http::ServerOptions has their meaning and defaults).
   std::chrono::milliseconds write_stall_timeout{30'000};
   int64_t max_connections = 1024;
+  int64_t unread_stream_bytes = 64 << 10;  // a stream left this unread pauses its choices
 };
 
 // "localhost", "*.localhost", 127.0.0.0/8 and ::1 (brackets and a port allowed: a Host value).
