@@ -9,7 +9,7 @@ library would tidy the bad input away, with the demo model (no token, loopback, 
   no or two Host, two Authorization, obs-fold (400), Content-Encoding gzip (415);
   a body nested 1,000,000 levels deep (400, no memory kept);
   a half-closed client gets its answer; max_tokens 4294967299 is named as sent;
-  and afterwards the server serves, with every KV block back.
+  and afterwards the server serves, with every KV block back; with a token, names are not checked.
 
 Exits non-zero on the first failure."""
 import argparse
@@ -235,6 +235,22 @@ def main():
     finally:
         code = server.stop()
     check(code == 0, f"exit code {code} after SIGTERM")
+
+    # With a bearer token, names are not checked (the token guards the API; proxies rename).
+    token_file = os.path.join(args.scratch, "token.txt")
+    with open(token_file, "w") as f:
+        f.write("probe-token\n")
+    server = Server(args.server, ["--demo-model", "--kv-memory", "64MiB",
+                                  "--auth-token-file", token_file], args.scratch, "probe_token")
+    try:
+        status, body = exchange(server.http_port, post(
+            server.http_port, "/v1/completions", ok_body, host="api.example.com",
+            headers=[("Content-Type", "application/json"), ("Origin", "https://app.example.com"),
+                     ("Authorization", "Bearer probe-token")]))
+        check(status == 200, f"with a token, Host api.example.com and a foreign Origin: {status}")
+    finally:
+        code = server.stop()
+    check(code == 0, f"token server exit code {code} after SIGTERM")
     print("PASS")
 
 

@@ -87,6 +87,12 @@ std::string ReadOneResponse(int fd) {
   }
 }
 
+bool WaitFor(const std::function<bool()>& done, milliseconds limit) {
+  const Clock::time_point deadline = Clock::now() + limit;
+  while (!done() && Clock::now() < deadline) std::this_thread::sleep_for(milliseconds(5));
+  return done();
+}
+
 http::Handler AnswerOk() {
   return [](const http::Request&, std::shared_ptr<http::Exchange> exchange) {
     exchange->Respond(200, "text/plain", "ok\n");
@@ -205,6 +211,52 @@ TEST(HttpServerLimitsTest, AClientThatStopsReadingIsGoneAfterTheWriteStallTimeou
   ::close(fd);
 }
 
+TEST(HttpServerLimitsTest, AStreamLeftUnreadIsReportedBackloggedUntilReadAgain) {
+  std::atomic<int> num_backlogged{0};
+  std::atomic<int> num_drained{0};
+  std::thread writer;
+  struct JoinAtExit {
+    std::thread& t;
+    ~JoinAtExit() {
+      if (t.joinable()) t.join();
+    }
+  } join_writer{writer};
+  auto server = http::Server::Start(
+      [] {
+        http::ServerOptions options;
+        options.unread_stream_bytes = 16 << 10;
+        return options;
+      }(),
+      [&](const http::Request&, std::shared_ptr<http::Exchange> exchange) {
+        exchange->OnBacklog(
+            [&](bool backlogged) { ++(backlogged ? num_backlogged : num_drained); });
+        exchange->StartStream(200, "text/plain");
+        // Like a paused generation: pieces until backlogged, then nothing until drained.
+        writer = std::thread([&, exchange] {
+          const std::string piece(1024, 'x');
+          for (int i = 0; i < 2000 && num_backlogged.load() == 0; ++i) {
+            exchange->Write(piece);
+            std::this_thread::sleep_for(milliseconds(1));
+          }
+          WaitFor([&] { return num_drained.load() > 0; }, milliseconds(3000));
+          exchange->End();
+        });
+      });
+  ASSERT_TRUE(server.ok()) << server.status();
+  const int fd = Connect((*server)->port(), milliseconds(5000), /*recv_buffer_bytes=*/4096);
+  ASSERT_GE(fd, 0);
+  ASSERT_TRUE(SendAll(fd, "GET /stream HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"));
+  // It reads nothing for now.
+  ASSERT_TRUE(WaitFor([&] { return num_backlogged.load() == 1; }, milliseconds(3000)));
+  std::this_thread::sleep_for(milliseconds(200));
+  EXPECT_EQ(num_drained.load(), 0);
+  const Received r = ReadUntilClosed(fd);  // reading drains the backlog: the writer ends
+  EXPECT_THAT(r.bytes, ::testing::EndsWith("0\r\n\r\n"));
+  EXPECT_EQ(num_backlogged.load(), 1);
+  EXPECT_EQ(num_drained.load(), 1);
+  ::close(fd);
+}
+
 TEST(HttpServerLimitsTest, OutputQueuedForAClientThatNeverReadsIsBounded) {
   constexpr int64_t kMaxOfferedBytes = 64 << 20;
   StreamingHandler streaming(kMaxOfferedBytes);
@@ -246,12 +298,6 @@ class HoldingHandler {
   std::mutex mu_;
   std::vector<std::shared_ptr<http::Exchange>> held_;
 };
-
-bool WaitFor(const std::function<bool()>& done, milliseconds limit) {
-  const Clock::time_point deadline = Clock::now() + limit;
-  while (!done() && Clock::now() < deadline) std::this_thread::sleep_for(milliseconds(5));
-  return done();
-}
 
 constexpr std::string_view kGet = "GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n";
 constexpr std::string_view kGetHold = "GET /hold HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n";
