@@ -475,8 +475,7 @@ class Session final : public SessionBase {
 
   // RFC 9112 (3.2): an HTTP/1.1 request has exactly one Host. Fields that say who asks or what
   // the body is must not come twice (a proxy could read the other one). No content coding is
-  // decoded here, so a coded body is refused rather than read as it is. "" when the request is
-  // fine.
+  // decoded here, so a coded body is refused rather than read as it is. Status 0: none of these.
   std::pair<int, std::string> HeaderError(const bhttp::request<bhttp::string_body>& message) const {
     const auto count = [&](bhttp::field f) {
       const auto range = message.equal_range(f);
