@@ -328,7 +328,8 @@ std::vector<Setting> MakeSettings() {
   v.push_back(IntSetting<int32_t>(
       "max_open_calls",
       "generation calls open at once (gRPC calls + HTTP connections each); beyond: "
-      "RESOURCE_EXHAUSTED / 503",
+      "RESOURCE_EXHAUSTED / a new HTTP connection replaces the one idle longest, 503 when all "
+      "are answering",
       [](C& c) -> int32_t& { return c.max_open_calls; }, 1, 1 << 20));
   v.push_back(IntSetting<int32_t>(
       "max_concurrent_streams", "gRPC streams one HTTP/2 connection may open at once",
@@ -338,6 +339,13 @@ std::vector<Setting> MakeSettings() {
       "a client that reads nothing of an answer for this long is cut off and its request "
       "cancelled (both APIs)",
       [](C& c) -> double& { return c.write_stall_seconds; }, 0.1, 3600.0));
+  v.push_back(IntSetting<int64_t>(
+      "http_unread_stream_bytes",
+      "an HTTP stream whose client leaves this much unread (bytes, e.g. 64KiB; queued in the "
+      "server "
+      "and the socket) is paused: its sequences give their decode slots to waiting requests and "
+      "are recomputed once it reads again; 0 = never",
+      [](C& c) -> int64_t& { return c.http_unread_stream_bytes; }, 0, 1LL << 30, Kind::kBytes));
   // scheduler and KV cache
   v.push_back(IntSetting<int32_t>(
       "max_batch", "most sequences in one decode step",

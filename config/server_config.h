@@ -57,6 +57,9 @@ struct ServerConfig {
   int32_t max_open_calls = 4096;          // gRPC generation calls; also HTTP connections
   int32_t max_concurrent_streams = 1024;  // per gRPC (HTTP/2) connection
   double write_stall_seconds = 30.0;      // an answer nobody reads this long is cancelled
+  // An HTTP stream whose client leaves this many bytes unread is paused: its sequences give their
+  // decode slots to waiting requests until it reads again. 0 = never.
+  int64_t http_unread_stream_bytes = 64 * 1024;
 
   // --- scheduler and KV cache ---
   int32_t max_batch = 32;   // most sequences in one decode step

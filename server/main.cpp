@@ -168,6 +168,8 @@ int main(int argc, char** argv) {
     http_options.tls_client_ca_file = config.tls_client_ca_file;
     http_options.write_stall_timeout = StallTimeout(config);
     http_options.max_connections = config.max_open_calls;
+    http_options.auth_token_set = !auth_token.empty();
+    http_options.unread_stream_bytes = config.http_unread_stream_bytes;
     if (config.metrics_auth) http_options.metrics_bearer_token = auth_token;
     http_options.render_metrics = [&metrics_for_http] {
       ServerMetrics* m = metrics_for_http.load();

@@ -3,6 +3,7 @@
 // No tensors and no gRPC here: gRPC threads include this, the engine thread fills it.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -116,6 +117,10 @@ class RequestChannel {
     std::lock_guard<std::mutex> lock(queue_mu_);
     return cancelled_;
   }
+  // The consumer takes none of the output for now (an HTTP client that stopped reading): the
+  // scheduler may give the sequence's slot to a waiting request and recompute it once resumed.
+  void SetPaused(bool paused) { paused_ = paused; }
+  bool paused() const { return paused_.load(); }
   bool finished() const {
     std::lock_guard<std::mutex> lock(queue_mu_);
     return finished_;
@@ -127,6 +132,7 @@ class RequestChannel {
   std::deque<GenerationEvent> events_;
   bool cancelled_ = false;
   bool finished_ = false;
+  std::atomic<bool> paused_{false};
   std::mutex notify_mu_;
   std::function<void()> notify_;
 };

@@ -100,6 +100,9 @@ struct Scheduler::Impl {
   bool cancel_all = false;
 
   std::vector<std::unique_ptr<Sequence>> running;  // in admission order
+  // Preempted for a waiting request while their client read none of their output (channel
+  // paused); they wait again once it reads. Engine thread only.
+  std::deque<std::unique_ptr<Sequence>> held;
   int64_t next_seq_id = 1;
   int64_t next_admission_idx = 0;
 
@@ -366,17 +369,37 @@ struct Scheduler::Impl {
     });
   }
 
+  // The running sequence of lowest priority, the newest among them, of those `eligible` accepts.
+  template <class Eligible>
+  std::vector<std::unique_ptr<Sequence>>::iterator LastInOrder(Eligible eligible) {
+    auto last = running.end();
+    for (auto it = running.begin(); it != running.end(); ++it) {
+      if (!eligible(**it)) continue;
+      if (last == running.end() || (*it)->request.priority < (*last)->request.priority ||
+          ((*it)->request.priority == (*last)->request.priority &&
+           (*it)->admission_idx > (*last)->admission_idx))
+        last = it;
+    }
+    return last;
+  }
+
   // Releases the running sequence of lowest priority, the newest among them, and puts it back at
   // the head of its priority in the waiting queue (it was admitted before those).
   void PreemptLastInOrder(StepReport& report) {
-    auto newest =
-        std::max_element(running.begin(), running.end(), [](const auto& a, const auto& b) {
-          if (a->request.priority != b->request.priority)
-            return a->request.priority > b->request.priority;
-          return a->admission_idx < b->admission_idx;
-        });
-    std::unique_ptr<Sequence> seq = std::move(*newest);
-    running.erase(newest);
+    std::unique_ptr<Sequence> seq =
+        Unadmit(LastInOrder([](const Sequence&) { return true; }), report);
+    std::lock_guard<std::mutex> lock(mu);
+    num_waiting_prompt_tokens += static_cast<int64_t>(seq->request.prompt_ids.size());
+    const int32_t priority = seq->request.priority;
+    waiting.insert(WaitingSlot(priority, /*ahead_of_equals=*/true), std::move(seq));
+  }
+
+  // Takes a running sequence out for a recompute later: its blocks return (its prompt stays
+  // cached unless evicted), its generated tokens stay to be replayed.
+  std::unique_ptr<Sequence> Unadmit(std::vector<std::unique_ptr<Sequence>>::iterator it,
+                                    StepReport& report) {
+    std::unique_ptr<Sequence> seq = std::move(*it);
+    running.erase(it);
     ReleaseSequence(*seq);  // its prompt stays cached for the recompute, unless evicted
     seq->seq_id = -1;
     seq->num_prefilled = 0;
@@ -387,10 +410,41 @@ struct Scheduler::Impl {
     ++seq->summary.num_preemptions;
     ++report.num_preempted;
     std::lock_guard<std::mutex> lock(mu);
-    num_waiting_prompt_tokens += static_cast<int64_t>(seq->request.prompt_ids.size());
     ++stats.num_preemptions;
-    const int32_t priority = seq->request.priority;
-    waiting.insert(WaitingSlot(priority, /*ahead_of_equals=*/true), std::move(seq));
+    return seq;
+  }
+
+  // A sequence whose client reads none of its output gives its slot to a waiting request (the
+  // slot would only fill buffers); one whose client reads again, or left, waits anew in its place.
+  void HoldUnread(StepReport& report) {
+    size_t num_waiting = 0;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      for (auto it = held.begin(); it != held.end();) {
+        if ((*it)->channel->paused() && !(*it)->channel->cancelled()) {
+          ++it;
+          continue;
+        }
+        num_waiting_prompt_tokens += static_cast<int64_t>((*it)->request.prompt_ids.size());
+        const int32_t priority = (*it)->request.priority;
+        waiting.insert(WaitingSlot(priority, /*ahead_of_equals=*/true), std::move(*it));
+        it = held.erase(it);
+      }
+      for (const auto& seq : waiting) num_waiting += seq->channel->paused() ? 0 : 1;
+    }
+    for (; num_waiting > 0 && static_cast<int32_t>(running.size()) >= options.max_batch;
+         --num_waiting) {
+      auto unread = LastInOrder([](const Sequence& seq) { return seq.channel->paused(); });
+      if (unread == running.end()) break;
+      held.push_back(Unadmit(unread, report));
+    }
+  }
+
+  // Held sequences whose client reads again or left: the engine has work.
+  bool HeldReady() const {
+    return std::any_of(held.begin(), held.end(), [](const auto& seq) {
+      return !seq->channel->paused() || seq->channel->cancelled();
+    });
   }
 
   // --- the step ------------------------------------------------------------------------------
@@ -429,6 +483,14 @@ struct Scheduler::Impl {
         ++it;
       }
     }
+    for (auto it = held.begin(); it != held.end();) {  // they hold no blocks
+      if (expired(**it)) {
+        gone.push_back(std::move(*it));
+        it = held.erase(it);
+      } else {
+        ++it;
+      }
+    }
     if (cancel_everyone) {
       while (ReleaseOldestParked(parked.end())) {
       }
@@ -445,6 +507,7 @@ struct Scheduler::Impl {
   }
 
   void Admit(StepReport& report) {
+    HoldUnread(report);
     const KvBlockCounts counts = kv_counts();
     // Blocks promised to admitted sequences whose prefill has not allocated them yet.
     int64_t num_promised = 0;
@@ -816,7 +879,7 @@ struct Scheduler::Impl {
     RunStep(report);
     const KvBlockCounts counts = kv_counts();
     std::lock_guard<std::mutex> lock(mu);
-    stats.num_waiting = static_cast<int32_t>(waiting.size());
+    stats.num_waiting = static_cast<int32_t>(waiting.size() + held.size());
     stats.num_running = static_cast<int32_t>(running.size());
     stats.num_waiting_prompt_tokens = num_waiting_prompt_tokens;
     stats.kv_blocks_total = counts.num_total;
@@ -851,14 +914,14 @@ struct Scheduler::Impl {
       {
         std::unique_lock<std::mutex> lock(mu);
         work_cv.wait_for(lock, std::chrono::milliseconds(50), [&] {
-          return stop.load() || !waiting.empty() || !running.empty() || cancel_all;
+          return stop.load() || !waiting.empty() || !running.empty() || cancel_all || HeldReady();
         });
       }
       if (stop.load()) break;
       bool has_work;
       {
         std::lock_guard<std::mutex> lock(mu);
-        has_work = !waiting.empty() || !running.empty() || cancel_all;
+        has_work = !waiting.empty() || !running.empty() || cancel_all || HeldReady();
       }
       if (!has_work) continue;
       const StepReport report = Step();
@@ -923,7 +986,7 @@ StepReport Scheduler::Step() {
 
 bool Scheduler::HasWork() const {
   std::lock_guard<std::mutex> lock(impl_->mu);
-  return !impl_->waiting.empty() || !impl_->running.empty();
+  return !impl_->waiting.empty() || !impl_->running.empty() || impl_->HeldReady();
 }
 
 void Scheduler::Start() {

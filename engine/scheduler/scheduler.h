@@ -3,7 +3,10 @@
 //
 // One Step():
 //   1. reap      - cancelled or past-deadline sequences leave (waiting or running); blocks return.
-//   2. admit     - in queue order (higher `priority` first, FCFS within a priority) while the
+//   2. admit     - a running sequence whose client reads none of its output (channel paused)
+//                  first gives its batch slot to a waiting request: held, without blocks, until
+//                  its client reads again, then queued and recomputed like a preempted one. Then
+//                  in queue order (higher `priority` first, FCFS within a priority) while the
 //                  pool has room for the head's peak:
 //                  its compression plan (engine/compression/plan.h: chunks, kept tokens per
 //                  layer) + decode reserve, and the batch has a slot.
@@ -84,7 +87,7 @@ struct KvBlockCounts {
 using KvBlockCountsFn = std::function<KvBlockCounts()>;
 
 struct SchedulerStats {
-  int32_t num_waiting = 0;
+  int32_t num_waiting = 0;  // queued, and held while their client reads none of their output
   int32_t num_running = 0;
   int64_t num_waiting_prompt_tokens = 0;
   int64_t kv_blocks_total = 0;
@@ -148,7 +151,7 @@ class Scheduler {
 
   // Engine thread only (or the test thread when no engine thread is started).
   StepReport Step();
-  bool HasWork() const;
+  bool HasWork() const;  // a sequence held for its client (paused channel) is no work until resumed
 
   // Runs Step() on an own engine thread until Stop(). The runner must not be used elsewhere then.
   void Start();

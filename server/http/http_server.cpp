@@ -9,6 +9,9 @@
 // time, the close linger) and the write timer (a pending write that makes no progress).
 #include "server/http/http_server.h"
 
+#include <linux/sockios.h>
+#include <sys/ioctl.h>
+
 #include <array>
 #include <deque>
 #include <mutex>
@@ -44,6 +47,7 @@ constexpr uint32_t kMaxHeaderBytes = 64 * 1024;
 // Bytes a client may send ahead (pipelined requests) while an answer is pending.
 constexpr size_t kMaxPipelinedBytes = 1 << 20;
 constexpr auto kCloseLinger = std::chrono::seconds(5);
+constexpr auto kBacklogPoll = std::chrono::milliseconds(50);
 
 // Lets an Exchange that outlives the server (held by a job on the engine thread) post safely: a
 // session must not be used, nor released, once the io_context is gone, so an Exchange reaches its
@@ -71,8 +75,22 @@ class SessionBase : public std::enable_shared_from_this<SessionBase> {
   virtual ~SessionBase() = default;
   virtual void Enqueue(const std::shared_ptr<ExchangeImpl>& exchange, Out out) = 0;
   virtual void CloseNow() = 0;
+  // Closes the connection unless a request is being answered by the time the strand runs this.
+  virtual void EvictIfIdle() = 0;
   virtual asio::any_io_executor executor() = 0;  // the connection's strand
+
+  // Written on the strand, read by the accept chain to pick a connection to evict: true while no
+  // request is being answered (before the first, between keep-alive requests, while one arrives).
+  std::atomic<bool> idle{true};
+  std::atomic<int64_t> idle_since_ns{0};  // steady clock
+  std::atomic<bool> evicted{false};
 };
+
+int64_t SteadyNowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
 
 class ExchangeImpl final : public Exchange, public std::enable_shared_from_this<ExchangeImpl> {
  public:
@@ -111,6 +129,21 @@ class ExchangeImpl final : public Exchange, public std::enable_shared_from_this<
     std::lock_guard<std::mutex> lock(mu_);
     if (!done_) held_.push_back(std::move(state));
   }
+  void OnBacklog(std::function<void(bool)> on_change) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!done_) on_backlog_ = std::move(on_change);
+  }
+
+  // Session side, on the strand.
+  void NotifyBacklog(bool backlogged) {
+    std::function<void(bool)> on_backlog;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (done_) return;
+      on_backlog = on_backlog_;
+    }
+    if (on_backlog) on_backlog(backlogged);
+  }
 
   // Session side, on the strand: `n` streamed bytes reached the socket.
   void OnStreamBytesWritten(size_t n) { unwritten_bytes_ -= static_cast<int64_t>(n); }
@@ -125,6 +158,7 @@ class ExchangeImpl final : public Exchange, public std::enable_shared_from_this<
       if (done_) return;
       done_ = true;
       on_gone.swap(on_gone_);
+      on_backlog_ = nullptr;
       held.swap(held_);
     }
     if (client_gone && on_gone) on_gone();
@@ -151,6 +185,7 @@ class ExchangeImpl final : public Exchange, public std::enable_shared_from_this<
   std::mutex mu_;
   bool done_ = false;
   std::function<void()> on_gone_;
+  std::function<void(bool)> on_backlog_;
   std::vector<std::shared_ptr<void>> held_;
 };
 
@@ -184,11 +219,13 @@ struct Server::Impl {
   std::set<std::weak_ptr<SessionBase>, std::owner_less<std::weak_ptr<SessionBase>>> sessions;
   std::atomic<int64_t> num_connections{0};
   bool refusing_connections = false;  // at max_connections; only the accept chain touches it
+  bool evicting_connections = false;  // likewise
   std::once_flag stop_once;
 
   explicit Impl(int num_threads)
       : ioc(std::make_unique<asio::io_context>(std::max(1, num_threads))) {}
   void Accept();
+  bool EvictIdle();
   void Refuse(tcp::socket socket);
   void Register(const std::shared_ptr<SessionBase>& s) {
     std::lock_guard<std::mutex> lock(sessions_mu);
@@ -220,12 +257,14 @@ class Session final : public SessionBase {
       : stream_(std::move(stream)),
         server_(server),
         read_timer_(stream_.get_executor()),
-        write_timer_(stream_.get_executor()) {
+        write_timer_(stream_.get_executor()),
+        backlog_timer_(stream_.get_executor()) {
     ++server_.num_connections;
   }
   ~Session() override { --server_.num_connections; }
 
   void Start() {
+    idle_since_ns = SteadyNowNs();
     server_.Register(shared_from_this());
     // The first request's deadline runs from the accept: a client that connects and stays silent
     // (or stalls the TLS handshake) holds its connection no longer than one that drips.
@@ -257,6 +296,15 @@ class Session final : public SessionBase {
 
   void CloseNow() override {
     asio::post(stream_.get_executor(), [self = Self()] { self->Close(true); });
+  }
+  void EvictIfIdle() override {
+    asio::post(stream_.get_executor(), [self = Self()] {
+      if (self->exchange_) {  // a request came in the meantime: it stays
+        self->evicted = false;
+        return;
+      }
+      self->Close(false);
+    });
   }
   asio::any_io_executor executor() override { return stream_.get_executor(); }
 
@@ -342,6 +390,18 @@ class Session final : public SessionBase {
 
   void OnRead(beast::error_code ec, size_t n) {
     if (closed_) return;
+    // EOF with an answer pending is a half-close (shutdown(SHUT_WR) after the request): the
+    // client still reads, so it gets the answer, and the connection closes after it. A client
+    // that has really gone is noticed when a write fails (a stream: at its next piece).
+    if (ec == asio::error::eof && exchange_ && !closing_) {
+      peer_done_sending_ = true;
+      // Holds the session while no read is pending; completes on a reset (EPOLLERR/EPOLLHUP).
+      LowestLayer(stream_).async_wait(tcp::socket::wait_error,
+                                      [self = Self()](beast::error_code e) {
+                                        if (!e) self->Close(/*client_gone=*/true);
+                                      });
+      return;
+    }
     if (ec) return Close(/*client_gone=*/true);
     if (closing_) return ReadSome();  // draining what the client still sends before our FIN
     buffer_.commit(asio::buffer_copy(buffer_.prepare(n), asio::buffer(read_chunk_.data(), n)));
@@ -360,9 +420,15 @@ class Session final : public SessionBase {
         ArmReadTimer(server_.options.request_timeout);
       }
       request_has_bytes_ = true;
+      if (!parser_->is_header_done() && HasObsFold())
+        return ReplyAndClose(
+            400,
+            "malformed HTTP request: a header line continues on the next line "
+            "(obs-fold, starting with a space or tab); send each field on one line");
       beast::error_code ec;
       const size_t used = parser_->put(buffer_.data(), ec);
       buffer_.consume(used);
+      if (used > 0) header_scanned_ = 0;
       if (ec == bhttp::error::need_more) {
         MaybeSendContinue();
         if (used == 0) break;
@@ -389,6 +455,49 @@ class Session final : public SessionBase {
       ArmReadTimer(server_.options.idle_timeout);
   }
 
+  // Beast unfolds obs-fold lines; RFC 9112 (5.2) lets a server refuse them instead, and we do:
+  // a front proxy that does not unfold would see other fields than we do. The parser takes the
+  // header only once all of it is buffered, so the check runs on the whole header.
+  // The search for the header's end resumes where the last one stopped, so that a header dripped
+  // byte by byte costs linear time.
+  bool HasObsFold() {
+    const std::string_view data(static_cast<const char*>(buffer_.data().data()),
+                                buffer_.data().size());
+    const size_t end = data.find("\r\n\r\n", header_scanned_ >= 3 ? header_scanned_ - 3 : 0);
+    if (end == std::string_view::npos) {
+      header_scanned_ = data.size();
+      return false;
+    }
+    const std::string_view header = data.substr(0, end + 2);
+    return header.find("\n ") != std::string_view::npos ||
+           header.find("\n\t") != std::string_view::npos;
+  }
+
+  // RFC 9112 (3.2): an HTTP/1.1 request has exactly one Host. Fields that say who asks or what
+  // the body is must not come twice (a proxy could read the other one). No content coding is
+  // decoded here, so a coded body is refused rather than read as it is. Status 0: none of these.
+  std::pair<int, std::string> HeaderError(const bhttp::request<bhttp::string_body>& message) const {
+    const auto count = [&](bhttp::field f) {
+      const auto range = message.equal_range(f);
+      return std::distance(range.first, range.second);
+    };
+    const auto num_hosts = count(bhttp::field::host);
+    if (num_hosts > 1 || (num_hosts == 0 && message.version() >= 11))
+      return {400, num_hosts == 0 ? "an HTTP/1.1 request needs a Host header"
+                                  : "more than one Host header"};
+    if (count(bhttp::field::authorization) > 1) return {400, "more than one Authorization header"};
+    if (count(bhttp::field::content_type) > 1) return {400, "more than one Content-Type header"};
+    const auto codings = message.equal_range(bhttp::field::content_encoding);
+    for (auto it = codings.first; it != codings.second; ++it) {
+      const std::string coding = absl::AsciiStrToLower(
+          absl::StripAsciiWhitespace(absl::string_view(it->value().data(), it->value().size())));
+      if (coding != "identity")
+        return {415, absl::StrCat("Content-Encoding '", coding,
+                                  "' is not supported: send the body unencoded")};
+    }
+    return {0, ""};
+  }
+
   // curl sends "Expect: 100-continue" before bodies over 1 KiB and waits for this line.
   void MaybeSendContinue() {
     if (sent_continue_ || !parser_->is_header_done() || parser_->is_done()) return;
@@ -405,6 +514,10 @@ class Session final : public SessionBase {
     read_timer_.cancel();
     request_started_ = false;
     request_has_bytes_ = false;
+    version_ = message.version();
+    if (auto [status, error] = HeaderError(message); status != 0)
+      return ReplyAndClose(status, error);
+    idle = false;
     Request request;
     request.method = Str(message.method_string());
     const std::string target = Str(message.target());
@@ -417,7 +530,6 @@ class Session final : public SessionBase {
     request.body = std::move(message.body());
     keep_alive_ = message.keep_alive();
     head_request_ = message.method() == bhttp::verb::head;
-    version_ = message.version();
     exchange_ = NewExchange();
     try {
       server_.handler(request, exchange_);
@@ -505,6 +617,7 @@ class Session final : public SessionBase {
             [self = Self(), data, exchange = exchange_](beast::error_code ec, size_t) {
               if (exchange) exchange->OnStreamBytesWritten(data->size());
               self->OnWritten(ec, /*final=*/false);
+              self->CheckBacklog();
             });
         return;
       }
@@ -518,6 +631,30 @@ class Session final : public SessionBase {
         break;
     }
     writing_ = false;
+  }
+
+  // What the client has not taken of the stream in progress: queued here, and in the socket's send
+  // queue (sent but not acknowledged, or not sent: the client's receive window is full). Checked
+  // after each write and, while backlogged, by a timer (a paused stream writes nothing).
+  void CheckBacklog() {
+    const int64_t limit = server_.options.unread_stream_bytes;
+    if (closed_ || !exchange_ || limit <= 0) return;
+    int in_socket = 0;
+    if (::ioctl(LowestLayer(stream_).native_handle(), SIOCOUTQ, &in_socket) != 0) in_socket = 0;
+    const int64_t unread = in_socket + exchange_->unwritten_bytes();
+    if (!backlogged_ && unread > limit) {
+      backlogged_ = true;
+      exchange_->NotifyBacklog(true);
+    } else if (backlogged_ && unread <= limit / 2) {
+      backlogged_ = false;
+      exchange_->NotifyBacklog(false);
+    }
+    if (!backlogged_) return;
+    backlog_timer_.expires_after(kBacklogPoll);
+    backlog_timer_.async_wait([weak = weak_from_this()](beast::error_code ec) {
+      if (ec) return;
+      if (auto s = weak.lock()) static_cast<Session*>(s.get())->CheckBacklog();
+    });
   }
 
   // A complete response and its serializer, alive until its last partial write.
@@ -548,8 +685,13 @@ class Session final : public SessionBase {
       exchange_.reset();
       out_.clear();
       done->Finish(/*client_gone=*/false);
+      backlogged_ = false;
+      backlog_timer_.cancel();
+      idle_since_ns = SteadyNowNs();
+      idle = true;
       if (!keep_alive_) return CloseAfterWrites();
       ParseBuffered();  // a pipelined request may be waiting
+      if (peer_done_sending_ && !exchange_) return CloseAfterWrites();
     }
     WriteNext();
   }
@@ -557,6 +699,7 @@ class Session final : public SessionBase {
   // Connection: close. Send FIN, keep reading until the client closes (closing at once with
   // unread input would reset the connection and could lose the answer's tail), for a while.
   void CloseAfterWrites() {
+    if (peer_done_sending_) return Close(false);  // its FIN came: nothing left to drain
     closing_ = true;
     beast::error_code ec;
     LowestLayer(stream_).shutdown(tcp::socket::shutdown_send, ec);
@@ -575,6 +718,7 @@ class Session final : public SessionBase {
     out_.clear();
     read_timer_.cancel();
     write_timer_.cancel();
+    backlog_timer_.cancel();
     beast::error_code ec;
     LowestLayer(stream_).shutdown(tcp::socket::shutdown_both, ec);
     LowestLayer(stream_).close(ec);
@@ -585,6 +729,8 @@ class Session final : public SessionBase {
   Server::Impl& server_;
   asio::steady_timer read_timer_;
   asio::steady_timer write_timer_;
+  asio::steady_timer backlog_timer_;  // while backlogged: is the client reading again?
+  bool backlogged_ = false;
   std::chrono::steady_clock::time_point last_write_progress_;
   bool write_timer_armed_ = false;
   std::array<char, kReadChunkBytes> read_chunk_;
@@ -599,6 +745,8 @@ class Session final : public SessionBase {
   bool sent_continue_ = false;
   bool request_started_ = false;    // the request deadline runs: a byte of it (or the accept) came
   bool request_has_bytes_ = false;  // a byte of the request came
+  size_t header_scanned_ = 0;       // buffered header bytes HasObsFold searched for the end already
+  bool peer_done_sending_ = false;  // EOF while an answer was pending (a half-close)
   bool closing_ = false;
   bool closed_ = false;
   unsigned version_ = 11;
@@ -620,11 +768,12 @@ void Server::Impl::Accept() {
       });
       return;
     }
-    if (num_connections.load() >= options.max_connections) {
+    if (num_connections.load() >= options.max_connections && !EvictIdle()) {
       Refuse(std::move(socket));
       return Accept();
     }
     refusing_connections = false;
+    if (num_connections.load() < options.max_connections) evicting_connections = false;
     beast::error_code opt_ec;
     socket.set_option(tcp::no_delay(true), opt_ec);  // SSE deltas are small: no Nagle delay
     if (ssl) {
@@ -636,6 +785,29 @@ void Server::Impl::Accept() {
     }
     Accept();
   });
+}
+
+// At max_connections the connection idle longest (no request being answered: silent since its
+// accept, sending a request slowly, or kept alive between requests) is closed to make room, as
+// nginx reuses such connections; false when every connection is answering a request.
+bool Server::Impl::EvictIdle() {
+  std::shared_ptr<SessionBase> oldest;
+  {
+    std::lock_guard<std::mutex> lock(sessions_mu);
+    for (const auto& weak : sessions) {
+      std::shared_ptr<SessionBase> s = weak.lock();
+      if (!s || !s->idle.load() || s->evicted.load()) continue;
+      if (!oldest || s->idle_since_ns.load() < oldest->idle_since_ns.load()) oldest = std::move(s);
+    }
+  }
+  if (!oldest || oldest->evicted.exchange(true)) return false;
+  if (!evicting_connections)
+    spdlog::warn(
+        "http: {} connections open (max_connections): closing the longest idle ones to make room",
+        num_connections.load());
+  evicting_connections = true;
+  oldest->EvictIfIdle();
+  return true;
 }
 
 // Without a session, so that a refused connection is never counted: one non-blocking write (a new

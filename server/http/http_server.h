@@ -4,10 +4,13 @@
 //
 // The handler runs on an I/O thread and answers through an Exchange, at once or later from any
 // thread (the engine thread streams tokens). While an answer is pending the connection keeps
-// reading, so a client that hangs up is noticed at once and the Exchange's gone-callback runs:
-// that is how a disconnect cancels a generation. Keep-alive, HEAD, chunked server-sent events,
-// request size limits (413), the limits of ServerOptions (request deadline 408, write stall,
-// output queue, connection count 503) and TLS (same PEM files as gRPC) are handled here.
+// reading, so a client that resets the connection is noticed at once and the Exchange's
+// gone-callback runs: that is how a disconnect cancels a generation. A FIN alone is a half-close
+// (the client may still read): the answer goes on, and a client that has closed for good is
+// noticed when a write fails (a stream: at its next piece but one). Keep-alive, HEAD, chunked
+// server-sent events, request size limits (413), the limits of ServerOptions (request deadline 408,
+// write stall, output queue, connection count 503) and TLS (same PEM files as gRPC) are handled
+// here.
 #pragma once
 
 #include <atomic>
@@ -51,6 +54,10 @@ class Exchange {
   // Runs once, on an I/O thread, if the client disconnects (or a write fails) before the answer
   // is complete. Set it in the handler, before answering.
   virtual void OnClientGone(std::function<void()> on_gone) = 0;
+  // Runs on an I/O thread when the part of a streamed answer the client has not taken (queued here
+  // and in the socket's send queue) passes ServerOptions::unread_stream_bytes (true), and when
+  // the client has read it down to half of that (false). Set it in the handler, before answering.
+  virtual void OnBacklog(std::function<void(bool backlogged)> on_change) = 0;
   // Keeps `state` alive until the answer is complete or the client is gone (then released).
   virtual void Hold(std::shared_ptr<void> state) = 0;
 };
@@ -79,7 +86,12 @@ struct ServerOptions {
   // Streamed bytes (Exchange::Write) of one answer queued in the server and not yet written; more
   // closes the connection as client-gone, so a client that never reads costs bounded memory.
   int64_t max_output_bytes_per_exchange = 8 << 20;
-  // Open connections; one more is answered 503 (plain HTTP; closed at once with TLS) and closed.
+  // A stream whose client leaves more than this unread (above) is reported backlogged, so that
+  // the handler can pause what produces it; 0 = never.
+  int64_t unread_stream_bytes = 64 << 10;
+  // Open connections. At the limit a new one takes the place of the connection idle longest (no
+  // request being answered: silent since its accept, still sending its request, or kept alive);
+  // when every one is answering, it is answered 503 (plain HTTP; closed at once with TLS).
   int64_t max_connections = 1024;
   ErrorFormatter error_formatter;  // null: text/plain
 };

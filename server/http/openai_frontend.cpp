@@ -1,11 +1,18 @@
 #include "server/http/openai_frontend.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+
+#include <algorithm>
 #include <chrono>
 #include <mutex>
+#include <optional>
 #include <random>
 
 #include <spdlog/spdlog.h>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "dropkv/v1/inference.pb.h"
 #include "engine/scheduler/scheduler.h"
@@ -27,10 +34,30 @@ constexpr const char* kJson = "application/json";
 
 enum class ServingState { kLoading, kServing, kDraining };
 
+// Debian's abseil has its own string_view type (not an alias of std's): convert at the API edge.
+absl::string_view A(std::string_view s) {
+  return absl::string_view(s.data(), s.size());
+}
+
 void RespondError(http::Exchange& exchange, const ApiError& error) {
   http::Headers headers;
   if (error.http_status == 401) headers.emplace_back("WWW-Authenticate", "Bearer");
   exchange.Respond(error.http_status, kJson, openai::ErrorJson(error), std::move(headers));
+}
+
+// The host of an Origin ("http://localhost:3000" -> "localhost:3000"); "" when it has none
+// ("null", from a sandboxed page or a file).
+std::string_view OriginHost(std::string_view origin) {
+  const size_t scheme_end = origin.find("://");
+  if (scheme_end == std::string_view::npos) return {};
+  const std::string_view rest = origin.substr(scheme_end + 3);
+  return rest.substr(0, rest.find('/'));
+}
+
+// The request's Content-Type is JSON (parameters such as charset aside).
+bool IsJsonContentType(std::string_view content_type) {
+  const std::string_view media = content_type.substr(0, content_type.find(';'));
+  return absl::EqualsIgnoreCase(absl::StripAsciiWhitespace(A(media)), "application/json");
 }
 
 absl::StatusCode CodeOfHttpStatus(int status) {
@@ -96,6 +123,13 @@ class CompletionJob : public std::enable_shared_from_this<CompletionJob> {
       if (auto job = weak.lock()) job->CancelAll();
     });
     exchange_->Hold(shared_from_this());
+    // A client that stops reading pauses its choices: their decode slots go to waiting requests
+    // (the scheduler recomputes them once it reads again), not to filling its buffers.
+    if (request_.stream)
+      exchange_->OnBacklog([weak](bool backlogged) {
+        if (auto job = weak.lock())
+          for (Choice& c : job->choices_) c.channel->SetPaused(backlogged);
+      });
     if (request_.stream)
       exchange_->StartStream(200, "text/event-stream",
                              {{"Cache-Control", "no-cache"}, {"X-Accel-Buffering", "no"}});
@@ -224,6 +258,24 @@ class CompletionJob : public std::enable_shared_from_this<CompletionJob> {
 
 }  // namespace
 
+bool IsLoopbackHost(std::string_view host) {
+  std::string name;
+  if (!host.empty() && host.front() == '[') {
+    name = std::string(host.substr(1, host.find(']') - 1));
+  } else if (std::count(host.begin(), host.end(), ':') == 1) {
+    name = std::string(host.substr(0, host.find(':')));
+  } else {
+    name = std::string(host);
+  }
+  absl::AsciiStrToLower(&name);
+  if (!name.empty() && name.back() == '.') name.pop_back();
+  if (name == "localhost" || absl::EndsWith(name, ".localhost")) return true;  // RFC 6761
+  in_addr v4{};
+  if (::inet_pton(AF_INET, name.c_str(), &v4) == 1) return (ntohl(v4.s_addr) >> 24) == 127;
+  in6_addr v6{};
+  return ::inet_pton(AF_INET6, name.c_str(), &v6) == 1 && IN6_IS_ADDR_LOOPBACK(&v6);
+}
+
 struct HttpFrontend::Routes {
   std::atomic<ServingState> state{ServingState::kLoading};
   std::atomic<const HttpEngine*> engine{nullptr};  // set once by Attach
@@ -231,10 +283,30 @@ struct HttpFrontend::Routes {
   std::unique_ptr<RequestGateway> gateway;
   std::function<std::string()> render_metrics;
   std::string metrics_bearer_token;
+  bool loopback_names_only = false;  // a loopback bind without a token: see auth_token_set
   std::shared_ptr<std::atomic<int64_t>> num_active = std::make_shared<std::atomic<int64_t>>(0);
   const int64_t started_unix = UnixSeconds();
 
+  // An error when a request reached a loopback-only server under another name, or from a page
+  // of another origin.
+  std::optional<ApiError> CheckLocalNames(const http::Request& request) const {
+    if (!loopback_names_only) return std::nullopt;
+    const std::string_view host = request.Header("host");
+    const auto refuse = [](std::string_view header, std::string_view value) {
+      return openai::MakeError(
+          403, absl::StrCat(A(header), " '", A(value),
+                            "' is not a loopback address; this server listens on loopback without "
+                            "a bearer token and answers local clients only (set auth_token_file "
+                            "to serve others)"));
+    };
+    if (!host.empty() && !IsLoopbackHost(host)) return refuse("Host", host);
+    for (const auto& [name, value] : request.headers)
+      if (name == "origin" && !IsLoopbackHost(OriginHost(value))) return refuse("Origin", value);
+    return std::nullopt;
+  }
+
   void Handle(const http::Request& request, const std::shared_ptr<http::Exchange>& exchange) {
+    if (auto error = CheckLocalNames(request)) return RespondError(*exchange, *error);
     const bool get = request.method == "GET" || request.method == "HEAD";
     if (request.path == "/health") {
       if (!get) return RespondError(*exchange, openai::MakeError(405, "/health: use GET"));
@@ -275,6 +347,16 @@ struct HttpFrontend::Routes {
     if (request.method != "POST")
       return RespondError(*exchange,
                           openai::MakeError(405, absl::StrCat(request.path, ": use POST")));
+    // A browser sends a cross-origin text/plain or form POST without asking first (no CORS
+    // preflight); JSON only keeps such pages from starting generations.
+    if (const std::string_view type = request.Header("content-type"); !IsJsonContentType(type))
+      return Refuse(
+          exchange,
+          openai::MakeError(415, type.empty() ? std::string("Content-Type: missing; send "
+                                                            "'Content-Type: application/json'")
+                                              : absl::StrCat("Content-Type: '", A(type),
+                                                             "' is not supported; send "
+                                                             "'Content-Type: application/json'")));
     Generate(*e, chat ? openai::Endpoint::kChatCompletions : openai::Endpoint::kCompletions,
              request, exchange);
   }
@@ -335,6 +417,7 @@ absl::StatusOr<std::unique_ptr<HttpFrontend>> HttpFrontend::Start(HttpFrontendOp
   frontend->routes_ = std::make_unique<Routes>();
   frontend->routes_->render_metrics = options.render_metrics;
   frontend->routes_->metrics_bearer_token = options.metrics_bearer_token;
+  frontend->routes_->loopback_names_only = !options.auth_token_set && IsLoopbackHost(options.host);
   http::ServerOptions server_options;
   server_options.host = options.host;
   server_options.port = options.port;
@@ -345,6 +428,7 @@ absl::StatusOr<std::unique_ptr<HttpFrontend>> HttpFrontend::Start(HttpFrontendOp
   server_options.tls_client_ca_file = options.tls_client_ca_file;
   server_options.write_stall_timeout = options.write_stall_timeout;
   server_options.max_connections = options.max_connections;
+  server_options.unread_stream_bytes = options.unread_stream_bytes;
   // 413 and unparsable requests in OpenAI's error shape too.
   server_options.error_formatter = [](int status, std::string_view message) {
     ApiError error = openai::MakeError(status, std::string(message));

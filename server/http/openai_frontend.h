@@ -17,6 +17,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -38,10 +39,18 @@ struct HttpFrontendOptions {
   std::string tls_client_ca_file;               // set: clients need a certificate it signed (mTLS)
   std::function<std::string()> render_metrics;  // GET /metrics; null = 404
   std::string metrics_bearer_token;             // non-empty: GET /metrics needs it (else 401)
+  // Whether the /v1 routes need a bearer token (Attach's gateway has it). Without one, on a
+  // loopback `host`, the Host header and any Origin must name a loopback address (else 403): a
+  // web page the user opens cannot reach the API by DNS rebinding or a cross-origin request.
+  bool auth_token_set = false;
   // Connection bounds (http::ServerOptions has their meaning and defaults).
   std::chrono::milliseconds write_stall_timeout{30'000};
   int64_t max_connections = 1024;
+  int64_t unread_stream_bytes = 64 << 10;  // a stream left this unread pauses its choices
 };
+
+// "localhost", "*.localhost", 127.0.0.0/8 and ::1 (brackets and a port allowed: a Host value).
+bool IsLoopbackHost(std::string_view host);
 
 // What Attach() needs to serve /v1: the engine side and how to name the model.
 struct HttpEngine {

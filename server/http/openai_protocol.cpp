@@ -87,6 +87,46 @@ ApiError Unsupported(const std::string& param, std::string_view what) {
                    param);
 }
 
+// Token ids are int32 in the proto: a larger value is refused here, naming what the client sent
+// (the validator would only see a stand-in).
+std::optional<ApiError> CheckTokenIdRange(const json& ids, const std::string& param) {
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const bool fits = ids[i].is_number_unsigned() ? ids[i].get<uint64_t>() <= uint64_t{INT32_MAX}
+                                                  : ids[i].get<int64_t>() >= INT32_MIN &&
+                                                        ids[i].get<int64_t>() <= INT32_MAX;
+    if (!fits)
+      return MakeError(400, absl::StrCat(param, "[", i, "]: unknown token id ", ids[i].dump()),
+                       param);
+  }
+  return std::nullopt;
+}
+
+// The deepest nesting of arrays and objects in `text`, or limit + 1 as soon as it passes
+// `limit`; strings are skipped. Run before parsing, so a deep body costs no memory.
+int NestingDepth(std::string_view text, int limit) {
+  int depth = 0;
+  int deepest = 0;
+  bool in_string = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (in_string) {
+      if (c == '\\') {
+        ++i;
+      } else if (c == '"') {
+        in_string = false;
+      }
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      if (++depth > limit) return limit + 1;
+      deepest = std::max(deepest, depth);
+    } else if (c == ']' || c == '}') {
+      --depth;
+    }
+  }
+  return deepest;
+}
+
 bool IsTokenArray(const json& v) {
   if (!v.is_array() || v.empty()) return false;
   for (const json& e : v)
@@ -178,10 +218,8 @@ std::optional<ApiError> MapCommon(Endpoint endpoint, const json& body, v1::Gener
   if (const json* ids = f.Get("stop_token_ids")) {
     if (!ids->is_array() || (!ids->empty() && !IsTokenArray(*ids)))
       return MakeError(400, "stop_token_ids: must be an array of integers", "stop_token_ids");
-    for (const json& id : *ids) {
-      const int64_t v = id.get<int64_t>();
-      r->add_stop_token_ids(v < INT32_MIN || v > INT32_MAX ? -1 : static_cast<int32_t>(v));
-    }
+    if (auto e = CheckTokenIdRange(*ids, "stop_token_ids")) return e;
+    for (const json& id : *ids) r->add_stop_token_ids(static_cast<int32_t>(id.get<int64_t>()));
   }
   if (const json* c = f.Get("kv_compression")) {
     if (auto e = MapCompression(*c, r->mutable_compression())) return e;
@@ -212,11 +250,8 @@ std::optional<ApiError> MapPrompts(const json& body, std::vector<v1::GenerateReq
   if (it == body.end() || it->is_null()) return MakeError(400, "prompt: is required", "prompt");
   const json& p = *it;
   auto token_prompt = [](const json& ids, v1::GenerateRequest* r) {
-    for (const json& id : ids) {
-      const int64_t v = id.get<int64_t>();
-      r->mutable_token_ids()->add_ids(v < INT32_MIN || v > INT32_MAX ? -1
-                                                                     : static_cast<int32_t>(v));
-    }
+    for (const json& id : ids)
+      r->mutable_token_ids()->add_ids(static_cast<int32_t>(id.get<int64_t>()));
   };
   if (p.is_string()) {
     prompts->emplace_back().set_prompt(p.get<std::string>());
@@ -225,6 +260,7 @@ std::optional<ApiError> MapPrompts(const json& body, std::vector<v1::GenerateReq
   if (!p.is_array() || p.empty())
     return MakeError(400, "prompt: must be a string, an array of strings or token ids", "prompt");
   if (IsTokenArray(p)) {
+    if (auto e = CheckTokenIdRange(p, "prompt")) return e;
     token_prompt(p, &prompts->emplace_back());
     return std::nullopt;
   }
@@ -233,6 +269,7 @@ std::optional<ApiError> MapPrompts(const json& body, std::vector<v1::GenerateReq
     if (p[i].is_string()) {
       prompts->emplace_back().set_prompt(p[i].get<std::string>());
     } else if (IsTokenArray(p[i])) {
+      if (auto e = CheckTokenIdRange(p[i], param)) return e;
       token_prompt(p[i], &prompts->emplace_back());
     } else {
       return MakeError(400, absl::StrCat(param, ": must be a string or an array of token ids"),
@@ -431,6 +468,9 @@ ApiError MakeError(int http_status, std::string message, std::optional<std::stri
     case 401:
       e.type = "authentication_error";
       break;
+    case 403:
+      e.type = "permission_error";
+      break;
     case 404:
       e.type = "not_found_error";
       break;
@@ -456,6 +496,9 @@ std::optional<ApiError> ParseRequest(Endpoint endpoint, std::string_view text,
                                      const ParseOptions& options, ParsedRequest* out) {
   *out = ParsedRequest();
   out->endpoint = endpoint;
+  if (NestingDepth(text, kMaxJsonDepth) > kMaxJsonDepth)
+    return MakeError(400, absl::StrCat("the body nests arrays and objects deeper than ",
+                                       kMaxJsonDepth, " levels"));
   json body = json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
   if (body.is_discarded()) return MakeError(400, "the body is not valid JSON");
   if (!body.is_object()) return MakeError(400, "the body must be a JSON object");
@@ -536,9 +579,14 @@ std::optional<ApiError> ParseRequest(Endpoint endpoint, std::string_view text,
 
   v1::GenerateRequest common;
   if (auto e = MapCommon(endpoint, body, &common, out)) return e;
-  // max_new_tokens is int32 in the proto: clamp absurd values to one the validator refuses.
-  common.set_max_new_tokens(static_cast<int32_t>(std::clamp<int64_t>(
-      *max_tokens, std::numeric_limits<int32_t>::min(), std::numeric_limits<int32_t>::max())));
+  // max_new_tokens is int32 in the proto: a larger value is refused here with the value sent, in
+  // the validator's words.
+  if (*max_tokens < 1 || *max_tokens > options.max_new_tokens_limit)
+    return MakeError(400,
+                     absl::StrCat(out->max_tokens_param, ": must be in [1, ",
+                                  options.max_new_tokens_limit, "], got ", *max_tokens),
+                     out->max_tokens_param);
+  common.set_max_new_tokens(static_cast<int32_t>(*max_tokens));
 
   for (size_t p = 0; p < prompts.size(); ++p) {
     for (int64_t i = 0; i < n; ++i) {

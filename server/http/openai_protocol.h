@@ -34,7 +34,7 @@ ApiError MakeError(int http_status, std::string message, std::optional<std::stri
 
 struct ParseOptions {
   std::vector<std::string> model_names;  // accepted `model` values (the first is the served name)
-  int32_t max_new_tokens_limit = 4096;   // the default max_tokens of chat completions
+  int32_t max_new_tokens_limit = 4096;   // the largest max_tokens accepted; chat's default
 };
 
 // A request after parsing: one proto per choice (prompts x n, in OpenAI's choice order) plus how
@@ -53,6 +53,9 @@ struct ParsedRequest {
 };
 
 constexpr int kMaxChoices = 128;  // prompts x n
+// Deeper bodies are refused before parsing: the parsed tree of a deep body costs tens of bytes a
+// level, and no OpenAI request (tool schemas included) comes near this.
+constexpr int kMaxJsonDepth = 128;
 
 // Parses a JSON body. nullopt on success (`out` filled), else the error to answer with.
 std::optional<ApiError> ParseRequest(Endpoint endpoint, std::string_view body,

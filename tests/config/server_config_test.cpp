@@ -104,6 +104,8 @@ TEST(ServerConfigTest, EachKeyReachesItsField) {
        [](const ServerConfig& c) { return c.max_concurrent_streams == 13; }},
       {"write_stall_seconds: 1.5",
        [](const ServerConfig& c) { return c.write_stall_seconds == 1.5; }},
+      {"http_unread_stream_bytes: 16KiB",
+       [](const ServerConfig& c) { return c.http_unread_stream_bytes == 16 * 1024; }},
       {"max_batch: 7", [](const ServerConfig& c) { return c.max_batch == 7; }},
       {"block_size: 32", [](const ServerConfig& c) { return c.block_size == 32; }},
       {"kv_memory: 1.5GiB", [](const ServerConfig& c) { return c.kv_memory_bytes == 1610612736; }},

@@ -611,6 +611,61 @@ TEST_F(SchedulerTest, DrainRefusesAndCancelAllFinishesEveryone) {
   EXPECT_EQ(runner_->pool().num_free_blocks(), 64);
 }
 
+// A sequence whose client reads nothing (paused channel) gives its slot to a waiting request,
+// sends nothing while held, and once resumed is recomputed to the same output; one with nobody
+// waiting keeps its slot; CancelAll finishes a held one.
+TEST_F(SchedulerTest, APausedSequenceGivesItsSlotToAWaitingOne) {
+  SchedulerOptions o;
+  o.max_batch = 2;
+  Make(64, o);
+  auto a = Submit(MakeRequest(Prompt(5, 1), 20));
+  auto b = Submit(MakeRequest(Prompt(5, 2), 20));
+  for (int i = 0; i < 3; ++i) scheduler_->Step();
+  a->SetPaused(true);
+  scheduler_->Step();
+  EXPECT_EQ(scheduler_->Stats().num_running, 2);  // nobody waits: a keeps its slot
+  Collected a_out;
+  Drain(*a, a_out);
+  auto c = Submit(MakeRequest(Prompt(5, 3), 4));
+  int steps = 0;
+  Collected c_out;
+  while (!c_out.finished && steps++ < 20) {
+    scheduler_->Step();
+    Drain(*c, c_out);
+  }
+  EXPECT_EQ(c_out.reason, FinishReason::kLength);
+  EXPECT_EQ(c_out.tokens, FakeRunner::Greedy(Prompt(5, 3), 4));
+  const int num_a_events = a_out.num_events;
+  Drain(*a, a_out);
+  EXPECT_EQ(a_out.num_events, num_a_events) << "a held sequence sent nothing";
+  EXPECT_FALSE(a_out.finished);
+  a->SetPaused(false);
+  RunAll();
+  Drain(*a, a_out);
+  EXPECT_EQ(a_out.reason, FinishReason::kLength);
+  EXPECT_EQ(a_out.tokens, FakeRunner::Greedy(Prompt(5, 1), 20));
+  EXPECT_EQ(a_out.summary.num_preemptions, 1);
+  Collected b_out;
+  Drain(*b, b_out);
+  EXPECT_EQ(b_out.tokens, FakeRunner::Greedy(Prompt(5, 2), 20));
+  EXPECT_EQ(runner_->pool().num_free_blocks(), 64);
+
+  auto d = Submit(MakeRequest(Prompt(5, 4), 50));
+  auto e = Submit(MakeRequest(Prompt(5, 5), 50));
+  for (int i = 0; i < 3; ++i) scheduler_->Step();
+  d->SetPaused(true);
+  auto f = Submit(MakeRequest(Prompt(5, 6), 50));
+  scheduler_->Step();  // d held, f admitted
+  EXPECT_EQ(scheduler_->Stats().num_waiting, 1);
+  scheduler_->CancelAll();
+  RunAll();
+  Collected d_out;
+  Drain(*d, d_out);
+  EXPECT_EQ(d_out.reason, FinishReason::kCancelled);
+  EXPECT_EQ(runner_->pool().num_free_blocks(), 64);
+  EXPECT_EQ(runner_->num_live_sequences(), 0);
+}
+
 // The engine thread with producers on other threads (the server's shape).
 TEST_F(SchedulerTest, EngineThreadServesConcurrentSubmitters) {
   SchedulerOptions o;

@@ -1,12 +1,15 @@
 // http::Server's connection limits (server/http/http_server.h, ServerOptions): the request
-// deadline (408), the write stall and output queue bounds (OnClientGone), max_connections (503) and
-// the exclusive port. The misbehaving clients are plain POSIX sockets; the timeouts are short.
+// deadline (408), the write stall and output queue bounds (OnClientGone), max_connections (idle
+// connections evicted, else 503), the headers it refuses (400, 415), a half-closed client and the
+// exclusive port. The misbehaving clients are plain POSIX sockets; the timeouts are short.
 #include "server/http/http_server.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <functional>
+#include <mutex>
 #include <thread>
 
 #include "server/http/metrics_http_server.h"
@@ -82,6 +85,12 @@ std::string ReadOneResponse(int fd) {
     if (n <= 0) return raw;
     raw.append(buf, static_cast<size_t>(n));
   }
+}
+
+bool WaitFor(const std::function<bool()>& done, milliseconds limit) {
+  const Clock::time_point deadline = Clock::now() + limit;
+  while (!done() && Clock::now() < deadline) std::this_thread::sleep_for(milliseconds(5));
+  return done();
 }
 
 http::Handler AnswerOk() {
@@ -202,6 +211,52 @@ TEST(HttpServerLimitsTest, AClientThatStopsReadingIsGoneAfterTheWriteStallTimeou
   ::close(fd);
 }
 
+TEST(HttpServerLimitsTest, AStreamLeftUnreadIsReportedBackloggedUntilReadAgain) {
+  std::atomic<int> num_backlogged{0};
+  std::atomic<int> num_drained{0};
+  std::thread writer;
+  struct JoinAtExit {
+    std::thread& t;
+    ~JoinAtExit() {
+      if (t.joinable()) t.join();
+    }
+  } join_writer{writer};
+  auto server = http::Server::Start(
+      [] {
+        http::ServerOptions options;
+        options.unread_stream_bytes = 16 << 10;
+        return options;
+      }(),
+      [&](const http::Request&, std::shared_ptr<http::Exchange> exchange) {
+        exchange->OnBacklog(
+            [&](bool backlogged) { ++(backlogged ? num_backlogged : num_drained); });
+        exchange->StartStream(200, "text/plain");
+        // Like a paused generation: pieces until backlogged, then nothing until drained.
+        writer = std::thread([&, exchange] {
+          const std::string piece(1024, 'x');
+          for (int i = 0; i < 2000 && num_backlogged.load() == 0; ++i) {
+            exchange->Write(piece);
+            std::this_thread::sleep_for(milliseconds(1));
+          }
+          WaitFor([&] { return num_drained.load() > 0; }, milliseconds(3000));
+          exchange->End();
+        });
+      });
+  ASSERT_TRUE(server.ok()) << server.status();
+  const int fd = Connect((*server)->port(), milliseconds(5000), /*recv_buffer_bytes=*/4096);
+  ASSERT_GE(fd, 0);
+  ASSERT_TRUE(SendAll(fd, "GET /stream HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"));
+  // It reads nothing for now.
+  ASSERT_TRUE(WaitFor([&] { return num_backlogged.load() == 1; }, milliseconds(3000)));
+  std::this_thread::sleep_for(milliseconds(200));
+  EXPECT_EQ(num_drained.load(), 0);
+  const Received r = ReadUntilClosed(fd);  // reading drains the backlog: the writer ends
+  EXPECT_THAT(r.bytes, ::testing::EndsWith("0\r\n\r\n"));
+  EXPECT_EQ(num_backlogged.load(), 1);
+  EXPECT_EQ(num_drained.load(), 1);
+  ::close(fd);
+}
+
 TEST(HttpServerLimitsTest, OutputQueuedForAClientThatNeverReadsIsBounded) {
   constexpr int64_t kMaxOfferedBytes = 64 << 20;
   StreamingHandler streaming(kMaxOfferedBytes);
@@ -219,19 +274,47 @@ TEST(HttpServerLimitsTest, OutputQueuedForAClientThatNeverReadsIsBounded) {
   ::close(fd);
 }
 
-TEST(HttpServerLimitsTest, ConnectionsBeyondMaxConnectionsAre503AndClosed) {
+// Answers "/hold" only when Release() is called (a request in flight), anything else at once.
+class HoldingHandler {
+ public:
+  http::Handler handler() {
+    return [this](const http::Request& request, std::shared_ptr<http::Exchange> exchange) {
+      if (request.path != "/hold") return exchange->Respond(200, "text/plain", "ok\n");
+      std::lock_guard<std::mutex> lock(mu_);
+      held_.push_back(std::move(exchange));
+    };
+  }
+  size_t num_held() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return held_.size();
+  }
+  void Release() {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& exchange : held_) exchange->Respond(200, "text/plain", "released\n");
+    held_.clear();
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<std::shared_ptr<http::Exchange>> held_;
+};
+
+constexpr std::string_view kGet = "GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n";
+constexpr std::string_view kGetHold = "GET /hold HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n";
+
+TEST(HttpServerLimitsTest, ConnectionsBeyondMaxConnectionsAre503WhenAllAreAnswering) {
+  HoldingHandler holding;
   http::ServerOptions options;
   options.max_connections = 4;
-  auto server = http::Server::Start(options, AnswerOk());
+  auto server = http::Server::Start(options, holding.handler());
   ASSERT_TRUE(server.ok()) << server.status();
   const int port = (*server)->port();
-  constexpr std::string_view kGet = "GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n";
   std::vector<int> open;
-  for (int i = 0; i < 4; ++i) {  // each answered, and kept alive
+  for (int i = 0; i < 4; ++i) {  // each with a request in flight
     open.push_back(Connect(port));
-    ASSERT_TRUE(SendAll(open.back(), kGet));
-    EXPECT_THAT(ReadOneResponse(open.back()), ::testing::StartsWith("HTTP/1.1 200"));
+    ASSERT_TRUE(SendAll(open.back(), kGetHold));
   }
+  ASSERT_TRUE(WaitFor([&] { return holding.num_held() == 4; }, milliseconds(2000)));
   EXPECT_EQ((*server)->num_open_connections(), 4);
   const int fifth = Connect(port);
   ASSERT_GE(fifth, 0);
@@ -240,20 +323,155 @@ TEST(HttpServerLimitsTest, ConnectionsBeyondMaxConnectionsAre503AndClosed) {
   EXPECT_TRUE(refused.closed);
   EXPECT_EQ((*server)->num_open_connections(), 4);
   ::close(fifth);
-  // Two hang up: two new ones are served.
-  ::close(open[0]);
-  ::close(open[1]);
-  const Clock::time_point deadline = Clock::now() + milliseconds(2000);
-  while ((*server)->num_open_connections() > 2 && Clock::now() < deadline)
-    std::this_thread::sleep_for(milliseconds(10));
-  EXPECT_EQ((*server)->num_open_connections(), 2);
-  for (int i = 0; i < 2; ++i) {
-    open[i] = Connect(port);
-    ASSERT_TRUE(SendAll(open[i], kGet));
-    EXPECT_THAT(ReadOneResponse(open[i]), ::testing::StartsWith("HTTP/1.1 200"));
-  }
-  EXPECT_EQ((*server)->num_open_connections(), 4);
+  // Answered, they are idle keep-alive connections: a new connection takes the place of one.
+  holding.Release();
+  for (int fd : open) EXPECT_THAT(ReadOneResponse(fd), ::testing::StartsWith("HTTP/1.1 200"));
+  const int sixth = Connect(port);
+  ASSERT_TRUE(SendAll(sixth, kGet));
+  EXPECT_THAT(ReadOneResponse(sixth), ::testing::StartsWith("HTTP/1.1 200"));
+  EXPECT_TRUE(WaitFor([&] { return (*server)->num_open_connections() == 4; }, milliseconds(2000)));
+  ::close(sixth);
   for (int fd : open) ::close(fd);
+}
+
+TEST(HttpServerLimitsTest, SilentConnectionsAtMaxConnectionsGiveWayToRequests) {
+  HoldingHandler holding;
+  http::ServerOptions options;
+  options.max_connections = 20;  // request_timeout stays 30 s: eviction, not the timeout, acts
+  auto server = http::Server::Start(options, holding.handler());
+  ASSERT_TRUE(server.ok()) << server.status();
+  const int port = (*server)->port();
+  // One request in flight, then 30 connections that send nothing.
+  const int answering = Connect(port);
+  ASSERT_TRUE(SendAll(answering, kGetHold));
+  ASSERT_TRUE(WaitFor([&] { return holding.num_held() == 1; }, milliseconds(2000)));
+  std::vector<int> silent;
+  for (int i = 0; i < 30; ++i) silent.push_back(Connect(port, milliseconds(50)));
+  for (int i = 0; i < 5; ++i) {
+    const Clock::time_point start = Clock::now();
+    auto resp = testing::HttpGet(port, "/");
+    ASSERT_TRUE(resp.has_value());
+    EXPECT_EQ(resp->status, 200);
+    EXPECT_LT(SecondsSince(start), 0.5);
+  }
+  EXPECT_LE((*server)->num_open_connections(), 21);
+  // 31 connections came for 20 places: the oldest silent ones were closed without an answer,
+  // the request in flight was not.
+  int num_closed = 0;
+  for (int fd : silent) {
+    const Received r = ReadUntilClosed(fd);
+    EXPECT_EQ(r.bytes, "");
+    num_closed += r.closed ? 1 : 0;
+    ::close(fd);
+  }
+  EXPECT_GE(num_closed, 11);
+  holding.Release();
+  EXPECT_THAT(ReadOneResponse(answering), ::testing::HasSubstr("released"));
+  ::close(answering);
+}
+
+// The status line and body of the answer to one raw request (the server closes after it).
+std::string AnswerTo(int port, std::string_view request) {
+  const int fd = Connect(port);
+  if (fd < 0 || !SendAll(fd, request)) return "no connection";
+  const Received r = ReadUntilClosed(fd);
+  ::close(fd);
+  return r.bytes;
+}
+
+TEST(HttpServerLimitsTest, AmbiguousHeadersAreRefused) {
+  std::atomic<int> num_handled{0};
+  auto server = http::Server::Start({}, [&](const http::Request&, auto exchange) {
+    ++num_handled;
+    exchange->Respond(200, "text/plain", "ok\n");
+  });
+  ASSERT_TRUE(server.ok()) << server.status();
+  const int port = (*server)->port();
+  using ::testing::AllOf;
+  using ::testing::HasSubstr;
+  using ::testing::StartsWith;
+  EXPECT_THAT(AnswerTo(port, "GET / HTTP/1.1\r\nConnection: close\r\n\r\n"),
+              AllOf(StartsWith("HTTP/1.1 400"), HasSubstr("needs a Host header")));
+  EXPECT_THAT(AnswerTo(port, "GET / HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n"),
+              AllOf(StartsWith("HTTP/1.1 400"), HasSubstr("more than one Host header")));
+  EXPECT_THAT(AnswerTo(port,
+                       "GET / HTTP/1.1\r\nHost: a\r\nAuthorization: Bearer x\r\n"
+                       "Authorization: Bearer y\r\n\r\n"),
+              AllOf(StartsWith("HTTP/1.1 400"), HasSubstr("more than one Authorization header")));
+  EXPECT_THAT(AnswerTo(port, "GET / HTTP/1.1\r\nHost: a\r\nX-Long: one\r\n two\r\n\r\n"),
+              AllOf(StartsWith("HTTP/1.1 400"), HasSubstr("obs-fold")));
+  EXPECT_THAT(AnswerTo(port, "GET / HTTP/1.1\r\nHost: a\r\nX-Long: one\r\n\ttwo\r\n\r\n"),
+              AllOf(StartsWith("HTTP/1.1 400"), HasSubstr("obs-fold")));
+  EXPECT_THAT(AnswerTo(port,
+                       "POST / HTTP/1.1\r\nHost: a\r\nContent-Encoding: gzip\r\n"
+                       "Content-Length: 2\r\n\r\n{}"),
+              AllOf(StartsWith("HTTP/1.1 415"), HasSubstr("Content-Encoding 'gzip'")));
+  EXPECT_EQ(num_handled.load(), 0);
+  // What stays allowed: HTTP/1.0 without Host, identity coding, a space inside a value.
+  EXPECT_THAT(AnswerTo(port, "GET / HTTP/1.0\r\n\r\n"), StartsWith("HTTP/1.0 200"));
+  EXPECT_THAT(AnswerTo(port,
+                       "POST / HTTP/1.1\r\nHost: a\r\nContent-Encoding: identity\r\n"
+                       "X-A: b c\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}"),
+              StartsWith("HTTP/1.1 200"));
+  EXPECT_EQ(num_handled.load(), 2);
+}
+
+TEST(HttpServerLimitsTest, AHalfClosedClientGetsItsWholeAnswer) {
+  // A stream of five pieces 100 ms apart, and a full answer after 300 ms: both outlive the
+  // client's shutdown(SHUT_WR) right after its request.
+  std::atomic<bool> gone{false};
+  std::vector<std::thread> writers;
+  std::mutex writers_mu;
+  auto server = http::Server::Start({}, [&](const http::Request& request, auto exchange) {
+    exchange->OnClientGone([&] { gone = true; });
+    std::lock_guard<std::mutex> lock(writers_mu);
+    if (request.path == "/stream") {
+      exchange->StartStream(200, "text/plain");
+      writers.emplace_back([exchange] {
+        for (int i = 0; i < 5; ++i) {
+          std::this_thread::sleep_for(milliseconds(100));
+          exchange->Write("piece" + std::to_string(i) + ";");
+        }
+        exchange->End();
+      });
+    } else {
+      const auto delay = milliseconds(request.path == "/slow" ? 1500 : 300);
+      writers.emplace_back([exchange, delay] {
+        std::this_thread::sleep_for(delay);
+        exchange->Respond(200, "text/plain", "the whole answer\n");
+      });
+    }
+  });
+  ASSERT_TRUE(server.ok()) << server.status();
+  for (const std::string path : {"/stream", "/full"}) {
+    const int fd = Connect((*server)->port());
+    ASSERT_TRUE(SendAll(fd, "GET " + path + " HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"));
+    ASSERT_EQ(::shutdown(fd, SHUT_WR), 0);
+    const Clock::time_point start = Clock::now();
+    const Received r = ReadUntilClosed(fd);
+    ::close(fd);
+    EXPECT_THAT(r.bytes, ::testing::StartsWith("HTTP/1.1 200")) << path;
+    if (path == "/stream") {
+      EXPECT_THAT(r.bytes, ::testing::HasSubstr("piece4;")) << r.bytes;
+      EXPECT_THAT(r.bytes, ::testing::EndsWith("0\r\n\r\n")) << r.bytes;  // the last chunk
+    } else {
+      EXPECT_THAT(r.bytes, ::testing::EndsWith("the whole answer\n")) << r.bytes;
+    }
+    EXPECT_TRUE(r.closed) << path;
+    EXPECT_LT(SecondsSince(start), 2.0) << path;  // closed after the answer, no linger
+    EXPECT_FALSE(gone.load()) << path;
+  }
+  // A reset after the half-close is a client gone: noticed at once, not when the answer is due.
+  const int fd = Connect((*server)->port());
+  ASSERT_TRUE(SendAll(fd, "GET /slow HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"));
+  ASSERT_EQ(::shutdown(fd, SHUT_WR), 0);
+  std::this_thread::sleep_for(milliseconds(200));
+  const linger reset{1, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_LINGER, &reset, sizeof(reset));
+  ::close(fd);
+  EXPECT_TRUE(WaitFor([&] { return gone.load(); }, milliseconds(1000)));
+  std::lock_guard<std::mutex> lock(writers_mu);
+  for (auto& t : writers) t.join();
 }
 
 TEST(HttpServerLimitsTest, ASecondServerOnABusyPortFailsNamingThePort) {
