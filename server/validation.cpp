@@ -107,6 +107,9 @@ absl::StatusOr<SamplingParams> MapSampling(const v1::SamplingParams& s,
   if (s.min_tokens() < 0)
     return Invalid("sampling.min_tokens", absl::StrCat("must be >= 0, got ", s.min_tokens()));
   p.min_tokens = s.min_tokens();
+  if (s.return_prompt_logprobs() && !limits.prompt_logprobs)
+    return Invalid("sampling.return_prompt_logprobs",
+                   "not supported with tensor parallelism on this server");
   p.return_prompt_logprobs = s.return_prompt_logprobs();
   return p;
 }

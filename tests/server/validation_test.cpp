@@ -341,6 +341,10 @@ TEST_F(ValidationTest, MinTokensAndPromptLogprobs) {
   EXPECT_TRUE(Check(r)->sampling.return_prompt_logprobs);
   r.mutable_compression()->set_chunk_policy("every_chunk");
   ExpectInvalid(r, "sampling.return_prompt_logprobs");
+  r = ok_;
+  r.mutable_sampling()->set_return_prompt_logprobs(true);
+  limits_.prompt_logprobs = false;  // a tensor-parallel server
+  ExpectInvalid(r, "sampling.return_prompt_logprobs");
 }
 
 TEST_F(ValidationTest, UnknownMethodAndAllocator) {
