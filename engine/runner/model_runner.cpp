@@ -456,7 +456,7 @@ class TorchModelRunner : public ModelRunner {
                             ? at::cat({parts.carry.unsqueeze(0), lp.narrow(0, 0, len - 1)})
                             : lp.narrow(0, 0, len - 1);
       const int64_t first = parts.carry.defined() ? begin : begin + 1;
-      parts.carry = lp[len - 1];
+      parts.carry = lp[len - 1].clone();  // not a view that keeps the whole slice alive
       if (pred.size(0) == 0) continue;
       at::Tensor targets = ids.narrow(0, first, begin + len - first).unsqueeze(1);
       parts.logprobs.push_back(pred.gather(1, targets).squeeze(1));
