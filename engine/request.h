@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "engine/compression/params.h"
@@ -27,6 +28,13 @@ struct SamplingParams {
   bool ignore_eos = false;
   int32_t num_top_logprobs = 0;  // 0 = none; >0 also returns the top-n per step
   bool return_logprobs = false;
+  // Token id -> added to its logit before everything else; each id at most once.
+  std::vector<std::pair<int32_t, float>> logit_bias;
+  // EOS, stop ids and stop strings do not end generation before this many tokens (the sampler
+  // masks the EOS and stop ids until then).
+  int32_t min_tokens = 0;
+  // The prefill also returns each prompt token's logprob (tokens 1..; num_top_logprobs too).
+  bool return_prompt_logprobs = false;
 };
 
 enum class FinishReason { kNone, kStop, kLength, kCancelled, kError };

@@ -71,6 +71,7 @@ absl::StatusOr<ServedEngine> CreateServedEngine(const ServerConfig& config,
   limits.max_request_bytes = config.max_message_bytes;
   // Compression's depth checks (explicit lists, profiles) count the layers it acts on.
   limits.num_layers = mc.num_global_layers;
+  limits.prompt_logprobs = config.tensor_parallel_size <= 1;  // see ValidationLimits
   limits.default_compression = config.compression;
 
   v1::ModelInfo& info = served.model_info;
@@ -87,7 +88,8 @@ absl::StatusOr<ServedEngine> CreateServedEngine(const ServerConfig& config,
   info.set_block_size(config.block_size);
   info.set_max_new_tokens_limit(config.max_new_tokens_limit);
   CompressionToMessage(config.compression, info.mutable_default_compression());
-  for (const auto& [method, name] : kScoreMethodNames) info.add_supported_methods(std::string(name));
+  for (const auto& [method, name] : kScoreMethodNames)
+    info.add_supported_methods(std::string(name));
   for (const auto& [allocator, name] : kBudgetAllocatorNames)
     info.add_supported_allocators(std::string(name));
   return served;

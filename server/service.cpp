@@ -106,20 +106,23 @@ v1::FinishReason ToProto(FinishReason reason) {
   return v1::FINISH_REASON_UNSPECIFIED;
 }
 
-// Appends an event's delta (ids, text, logprobs) to `response`.
+void AddLogprob(const TokenLogprobInfo& lp, v1::TokenLogprob* out) {
+  out->set_token_id(lp.token_id);
+  out->set_logprob(lp.logprob);
+  for (const TopLogprobEntry& t : lp.top) {
+    v1::TopLogprob* top = out->add_top();
+    top->set_token_id(t.token_id);
+    top->set_logprob(t.logprob);
+  }
+}
+
+// Appends an event's delta (ids, text, logprobs, prompt logprobs) to `response`.
 void AppendDelta(const GenerationEvent& event, v1::GenerateResponse* response) {
   for (int32_t id : event.token_ids) response->add_token_ids(id);
   response->mutable_text()->append(event.text);
-  for (const TokenLogprobInfo& lp : event.logprobs) {
-    v1::TokenLogprob* out = response->add_logprobs();
-    out->set_token_id(lp.token_id);
-    out->set_logprob(lp.logprob);
-    for (const TopLogprobEntry& t : lp.top) {
-      v1::TopLogprob* top = out->add_top();
-      top->set_token_id(t.token_id);
-      top->set_logprob(t.logprob);
-    }
-  }
+  for (const TokenLogprobInfo& lp : event.logprobs) AddLogprob(lp, response->add_logprobs());
+  for (const TokenLogprobInfo& lp : event.prompt_logprobs)
+    AddLogprob(lp, response->add_prompt_logprobs());
 }
 
 // The gRPC status that ends a call whose last event is `event`, when it is not OK.

@@ -89,6 +89,28 @@ absl::StatusOr<SamplingParams> MapSampling(const v1::SamplingParams& s,
         "sampling.num_top_logprobs",
         absl::StrCat("must be in [0, ", limits.max_top_logprobs, "], got ", s.num_top_logprobs()));
   p.num_top_logprobs = s.num_top_logprobs();
+  if (s.logit_bias_size() > limits.max_logit_bias)
+    return Invalid("sampling.logit_bias", absl::StrCat("too many entries: ", s.logit_bias_size(),
+                                                       " (limit ", limits.max_logit_bias, ")"));
+  for (const auto& [id, bias] : s.logit_bias()) {
+    if (id < 0 || (limits.vocab_size > 0 && id >= limits.vocab_size))
+      return Invalid(
+          "sampling.logit_bias",
+          absl::StrCat("unknown token id ", id, " (vocabulary size ", limits.vocab_size, ")"));
+    if (!(bias >= -100.0f && bias <= 100.0f))
+      return Invalid("sampling.logit_bias",
+                     absl::StrCat("the bias of token ", id, " must be in [-100, 100], got ", bias));
+    p.logit_bias.emplace_back(id, bias);
+  }
+  // Map order is unspecified: sorted, the same request gives the same device tensors.
+  std::sort(p.logit_bias.begin(), p.logit_bias.end());
+  if (s.min_tokens() < 0)
+    return Invalid("sampling.min_tokens", absl::StrCat("must be >= 0, got ", s.min_tokens()));
+  p.min_tokens = s.min_tokens();
+  if (s.return_prompt_logprobs() && !limits.prompt_logprobs)
+    return Invalid("sampling.return_prompt_logprobs",
+                   "not supported with tensor parallelism on this server");
+  p.return_prompt_logprobs = s.return_prompt_logprobs();
   return p;
 }
 
@@ -294,6 +316,10 @@ absl::StatusOr<GenerationRequest> ValidateGenerateRequest(const v1::GenerateRequ
   if (!sampling.ok()) return sampling.status();
   out.sampling = std::move(*sampling);
   out.sampling.max_new_tokens = request.max_new_tokens();
+  if (out.sampling.min_tokens > out.sampling.max_new_tokens)
+    return Invalid("sampling.min_tokens",
+                   absl::StrCat("must be at most max_new_tokens (", out.sampling.max_new_tokens,
+                                "), got ", out.sampling.min_tokens));
 
   if (request.stop_size() > limits.max_stop_strings)
     return Invalid("stop", absl::StrCat("too many stop strings: ", request.stop_size(), " (limit ",
@@ -319,6 +345,13 @@ absl::StatusOr<GenerationRequest> ValidateGenerateRequest(const v1::GenerateRequ
                                     limits.max_context_len, limits.num_layers);
   if (!compression.ok()) return compression.status();
   out.compression = std::move(*compression);
+  // Prompt logprobs come from the prefill's forward; a chunk that sees an already compressed
+  // cache would give others than the model's.
+  if (out.sampling.return_prompt_logprobs && out.compression.method != ScoreMethod::kNone &&
+      out.compression.chunk_policy != ChunkPolicy::kLastChunk)
+    return Invalid("sampling.return_prompt_logprobs",
+                   "needs the whole prompt's logits: compression only with chunk_policy "
+                   "\"last_chunk\"");
   return out;
 }
 

@@ -38,6 +38,10 @@ struct ValidationLimits {
   int32_t max_stop_string_bytes = 256;
   int32_t max_stop_token_ids = 64;
   int32_t max_top_logprobs = 20;
+  int32_t max_logit_bias = 1024;  // entries of sampling.logit_bias
+  // sampling.return_prompt_logprobs is served (the tensor-parallel runner cannot: its extra
+  // logits would be an all-gather the other ranks do not join).
+  bool prompt_logprobs = true;
   int32_t max_request_id_len = 128;
   CompressionParams default_compression;  // fields a request leaves unset
   int32_t num_layers = 0;  // > 0: also run compression::ValidateCompression for the model depth

@@ -329,7 +329,8 @@ class TorchModelRunner : public ModelRunner {
     std::vector<ChunkWork> work;
     for (const PrefillChunk& c : chunks) {
       ASSIGN_OR_RETURN(KvSelector * selector, SelectorFor(c.seq, *c.compression));
-      work.push_back({c.seq, c.tokens, c.is_last_chunk, selector});
+      work.push_back({c.seq, c.tokens, c.is_last_chunk, selector, c.return_prompt_logprobs,
+                      c.num_top_logprobs});
     }
     const std::vector<int64_t> ids(decode_seqs.begin(), decode_seqs.end());
     auto logits = Forward(ids, decode_tokens, work);
@@ -427,7 +428,45 @@ class TorchModelRunner : public ModelRunner {
     std::span<const int32_t> tokens;
     bool is_last_chunk;
     KvSelector* selector;
+    bool return_prompt_logprobs = false;
+    int32_t num_top_logprobs = 0;
   };
+
+  // A prompt's logprobs so far, on the device: per chunk the logprobs of its tokens (from the
+  // second prompt token) and their top alternatives; `carry` is the log-softmax row of the last
+  // position seen, which scores the next chunk's first token.
+  struct PromptLogprobParts {
+    std::vector<at::Tensor> logprobs, top_values, top_ids;
+    at::Tensor carry;  // fp32 [vocab]
+  };
+
+  // Scores `tokens` (one chunk, `hidden` its final hidden states [n, hidden]) into `parts`. The
+  // logits of every position are projected in slices: a whole 512-token chunk at a 150K
+  // vocabulary would be 300 MB at once.
+  void ScorePromptChunk(const at::Tensor& hidden, std::span<const int32_t> tokens, int32_t top_k,
+                        PromptLogprobParts& parts) const {
+    constexpr int64_t kSliceRows = 128;
+    const int64_t n = hidden.size(0);
+    const at::Tensor ids = TokensTensor(tokens);
+    for (int64_t begin = 0; begin < n; begin += kSliceRows) {
+      const int64_t len = std::min(kSliceRows, n - begin);
+      at::Tensor lp = model_->Logits(hidden.narrow(0, begin, len)).log_softmax(1);  // [len, V]
+      // Row r predicts token begin + r + 1; the carried row predicts token begin.
+      at::Tensor pred = parts.carry.defined()
+                            ? at::cat({parts.carry.unsqueeze(0), lp.narrow(0, 0, len - 1)})
+                            : lp.narrow(0, 0, len - 1);
+      const int64_t first = parts.carry.defined() ? begin : begin + 1;
+      parts.carry = lp[len - 1].clone();  // not a view that keeps the whole slice alive
+      if (pred.size(0) == 0) continue;
+      at::Tensor targets = ids.narrow(0, first, begin + len - first).unsqueeze(1);
+      parts.logprobs.push_back(pred.gather(1, targets).squeeze(1));
+      if (top_k > 0) {
+        auto [values, top_ids] = pred.topk(std::min<int64_t>(top_k, pred.size(1)), 1);
+        parts.top_values.push_back(values);
+        parts.top_ids.push_back(top_ids);
+      }
+    }
+  }
 
   // The press of `seq` for `compression` (nullptr for none), created at its first chunk.
   absl::StatusOr<KvSelector*> SelectorFor(SequenceId seq, const CompressionParams& compression) {
@@ -637,6 +676,21 @@ class TorchModelRunner : public ModelRunner {
                                     positions.size() == 1 ? positions[0] : at::cat(positions),
                                     max_pos, backend);
       if (!hidden.ok()) return fail(hidden.status());
+      // Prompt logprobs, into copies: nothing is kept unless the whole step succeeds.
+      std::vector<std::pair<SequenceId, PromptLogprobParts>> scored;
+      for (size_t i = 0, offset = num_decode; i < chunks.size(); ++i) {
+        const int64_t n = static_cast<int64_t>(chunks[i].tokens.size());
+        if (chunks[i].return_prompt_logprobs) {
+          auto it = prompt_logprobs_.find(chunks[i].seq);
+          PromptLogprobParts parts =
+              it != prompt_logprobs_.end() ? it->second : PromptLogprobParts{};
+          ScorePromptChunk(hidden->narrow(0, static_cast<int64_t>(offset), n), chunks[i].tokens,
+                           chunks[i].num_top_logprobs, parts);
+          scored.emplace_back(chunks[i].seq, std::move(parts));
+        }
+        offset += static_cast<size_t>(n);
+      }
+      for (auto& [seq, parts] : scored) prompt_logprobs_[seq] = std::move(parts);
       // Commit: the old blocks of compacted layers go, lengths move on.
       std::vector<int64_t> rows(decode_ids.size());
       std::iota(rows.begin(), rows.end(), int64_t{0});
@@ -701,7 +755,36 @@ class TorchModelRunner : public ModelRunner {
     return info;
   }
 
+  absl::StatusOr<PromptLogprobs> TakePromptLogprobs(SequenceId seq) override {
+    PromptLogprobs out;
+    auto it = prompt_logprobs_.find(seq);
+    if (it == prompt_logprobs_.end()) return out;
+    PromptLogprobParts parts = std::move(it->second);
+    prompt_logprobs_.erase(it);
+    try {
+      if (parts.logprobs.empty()) return out;
+      // One device-to-host copy per tensor, once per prompt.
+      const at::Tensor lp = at::cat(parts.logprobs).to(at::kCPU).contiguous();
+      out.logprobs.assign(lp.data_ptr<float>(), lp.data_ptr<float>() + lp.numel());
+      out.top_logprobs.resize(out.logprobs.size());
+      if (!parts.top_values.empty()) {
+        const at::Tensor values = at::cat(parts.top_values).to(at::kCPU).contiguous();
+        const at::Tensor ids = at::cat(parts.top_ids).to(at::kCPU).contiguous();
+        const int64_t k = values.size(1);
+        const float* v = values.data_ptr<float>();
+        const int64_t* id = ids.data_ptr<int64_t>();
+        for (size_t r = 0; r < out.top_logprobs.size(); ++r)
+          for (int64_t j = 0; j < k; ++j)
+            out.top_logprobs[r].emplace_back(static_cast<int32_t>(id[r * k + j]), v[r * k + j]);
+      }
+    } catch (const std::exception& e) {
+      return absl::InternalError(absl::StrCat("prompt logprobs: ", e.what()));
+    }
+    return out;
+  }
+
   void Release(SequenceId seq) override {
+    prompt_logprobs_.erase(seq);
     pool_->FreeSequence(seq);
     positions_.erase(seq);
     selectors_.erase(seq);
@@ -1091,6 +1174,7 @@ class TorchModelRunner : public ModelRunner {
   KvSelectorFactory factory_;
   std::unordered_map<SequenceId, std::unique_ptr<KvSelector>> selectors_;  // until the last chunk
   std::unordered_map<SequenceId, double> compression_seconds_;  // selector time of committed chunks
+  std::unordered_map<SequenceId, PromptLogprobParts> prompt_logprobs_;  // until taken or released
   std::unordered_map<SequenceId, compression::DecodeCompression> decode_presses_;
   DecodeQueryRing query_ring_;
   DecodeCompressionStats decode_stats_;

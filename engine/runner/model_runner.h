@@ -9,6 +9,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -60,6 +61,19 @@ struct PrefillChunk {
   std::span<const int32_t> tokens;
   bool is_last_chunk = false;
   const CompressionParams* compression = nullptr;
+  // Also the logprob of each of the chunk's tokens given the tokens before it (the first prompt
+  // token has none), with `num_top_logprobs` alternatives, for TakePromptLogprobs. Every chunk of
+  // the prompt must ask, from position 0.
+  bool return_prompt_logprobs = false;
+  int32_t num_top_logprobs = 0;
+};
+
+// What the chunks with return_prompt_logprobs computed for a prompt of n tokens: for tokens
+// 1..n-1, the log-softmax of the model's logits at the position before, at that token, and the
+// best `num_top_logprobs` (token id, logprob) of that position, best first.
+struct PromptLogprobs {
+  std::vector<float> logprobs;                                       // [n - 1]
+  std::vector<std::vector<std::pair<int32_t, float>>> top_logprobs;  // [n - 1][k]
 };
 
 class ModelRunner {
@@ -130,6 +144,12 @@ class ModelRunner {
   // changed) without blocks for the copies; UNIMPLEMENTED where the runner cannot.
   virtual absl::Status ForkSequence(SequenceId src, SequenceId dst) {
     return absl::UnimplementedError("ForkSequence");
+  }
+
+  // The prompt logprobs of `seq`'s chunks so far (see PrefillChunk), moved out. UNIMPLEMENTED
+  // where the runner cannot compute them.
+  virtual absl::StatusOr<PromptLogprobs> TakePromptLogprobs(SequenceId seq) {
+    return absl::UnimplementedError("prompt logprobs are not supported by this runner");
   }
 
   virtual SequenceCacheInfo CacheInfo(SequenceId seq) const = 0;

@@ -170,6 +170,11 @@ class LeadingRunner final : public ModelRunner {
   absl::StatusOr<at::Tensor> Step(std::span<const SequenceId> decode_seqs,
                                   std::span<const int32_t> decode_tokens,
                                   std::span<const PrefillChunk> chunks) override {
+    // The prompt's extra logits would be a vocabulary all-gather the other ranks do not join.
+    for (const PrefillChunk& c : chunks)
+      if (c.return_prompt_logprobs)
+        return absl::UnimplementedError(
+            "prompt logprobs are not supported with tensor parallelism");
     Writer w;
     w.PutSpan(decode_seqs);
     w.PutSpan(decode_tokens);

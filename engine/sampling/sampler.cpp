@@ -9,9 +9,15 @@
 
 namespace dropkv {
 
-SamplerState::SamplerState(const SamplingParams& params, std::span<const int32_t> prompt)
+SamplerState::SamplerState(const SamplingParams& params, std::span<const int32_t> prompt,
+                           std::span<const int32_t> eos_token_ids)
     : params_(params), prompt_(prompt.begin(), prompt.end()) {
   rng_.seed(params.seed ? *params.seed : std::random_device{}());
+  if (params.min_tokens > 0) {
+    if (!params.ignore_eos) min_tokens_banned_.assign(eos_token_ids.begin(), eos_token_ids.end());
+    min_tokens_banned_.insert(min_tokens_banned_.end(), params.stop_token_ids.begin(),
+                              params.stop_token_ids.end());
+  }
 }
 
 void SamplerState::Append(int32_t token) {
@@ -32,6 +38,31 @@ at::Tensor Sampler::ProcessRow(const at::Tensor& row_in, const SamplerState& sta
   auto ids_tensor = [&](const std::vector<int64_t>& ids) {
     return at::tensor(ids, at::kLong).to(dev);
   };
+  auto in_vocab = [&](int64_t t) { return t >= 0 && t < vocab; };
+  if (!p.logit_bias.empty()) {
+    if (!state.bias_ids_.defined() || state.bias_ids_.device() != dev) {
+      std::vector<int64_t> ids;
+      std::vector<float> values;
+      for (const auto& [t, v] : p.logit_bias) {
+        if (!in_vocab(t)) continue;
+        ids.push_back(t);
+        values.push_back(v);
+      }
+      state.bias_ids_ = ids_tensor(ids);
+      state.bias_values_ = at::tensor(values, at::kFloat).to(dev);
+    }
+    row.index_add_(0, state.bias_ids_, state.bias_values_);
+  }
+  if (static_cast<int64_t>(state.generated_.size()) < p.min_tokens &&
+      !state.min_tokens_banned_.empty()) {
+    if (!state.banned_ids_.defined() || state.banned_ids_.device() != dev) {
+      std::vector<int64_t> ids;
+      for (int32_t t : state.min_tokens_banned_)
+        if (in_vocab(t)) ids.push_back(t);
+      state.banned_ids_ = ids_tensor(ids);
+    }
+    row.index_fill_(0, state.banned_ids_, -std::numeric_limits<float>::infinity());
+  }
   if (p.repetition_penalty != 1.0f) {
     std::vector<int64_t> seen;
     for (int32_t t : state.prompt_) seen.push_back(t);
@@ -154,6 +185,8 @@ absl::StatusOr<std::vector<SampledToken>> Sampler::Sample(const at::Tensor& logi
 FinishReason CheckStop(const SamplerState& state, int32_t token,
                        std::span<const int32_t> eos_token_ids) {
   const auto& p = state.params();
+  // Before min_tokens nothing but the length ends it (max_new_tokens >= min_tokens).
+  if (static_cast<int64_t>(state.generated().size()) < p.min_tokens) return FinishReason::kNone;
   if (std::find(p.stop_token_ids.begin(), p.stop_token_ids.end(), token) !=
       p.stop_token_ids.end()) {
     return FinishReason::kStop;
@@ -179,6 +212,10 @@ absl::Status ValidateSamplingParams(const SamplingParams& p) {
   if (p.max_new_tokens < 1) return bad("max_new_tokens", p.max_new_tokens, ">= 1");
   if (p.num_top_logprobs < 0 || p.num_top_logprobs > 20)
     return bad("num_top_logprobs", p.num_top_logprobs, "in [0, 20]");
+  for (const auto& [t, v] : p.logit_bias)
+    if (!(v >= -100.0f && v <= 100.0f)) return bad("logit_bias", v, "in [-100, 100]");
+  if (p.min_tokens < 0 || p.min_tokens > p.max_new_tokens)
+    return bad("min_tokens", p.min_tokens, "in [0, max_new_tokens]");
   return absl::OkStatus();
 }
 

@@ -2,7 +2,9 @@
 // seeds, logprobs, and the stop rules. One row of logits per request; each request keeps its own
 // SamplerState (RNG + token history), so a request's output does not depend on its batch-mates.
 //
-// Order (as transformers' logits processors): repetition penalty (HF: divides positive logits,
+// Order: logit_bias (added to the raw logits, as OpenAI), the min_tokens mask (EOS unless
+// ignore_eos, and stop ids, are -inf until min_tokens tokens were generated), then, as
+// transformers' logits processors: repetition penalty (HF: divides positive logits,
 // multiplies negative ones, over prompt + generated ids), presence / frequency penalties (OpenAI:
 // over generated ids), temperature, top-k, top-p, min-p, then one uniform draw per request from
 // its own RNG (inverse CDF over the kept tokens, sorted by probability). temperature 0 = greedy.
@@ -24,8 +26,10 @@ namespace dropkv {
 
 class SamplerState {
  public:
-  // `prompt` feeds the repetition penalty. Without params.seed the RNG is seeded randomly.
-  SamplerState(const SamplingParams& params, std::span<const int32_t> prompt);
+  // `prompt` feeds the repetition penalty; `eos_token_ids` are masked until params.min_tokens.
+  // Without params.seed the RNG is seeded randomly.
+  SamplerState(const SamplingParams& params, std::span<const int32_t> prompt,
+               std::span<const int32_t> eos_token_ids = {});
   const SamplingParams& params() const { return params_; }
   const std::vector<int32_t>& generated() const { return generated_; }
   void Append(int32_t token);
@@ -37,7 +41,11 @@ class SamplerState {
   std::vector<int32_t> prompt_;
   std::vector<int32_t> generated_;
   std::unordered_map<int32_t, int32_t> generated_counts_;
+  std::vector<int32_t> min_tokens_banned_;  // EOS (unless ignore_eos) + stop ids
   std::mt19937_64 rng_;
+  // Device copies of logit_bias and the banned ids, made at the first step that needs them: the
+  // later steps apply them without a host-to-device copy.
+  mutable at::Tensor bias_ids_, bias_values_, banned_ids_;
 };
 
 struct SampledToken {
@@ -58,13 +66,13 @@ class Sampler {
 };
 
 // Why generation ends after `token` was appended (kNone = continue). EOS ids count unless
-// ignore_eos; stop_token_ids always; max_new_tokens gives kLength.
+// ignore_eos; stop_token_ids always; max_new_tokens gives kLength; before min_tokens, kNone.
 FinishReason CheckStop(const SamplerState& state, int32_t token,
                        std::span<const int32_t> eos_token_ids);
 
 // Checks ranges (temperature >= 0, top_p in (0, 1], min_p in [0, 1), top_k >= 0,
-// repetition_penalty > 0, max_new_tokens >= 1, num_top_logprobs in [0, 20]); INVALID_ARGUMENT
-// names the field.
+// repetition_penalty > 0, max_new_tokens >= 1, num_top_logprobs in [0, 20], logit_bias values in
+// [-100, 100], min_tokens in [0, max_new_tokens]); INVALID_ARGUMENT names the field.
 absl::Status ValidateSamplingParams(const SamplingParams& params);
 
 }  // namespace dropkv

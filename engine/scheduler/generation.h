@@ -68,6 +68,8 @@ struct GenerationEvent {
   std::vector<int32_t> token_ids;  // tokens sampled since the last event
   std::string text;                // text that became final (stop strings never appear in it)
   std::vector<TokenLogprobInfo> logprobs;  // one per token when requested
+  // sampling.return_prompt_logprobs, on the first event: prompt tokens 1.. in order.
+  std::vector<TokenLogprobInfo> prompt_logprobs;
   bool finished = false;
   FinishReason finish_reason = FinishReason::kNone;
   absl::Status error;  // set when finish_reason == kError, or the request was refused

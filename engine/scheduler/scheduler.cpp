@@ -177,7 +177,9 @@ struct Scheduler::Impl {
   std::list<ParkedConversation>::iterator FindConversation(const Sequence& seq) {
     auto best = parked.end();
     const std::vector<int32_t>& prompt = seq.request.prompt_ids;
-    if (seq.request.compression.method == ScoreMethod::kNone || !seq.generated.empty()) return best;
+    if (seq.request.compression.method == ScoreMethod::kNone || !seq.generated.empty() ||
+        WantsPromptLogprobs(seq))
+      return best;
     if (!KeepsConversation(seq) && !can_fork) return best;
     for (auto it = parked.begin(); it != parked.end(); ++it) {
       const auto n = static_cast<int64_t>(it->tokens.size());
@@ -187,6 +189,12 @@ struct Scheduler::Impl {
       if (best == parked.end() || n > static_cast<int64_t>(best->tokens.size())) best = it;
     }
     return best;
+  }
+
+  // The prompt's logprobs are still to be computed: every chunk from position 0 scores its
+  // tokens, so neither a cached prefix nor a parked conversation may stand in for a part of it.
+  static bool WantsPromptLogprobs(const Sequence& seq) {
+    return seq.request.sampling.return_prompt_logprobs && seq.generated.empty();
   }
 
   bool UsesPrefixCache(const Sequence& seq) const {
@@ -255,7 +263,8 @@ struct Scheduler::Impl {
     const FinishReason by_token =
         dropkv::CheckStop(*seq.sampler, seq.generated.back(), options.eos_token_ids);
     if (by_token == FinishReason::kStop) return by_token;
-    if (!p.stop_strings.empty() && tokenizer != nullptr) {
+    const bool below_min = static_cast<int32_t>(seq.generated.size()) < p.min_tokens;
+    if (!p.stop_strings.empty() && tokenizer != nullptr && !below_min) {
       const std::string& text = seq.text;
       size_t cut = std::string::npos;
       for (const std::string& stop : p.stop_strings) {
@@ -339,6 +348,30 @@ struct Scheduler::Impl {
     EmitPending(seq, event, /*final=*/false);
     seq.channel->Push(std::move(event));
     return false;
+  }
+
+  // Sends the prompt's logprobs (before the first token's event); on failure finishes `seq`
+  // with the error and returns false.
+  bool SendPromptLogprobs(Sequence& seq) {
+    absl::StatusOr<PromptLogprobs> got = runner.TakePromptLogprobs(seq.seq_id);
+    const size_t want = seq.request.prompt_ids.size() - 1;
+    if (got.ok() && got->logprobs.size() != want)
+      got = absl::InternalError(absl::StrCat("prompt logprobs: ", got->logprobs.size(),
+                                             " for a prompt of ", want + 1, " tokens"));
+    if (!got.ok()) {
+      Finish(seq, FinishReason::kError, got.status());
+      return false;
+    }
+    GenerationEvent event;
+    event.prompt_logprobs.resize(want);
+    for (size_t i = 0; i < want; ++i) {
+      TokenLogprobInfo& info = event.prompt_logprobs[i];
+      info.token_id = seq.request.prompt_ids[i + 1];
+      info.logprob = got->logprobs[i];
+      for (const auto& [id, lp] : got->top_logprobs[i]) info.top.push_back({id, lp});
+    }
+    seq.channel->Push(std::move(event));
+    return true;
   }
 
   void RecordPrefillDone(Sequence& seq) {
@@ -542,7 +575,7 @@ struct Scheduler::Impl {
         conversation = FindConversation(head);
         if (conversation != parked.end()) {
           head.plan.reset();
-        } else if (UsesPrefixCache(head) && prompt_len > 1) {
+        } else if (UsesPrefixCache(head) && prompt_len > 1 && !WantsPromptLogprobs(head)) {
           match = prefix_cache->Match(head.request.prompt_ids, prompt_len - 1);
           if (head.plan && head.plan->chunks().front().begin != match.num_tokens) head.plan.reset();
         }
@@ -762,7 +795,9 @@ struct Scheduler::Impl {
                         .tokens = std::span<const int32_t>(seq->request.prompt_ids.data() + c.begin,
                                                            c.end - c.begin),
                         .is_last_chunk = seq->num_chunks_done + 1 == seq->plan->chunks().size(),
-                        .compression = &seq->plan->params()});
+                        .compression = &seq->plan->params(),
+                        .return_prompt_logprobs = WantsPromptLogprobs(*seq),
+                        .num_top_logprobs = seq->request.sampling.num_top_logprobs});
     }
     const SteadyTime start = Clock::now();
     absl::StatusOr<at::Tensor> logits = runner.Step(decode_ids, decode_tokens, chunks);
@@ -770,6 +805,7 @@ struct Scheduler::Impl {
     // Rows: the decode rows, then one per last chunk. Replayed rows (a recompute after a
     // preemption feeding its generated tokens again) and non-last chunks are not sampled.
     std::vector<Sequence*> to_sample;
+    std::vector<Sequence*> failed;  // finished with an error instead
     std::vector<int64_t> rows;
     int64_t row = 0;
     for (Sequence* seq : batch.decode) {
@@ -795,6 +831,10 @@ struct Scheduler::Impl {
       const int64_t chunk_row = row++;
       RecordPrefillDone(seq);
       if (!seq.generated.empty()) continue;  // recompute: replays its tokens through decode rows
+      if (chunks[i].return_prompt_logprobs && !SendPromptLogprobs(seq)) {
+        failed.push_back(&seq);
+        continue;
+      }
       to_sample.push_back(&seq);
       rows.push_back(chunk_row);
     }
@@ -812,6 +852,7 @@ struct Scheduler::Impl {
               : logits->index_select(0, at::tensor(rows, at::kLong).to(logits->device()));
       finished = SampleAndEmit(sampled_rows, to_sample);  // [n, vocab]
     }
+    finished.insert(finished.end(), failed.begin(), failed.end());
     if (!batch.decode.empty()) report.decode_seconds = MsBetween(start, Clock::now()) / 1e3;
     for (Sequence* seq : finished) ParkOrRelease(*seq);
     std::erase_if(running, [&](const auto& s) {
@@ -948,7 +989,8 @@ Scheduler::~Scheduler() {
 absl::Status Scheduler::Submit(GenerationRequest request, std::shared_ptr<RequestChannel> channel) {
   auto seq = std::make_unique<Sequence>();
   const int64_t prompt_len = static_cast<int64_t>(request.prompt_ids.size());
-  seq->sampler = std::make_unique<SamplerState>(request.sampling, request.prompt_ids);
+  seq->sampler = std::make_unique<SamplerState>(request.sampling, request.prompt_ids,
+                                                impl_->options.eos_token_ids);
   seq->request = std::move(request);
   seq->channel = std::move(channel);
   {

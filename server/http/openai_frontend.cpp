@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <limits>
 #include <mutex>
 #include <optional>
 #include <random>
@@ -91,16 +92,25 @@ int64_t UnixSeconds() {
 // Events arrive on the engine thread (channel notify); the client may leave on an I/O thread.
 // Lifetime: held by the Exchange until the answer is complete or the client is gone; the channel
 // notifies reach it through a weak_ptr, so a finished job is simply gone for late events.
+// What `echo` puts before a choice's text: the prompt as sent (token ids: decoded) and its first
+// token, whose logprob is null (the prompt logprobs from the engine start at the second).
+struct EchoPrompt {
+  std::string text;
+  int32_t first_token_id = 0;
+};
+
 class CompletionJob : public std::enable_shared_from_this<CompletionJob> {
  public:
+  // `echoes`: one per choice with request.echo, else empty.
   CompletionJob(ParsedRequest request, openai::ResponseMeta meta,
                 std::shared_ptr<http::Exchange> exchange, openai::TokenTextFn token_text,
-                std::shared_ptr<std::atomic<int64_t>> num_active)
+                std::shared_ptr<std::atomic<int64_t>> num_active, std::vector<EchoPrompt> echoes)
       : request_(std::move(request)),
         meta_(std::move(meta)),
         exchange_(std::move(exchange)),
         token_text_(std::move(token_text)),
         num_active_(std::move(num_active)),
+        echoes_(std::move(echoes)),
         choices_(request_.choices.size()) {
     ++*num_active_;
     for (Choice& c : choices_) c.channel = std::make_shared<RequestChannel>();
@@ -155,8 +165,32 @@ class CompletionJob : public std::enable_shared_from_this<CompletionJob> {
     ChoiceOutput output;                             // the whole text (non-streaming)
     int64_t text_len = 0;
     bool sent_first = false;
+    bool echoed = false;
     bool done = false;
   };
+
+  // The echoed prompt of choice `i` (with its logprobs from the engine's first event when asked),
+  // before anything it generated.
+  void EchoLocked(size_t i, Choice& c, const GenerationEvent& first_event) {
+    c.echoed = true;
+    const EchoPrompt& echo = echoes_[i];
+    ChoiceOutput part;
+    part.index = static_cast<int>(i);
+    part.text = echo.text;
+    if (request_.logprobs) {
+      part.logprobs.push_back({echo.first_token_id, std::numeric_limits<float>::quiet_NaN(), {}});
+      part.logprobs.insert(part.logprobs.end(), first_event.prompt_logprobs.begin(),
+                           first_event.prompt_logprobs.end());
+    }
+    c.text_len = static_cast<int64_t>(echo.text.size());
+    if (request_.stream) {
+      exchange_->Write(openai::ChunkEvent(request_, meta_, part, true, token_text_));
+      c.sent_first = true;
+    } else {
+      c.output.text = std::move(part.text);
+      c.output.logprobs = std::move(part.logprobs);
+    }
+  }
 
   void OnEvents(size_t i) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -173,6 +207,7 @@ class CompletionJob : public std::enable_shared_from_this<CompletionJob> {
                 : openai::MakeError(503, "the server cancelled the request (shutting down)"));
         return;
       }
+      if (request_.echo && !c.echoed) EchoLocked(i, c, *event);
       ChoiceOutput delta;
       delta.index = static_cast<int>(i);
       delta.text = event->text;
@@ -227,6 +262,7 @@ class CompletionJob : public std::enable_shared_from_this<CompletionJob> {
     }
     std::vector<ChoiceOutput> outputs;
     for (Choice& c : choices_) outputs.push_back(std::move(c.output));
+    outputs = openai::PickBestOf(request_, std::move(outputs));
     exchange_->Respond(200, kJson,
                        openai::ResponseJson(request_, meta_, outputs, usage_, token_text_));
   }
@@ -249,6 +285,7 @@ class CompletionJob : public std::enable_shared_from_this<CompletionJob> {
   const std::shared_ptr<http::Exchange> exchange_;
   const openai::TokenTextFn token_text_;
   const std::shared_ptr<std::atomic<int64_t>> num_active_;
+  const std::vector<EchoPrompt> echoes_;
   std::mutex mu_;
   std::vector<Choice> choices_;
   openai::UsageTotals usage_;
@@ -285,6 +322,7 @@ struct HttpFrontend::Routes {
   std::string metrics_bearer_token;
   bool loopback_names_only = false;  // a loopback bind without a token: see auth_token_set
   std::shared_ptr<std::atomic<int64_t>> num_active = std::make_shared<std::atomic<int64_t>>(0);
+  openai::FimTokens fim;  // the served model's, set by Attach
   const int64_t started_unix = UnixSeconds();
 
   // An error when a request reached a loopback-only server under another name, or from a page
@@ -374,6 +412,7 @@ struct HttpFrontend::Routes {
     parse_options.model_names.insert(parse_options.model_names.end(), e.model_aliases.begin(),
                                      e.model_aliases.end());
     parse_options.max_new_tokens_limit = gateway->options().limits.max_new_tokens_limit;
+    parse_options.fim = fim;
     ParsedRequest parsed;
     if (auto error = openai::ParseRequest(endpoint, request.body, parse_options, &parsed))
       return Refuse(exchange, *error);
@@ -395,8 +434,23 @@ struct HttpFrontend::Routes {
       auto text = tokenizer->Decode({id}, /*skip_special_tokens=*/false);
       return text.ok() ? *text : std::string();
     };
-    auto job = std::make_shared<CompletionJob>(std::move(parsed), std::move(meta), exchange,
-                                               std::move(token_text), num_active);
+    std::vector<EchoPrompt> echoes;
+    if (parsed.echo) {
+      for (size_t i = 0; i < validated.size(); ++i) {
+        const std::vector<int32_t>& ids = validated[i].prompt_ids;
+        EchoPrompt& echo = echoes.emplace_back();
+        echo.first_token_id = ids.front();
+        if (parsed.choices[i].has_prompt()) {
+          echo.text = parsed.choices[i].prompt();
+        } else if (tokenizer != nullptr) {
+          auto text = tokenizer->Decode(ids, /*skip_special_tokens=*/false);
+          if (text.ok()) echo.text = std::move(*text);
+        }
+      }
+    }
+    auto job =
+        std::make_shared<CompletionJob>(std::move(parsed), std::move(meta), exchange,
+                                        std::move(token_text), num_active, std::move(echoes));
     for (size_t i = 0; i < validated.size(); ++i) {
       const v1::GenerateRequest& proto = job->request().choices[i];
       absl::Status st = gateway->Submit(std::move(validated[i]), job->channel(i),
@@ -451,6 +505,12 @@ absl::StatusOr<std::unique_ptr<HttpFrontend>> HttpFrontend::Start(HttpFrontendOp
 void HttpFrontend::Attach(HttpEngine engine) {
   Routes& r = *routes_;
   r.gateway = std::make_unique<RequestGateway>(*engine.scheduler, engine.tokenizer, engine.gateway);
+  if (const Tokenizer* tokenizer = engine.tokenizer) {
+    r.fim = openai::FindFimTokens([tokenizer](const std::string& marker) {
+      auto ids = tokenizer->Encode(marker, /*add_special_tokens=*/false);
+      return ids.ok() && ids->size() == 1;
+    });
+  }
   r.engine_storage = std::make_unique<HttpEngine>(std::move(engine));
   r.engine.store(r.engine_storage.get(), std::memory_order_release);
   r.state = ServingState::kServing;

@@ -156,6 +156,33 @@ std::optional<ApiError> MapCompression(const json& object, v1::CompressionSettin
   return std::nullopt;
 }
 
+// logit_bias: {"<token id>": bias}. Ids beyond the vocabulary and too many entries are left to
+// validation (it knows the model); here the keys and values get their shape checked.
+std::optional<ApiError> MapLogitBias(const json& bias, v1::SamplingParams* s) {
+  constexpr const char* kParam = "logit_bias";
+  if (!bias.is_object())
+    return MakeError(400, "logit_bias: must be an object of token id -> bias", kParam);
+  for (const auto& [key, value] : bias.items()) {
+    const bool digits =
+        !key.empty() && key.size() <= 9 &&
+        std::all_of(key.begin(), key.end(), [](char c) { return c >= '0' && c <= '9'; });
+    if (!digits)
+      return MakeError(
+          400, absl::StrCat("logit_bias: key '", key.substr(0, 32), "' is not a token id"), kParam);
+    if (!value.is_number())
+      return MakeError(
+          400, absl::StrCat("logit_bias: the bias of token ", key, " must be a number"), kParam);
+    const double b = value.get<double>();
+    if (!(b >= -100.0 && b <= 100.0))
+      return MakeError(
+          400,
+          absl::StrCat("logit_bias: the bias of token ", key, " must be in [-100, 100], got ", b),
+          kParam);
+    (*s->mutable_logit_bias())[std::stoi(key)] = static_cast<float>(b);
+  }
+  return std::nullopt;
+}
+
 // Fields both endpoints share: sampling, stop conditions, compression, streaming.
 std::optional<ApiError> MapCommon(Endpoint endpoint, const json& body, v1::GenerateRequest* r,
                                   ParsedRequest* out) {
@@ -237,10 +264,14 @@ std::optional<ApiError> MapCommon(Endpoint endpoint, const json& body, v1::Gener
   out->return_token_ids = f.Bool("return_token_ids").value_or(false);
   out->tokens_as_token_ids = f.Bool("return_tokens_as_token_ids").value_or(false);
   out->user = f.String("user").value_or("");
-  // What this server cannot honour is refused, not ignored.
-  if (const json* bias = f.Get("logit_bias"); bias != nullptr && !bias->empty())
-    return Unsupported("logit_bias", "logit_bias");
-  if (auto v = f.Integer("min_tokens"); v && *v > 0) return Unsupported("min_tokens", "min_tokens");
+  if (const json* bias = f.Get("logit_bias")) {
+    if (auto e = MapLogitBias(*bias, s)) return e;
+  }
+  if (auto v = f.Integer("min_tokens")) {
+    if (*v < 0 || *v > INT32_MAX)
+      return MakeError(400, absl::StrCat("min_tokens: must be >= 0, got ", *v), "min_tokens");
+    s->set_min_tokens(static_cast<int32_t>(*v));
+  }
   return f.error;
 }
 
@@ -400,9 +431,14 @@ json LogprobsJson(const ParsedRequest& request, const ChoiceOutput& choice,
     for (const TokenLogprobInfo& lp : choice.logprobs) {
       const std::string text = TokenString(request, token_text, lp.token_id);
       tokens.push_back(text);
-      token_logprobs.push_back(lp.logprob);
       offsets.push_back(offset);
       offset += static_cast<int64_t>(text.size());
+      if (std::isnan(lp.logprob)) {  // an echoed prompt's first token: nothing scores it
+        token_logprobs.push_back(nullptr);
+        tops.push_back(nullptr);
+        continue;
+      }
+      token_logprobs.push_back(lp.logprob);
       json top = json::object();
       for (const TopLogprobEntry& t : lp.top)
         top[TokenString(request, token_text, t.token_id)] = t.logprob;
@@ -523,9 +559,22 @@ std::optional<ApiError> ParseRequest(Endpoint endpoint, std::string_view text,
         if (p.has_prompt()) p.set_add_special_tokens(*v);
     max_tokens = f.Integer("max_tokens");
     if (!max_tokens && !f.error) max_tokens = 16;  // OpenAI's default for completions
-    if (f.Bool("echo").value_or(false)) return Unsupported("echo", "echo");
-    if (auto suffix = f.String("suffix"); suffix && !suffix->empty())
-      return Unsupported("suffix", "suffix");
+    out->echo = f.Bool("echo").value_or(false);
+    if (auto suffix = f.String("suffix"); suffix && !suffix->empty()) {
+      if (options.fim.empty())
+        return MakeError(400,
+                         "suffix: this model's tokenizer has no fill-in-the-middle tokens (such "
+                         "as <fim_prefix>, <fim_suffix>, <fim_middle>), so suffix is not supported",
+                         "suffix");
+      if (out->echo) return MakeError(400, "suffix: cannot be combined with echo", "suffix");
+      for (auto& p : prompts) {
+        if (!p.has_prompt())
+          return MakeError(400, "suffix: needs a text prompt, not token ids", "suffix");
+        // The prefix-suffix-middle order the FIM models were trained on.
+        p.set_prompt(absl::StrCat(options.fim.prefix, p.prompt(), options.fim.suffix, *suffix,
+                                  options.fim.middle));
+      }
+    }
   } else {
     if (auto e = MapMessages(body, &prompts.emplace_back())) return e;
     v1::ChatMessages* chat = prompts.back().mutable_chat();
@@ -573,9 +622,24 @@ std::optional<ApiError> ParseRequest(Endpoint endpoint, std::string_view text,
                      absl::StrCat("n: prompts x n must be at most ", kMaxChoices, ", got ",
                                   n * static_cast<int64_t>(prompts.size())),
                      "n");
-  if (auto best_of = f.Integer("best_of"); best_of && *best_of != n)
-    return Unsupported("best_of", "best_of other than n");
+  const int64_t best_of = f.Integer("best_of").value_or(n);
   if (f.error) return f.error;
+  if (best_of != n) {
+    if (endpoint == Endpoint::kChatCompletions)
+      return Unsupported("best_of", "best_of other than n");
+    if (best_of < n)
+      return MakeError(400, absl::StrCat("best_of: must be >= n (", n, "), got ", best_of),
+                       "best_of");
+  }
+  if (best_of > 1 && f.Bool("stream").value_or(false))
+    return MakeError(400, "best_of: cannot be used with stream", "best_of");
+  if (best_of * static_cast<int64_t>(prompts.size()) > kMaxChoices)
+    return MakeError(400,
+                     absl::StrCat("best_of: prompts x best_of must be at most ", kMaxChoices,
+                                  ", got ", best_of * static_cast<int64_t>(prompts.size())),
+                     "best_of");
+  out->n = static_cast<int>(n);
+  out->best_of = static_cast<int>(best_of);
 
   v1::GenerateRequest common;
   if (auto e = MapCommon(endpoint, body, &common, out)) return e;
@@ -586,10 +650,18 @@ std::optional<ApiError> ParseRequest(Endpoint endpoint, std::string_view text,
                      absl::StrCat(out->max_tokens_param, ": must be in [1, ",
                                   options.max_new_tokens_limit, "], got ", *max_tokens),
                      out->max_tokens_param);
+  if (common.sampling().min_tokens() > *max_tokens)
+    return MakeError(400,
+                     absl::StrCat("min_tokens: must be at most ", out->max_tokens_param, " (",
+                                  *max_tokens, "), got ", common.sampling().min_tokens()),
+                     "min_tokens");
+  // The candidates are ranked by the logprobs of their tokens, returned or not.
+  if (best_of > n) common.mutable_sampling()->set_return_logprobs(true);
+  if (out->echo && out->logprobs) common.mutable_sampling()->set_return_prompt_logprobs(true);
   common.set_max_new_tokens(static_cast<int32_t>(*max_tokens));
 
   for (size_t p = 0; p < prompts.size(); ++p) {
-    for (int64_t i = 0; i < n; ++i) {
+    for (int64_t i = 0; i < best_of; ++i) {
       v1::GenerateRequest choice = common;
       choice.MergeFrom(prompts[p]);
       // n > 1 with a seed: each choice its own reproducible seed (seed + choice index).
@@ -610,6 +682,7 @@ std::string ParamOfField(std::string_view field, const ParsedRequest& request, i
   if (starts("sampling.")) {
     const std::string_view name = field.substr(9);
     if (name == "num_top_logprobs") return chat ? "top_logprobs" : "logprobs";
+    if (name == "return_prompt_logprobs") return "echo";
     return std::string(name);
   }
   if (field == "max_new_tokens") return request.max_tokens_param;
@@ -674,6 +747,40 @@ void UsageTotals::Add(const GenerationSummary& s, bool count_prompt) {
   decode_evicted_kv_tokens += s.num_decode_evicted_kv_tokens;
   num_preemptions += s.num_preemptions;
   if (count_prompt) cached_prompt_tokens += s.num_cached_prompt_tokens;
+}
+
+std::vector<ChoiceOutput> PickBestOf(const ParsedRequest& request,
+                                     std::vector<ChoiceOutput> choices) {
+  if (request.best_of <= request.n) return choices;
+  auto cumulative = [](const ChoiceOutput& c) {
+    double sum = 0;
+    // Echoed prompt entries come first and are the same for every candidate of a prompt.
+    for (const TokenLogprobInfo& lp : c.logprobs)
+      if (!std::isnan(lp.logprob)) sum += lp.logprob;
+    return sum;
+  };
+  std::vector<ChoiceOutput> picked;
+  for (size_t begin = 0; begin < choices.size(); begin += request.best_of) {
+    const size_t end = std::min(choices.size(), begin + request.best_of);
+    std::vector<std::pair<double, size_t>> ranked;
+    for (size_t i = begin; i < end; ++i) ranked.emplace_back(-cumulative(choices[i]), i);
+    std::stable_sort(ranked.begin(), ranked.end(),
+                     [](const auto& a, const auto& b) { return a.first < b.first; });
+    for (size_t j = 0; j < ranked.size() && j < static_cast<size_t>(request.n); ++j) {
+      picked.push_back(std::move(choices[ranked[j].second]));
+      picked.back().index = static_cast<int>(picked.size() - 1);
+    }
+  }
+  return picked;
+}
+
+FimTokens FindFimTokens(const std::function<bool(const std::string&)>& is_one_token) {
+  const FimTokens families[] = {{"<fim_prefix>", "<fim_suffix>", "<fim_middle>"},
+                                {"<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"},
+                                {"<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"}};
+  for (const FimTokens& f : families)
+    if (is_one_token(f.prefix) && is_one_token(f.suffix) && is_one_token(f.middle)) return f;
+  return {};
 }
 
 std::string ResponseJson(const ParsedRequest& request, const ResponseMeta& meta,

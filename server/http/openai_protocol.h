@@ -32,17 +32,31 @@ std::string ErrorJson(const ApiError& error);
 ApiError MakeError(int http_status, std::string message, std::optional<std::string> param = {},
                    std::optional<std::string> code = {});
 
+// The model's fill-in-the-middle markers (all empty: it has none, and `suffix` is refused). A
+// completions prompt with a suffix becomes prefix + prompt + suffix marker + suffix + middle.
+struct FimTokens {
+  std::string prefix, suffix, middle;
+  bool empty() const { return prefix.empty(); }
+};
+// The first marker family whose three markers `is_one_token` accepts: StarCoder's
+// <fim_prefix>/<fim_suffix>/<fim_middle>, then Qwen's and DeepSeek-Coder-style <|fim_prefix|>...
+FimTokens FindFimTokens(const std::function<bool(const std::string&)>& is_one_token);
+
 struct ParseOptions {
   std::vector<std::string> model_names;  // accepted `model` values (the first is the served name)
   int32_t max_new_tokens_limit = 4096;   // the largest max_tokens accepted; chat's default
+  FimTokens fim;
 };
 
-// A request after parsing: one proto per choice (prompts x n, in OpenAI's choice order) plus how
-// to shape the answer.
+// A request after parsing: one proto per choice (prompts x best_of, in OpenAI's choice order)
+// plus how to shape the answer.
 struct ParsedRequest {
   Endpoint endpoint = Endpoint::kCompletions;
   std::vector<v1::GenerateRequest> choices;
   std::vector<int> prompt_index;  // per choice: which prompt of a batched completions request
+  int n = 1;                      // choices answered per prompt
+  int best_of = 1;    // generated per prompt (>= n): the n of highest cumulative logprob answer
+  bool echo = false;  // completions: the prompt (and its logprobs) before each choice's text
   bool stream = false;
   bool include_usage = false;                   // stream_options.include_usage
   bool logprobs = false;                        // return logprobs in the answer
@@ -79,7 +93,7 @@ struct ChoiceOutput {
   int index = 0;
   std::string text;
   std::vector<int32_t> token_ids;
-  std::vector<TokenLogprobInfo> logprobs;
+  std::vector<TokenLogprobInfo> logprobs;  // a NaN logprob (an echoed first token) is null
   FinishReason finish_reason = FinishReason::kNone;  // kNone: not finished (a delta)
   int64_t text_offset = 0;  // completions logprobs: where `text` starts in the choice's text
 };
@@ -103,6 +117,11 @@ struct ResponseMeta {
   int64_t created = 0;
   std::string model;
 };
+
+// best_of > n: per prompt, the n choices of highest cumulative logprob (of their sampled
+// tokens), in that order and numbered again; else `choices` unchanged.
+std::vector<ChoiceOutput> PickBestOf(const ParsedRequest& request,
+                                     std::vector<ChoiceOutput> choices);
 
 // The whole (non-streaming) response.
 std::string ResponseJson(const ParsedRequest& request, const ResponseMeta& meta,

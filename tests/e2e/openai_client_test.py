@@ -5,6 +5,9 @@ scripts/requirements.txt) against the real dropkv-server binary:
   server A: the default model (SmolLM2-135M-Instruct), a bearer token, gRPC beside it:
     completions streamed and not, usage and logprobs, n, the KV-compression extension, the same
     tokens as the gRPC path for the same request and seed, every error with its status and `param`;
+    logit_bias, min_tokens, echo (its prompt logprobs against HF transformers), best_of, suffix
+    refused (no FIM tokens);
+  SmolLM2 with three special tokens renamed <fim_prefix>/<fim_suffix>/<fim_middle>: suffix;
   chat: Gemma-3-270M (until the Jinja renderer serves SmolLM2's template): chat streamed and not,
     logprobs, the same tokens as gRPC's chat input;
   server B: the demo model over TLS with max_batch 1 and a queue of 1: 429 when the queue is full,
@@ -113,8 +116,200 @@ def expect_error(fn, status, param, what):
     fail(f"{what}: accepted")
 
 
+ECHO_PROMPT = "The capital of France is"
+
+# HF transformers' log-softmax of the default model on ECHO_PROMPT (fp32, CPU), started in a
+# process of its own while the server loads.
+HF_ECHO_REFERENCE = """
+import json, sys, torch, transformers as tf
+path, text, out = sys.argv[1:4]
+tok = tf.AutoTokenizer.from_pretrained(path)
+model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+ids = tok(text, return_tensors="pt").input_ids
+with torch.inference_mode():
+    lp = model(ids).logits[0].log_softmax(-1)
+top = lp.topk(2, -1)
+json.dump({"ids": ids[0].tolist(),
+           "logprobs": [lp[i, ids[0, i + 1]].item() for i in range(ids.shape[1] - 1)],
+           "top_ids": top.indices[:-1].tolist(), "top_logprobs": top.values[:-1].tolist()},
+          open(out, "w"))
+"""
+
+
+def start_hf_echo_reference(args):
+    out = os.path.join(args.scratch, "hf_echo_reference.json")
+    model = os.path.join(os.environ["DROPKV_MODELS"], "smollm2-135m-instruct")
+    proc = subprocess.Popen([sys.executable, "-c", HF_ECHO_REFERENCE, model, ECHO_PROMPT, out],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return proc, out
+
+
+def check_parameters(client, model, stub, pb, md, hf_reference, cached_prompt):
+    """logit_bias, min_tokens, echo, best_of and suffix on the default model, and their errors."""
+    import openai
+    cc, ch = client.completions.create, client.chat.completions.create
+    base = cc(model=model, prompt=ECHO_PROMPT, max_tokens=4, temperature=0,
+              extra_body={"return_token_ids": True})
+    greedy = base.choices[0].model_extra["token_ids"]
+    # --- logit_bias: +100 forces a token, -100 bans the greedy one, per request of a batch ---
+    forced = cc(model=model, prompt=[ECHO_PROMPT, ECHO_PROMPT], max_tokens=3, temperature=0,
+                logit_bias={"42": 100}, extra_body={"return_token_ids": True})
+    check(all(c.model_extra["token_ids"] == [42, 42, 42] for c in forced.choices),
+          "logit_bias +100 on token 42: greedy output is 42, 42, 42 (both prompts)")
+    banned = cc(model=model, prompt=ECHO_PROMPT, max_tokens=4, temperature=0,
+                logit_bias={str(greedy[0]): -100}, extra_body={"return_token_ids": True})
+    ids = banned.choices[0].model_extra["token_ids"]
+    check(ids[0] != greedy[0] and greedy[0] not in ids,
+          f"logit_bias -100 bans the greedy token {greedy[0]}: {greedy} -> {ids}")
+    messages = [{"role": "user", "content": "What is 2+2? Answer with one number."}]
+    chat_forced = ch(model=model, messages=messages, max_completion_tokens=2, temperature=0,
+                     logit_bias={"42": 100}, extra_body={"return_token_ids": True})
+    check(chat_forced.choices[0].model_extra["token_ids"] == [42, 42], "chat: logit_bias forces 42")
+    grpc_forced = stub.GenerateUnary(pb.GenerateRequest(
+        prompt=ECHO_PROMPT, max_new_tokens=2,
+        sampling=pb.SamplingParams(logit_bias={42: 100.0})), metadata=md, timeout=60)
+    check(list(grpc_forced.token_ids) == [42, 42], "gRPC: sampling.logit_bias forces 42")
+    # --- min_tokens: EOS (the model answers in 7 tokens) and stop ids are masked until then ---
+    short = ch(model=model, messages=messages, max_completion_tokens=40, temperature=0,
+               extra_body={"return_token_ids": True})
+    short_ids = short.choices[0].model_extra["token_ids"]
+    check(short.choices[0].finish_reason == "stop" and short_ids[-1] == 2 and len(short_ids) < 12,
+          f"chat without min_tokens ends at EOS after {len(short_ids)} tokens")
+    longer = ch(model=model, messages=messages, max_completion_tokens=40, temperature=0,
+                extra_body={"return_token_ids": True, "min_tokens": 12})
+    longer_ids = longer.choices[0].model_extra["token_ids"]
+    check(len(longer_ids) >= 12 and 2 not in longer_ids[:12] and
+          longer_ids[:len(short_ids) - 1] == short_ids[:-1],
+          f"min_tokens 12: {len(longer_ids)} tokens, no EOS among the first 12, the same start")
+    stop_id = greedy[1]
+    stopped = cc(model=model, prompt=ECHO_PROMPT, max_tokens=8, temperature=0,
+                 extra_body={"stop_token_ids": [stop_id], "return_token_ids": True})
+    held = cc(model=model, prompt=ECHO_PROMPT, max_tokens=8, temperature=0,
+              extra_body={"stop_token_ids": [stop_id], "min_tokens": 5, "return_token_ids": True})
+    held_ids = held.choices[0].model_extra["token_ids"]
+    check(len(stopped.choices[0].model_extra["token_ids"]) == 2 and len(held_ids) >= 5 and
+          stop_id not in held_ids[:5], f"min_tokens 5 holds off stop token {stop_id}: {held_ids}")
+    grpc_held = stub.GenerateUnary(pb.GenerateRequest(
+        chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content=messages[0]["content"])]),
+        max_new_tokens=40, sampling=pb.SamplingParams(min_tokens=12)), metadata=md, timeout=60)
+    check(list(grpc_held.token_ids) == longer_ids, "gRPC: sampling.min_tokens, the same tokens")
+    # --- echo: the prompt before the text; with logprobs, the prompt's (HF's log-softmax) ---
+    echoed = cc(model=model, prompt=ECHO_PROMPT, max_tokens=4, temperature=0, echo=True,
+                logprobs=2)
+    c = echoed.choices[0]
+    lp = c.logprobs
+    proc, path = hf_reference
+    _, err = proc.communicate(timeout=240)
+    check(proc.returncode == 0, f"HF reference ran ({err.strip()[-200:]})")
+    with open(path) as f:
+        ref = json.load(f)
+    n_prompt = len(ref["ids"])
+    check(c.text == ECHO_PROMPT + base.choices[0].text and echoed.usage.prompt_tokens == n_prompt and
+          len(lp.tokens) == n_prompt + 4 and "".join(lp.tokens) == c.text,
+          f"echo: prompt + completion {c.text!r}, {len(lp.tokens)} logprob tokens")
+    check(lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and lp.text_offset[0] == 0,
+          "echo: the first prompt token's logprob is null")
+    diff = max(abs(a - b) for a, b in zip(lp.token_logprobs[1:n_prompt], ref["logprobs"]))
+    check(diff < 1e-3, f"echo prompt logprobs == HF log-softmax (max diff {diff:.2e})")
+    # (A JSON object of token -> logprob: compare the values, best first.)
+    tops_ok = all(abs(a - b) < 1e-3 for i in range(n_prompt - 1) for a, b in
+                  zip(sorted(lp.top_logprobs[i + 1].values(), reverse=True), ref["top_logprobs"][i]))
+    check(tops_ok and all(len(t) == 2 for t in lp.top_logprobs[1:]),
+          "echo prompt top_logprobs: 2 alternatives each, HF's values")
+    check(lp.token_logprobs[n_prompt:] == [x for x in cc(
+        model=model, prompt=ECHO_PROMPT, max_tokens=4, temperature=0,
+        logprobs=2).choices[0].logprobs.token_logprobs], "echo: the completion's logprobs unchanged")
+    grpc_echo = stub.GenerateUnary(pb.GenerateRequest(
+        prompt=ECHO_PROMPT, max_new_tokens=1,
+        sampling=pb.SamplingParams(return_prompt_logprobs=True)), metadata=md, timeout=60)
+    check([p.token_id for p in grpc_echo.prompt_logprobs] == ref["ids"][1:] and
+          max(abs(p.logprob - r) for p, r in zip(grpc_echo.prompt_logprobs, ref["logprobs"])) < 1e-3,
+          "gRPC: sampling.return_prompt_logprobs, HF's values")
+    compressed = cc(model=model, prompt=ECHO_PROMPT, max_tokens=1, temperature=0, echo=True,
+                    logprobs=0, extra_body={"kv_compression": {"method": "dropkv", "keep_ratio": 0.5,
+                                                                "window": 2}})
+    kept = compressed.usage.model_extra["kv_tokens_kept"]
+    check(kept < 30 * n_prompt and
+          max(abs(a - b) for a, b in zip(compressed.choices[0].logprobs.token_logprobs[1:n_prompt],
+                                         ref["logprobs"])) < 1e-3,
+          f"echo under compression ({kept} of {30 * n_prompt} KV entries kept): the prompt "
+          "logprobs of the full prefill")
+    # A prompt the prefix cache holds is prefilled again in full for its logprobs.
+    cached = cc(model=model, prompt=cached_prompt, max_tokens=1, temperature=0, echo=True,
+                logprobs=0)
+    entries = cached.choices[0].logprobs.token_logprobs
+    check(cached.usage.prompt_tokens_details.cached_tokens == 0 and
+          len(entries) == len(cached_prompt) + 1 and all(x is not None for x in entries[1:]),
+          f"echo of a cached prompt: {len(entries) - 2} prompt logprobs, nothing from the cache")
+    stream = list(cc(model=model, prompt=ECHO_PROMPT, max_tokens=4, temperature=0, echo=True,
+                     stream=True))
+    check(stream[0].choices[0].text == ECHO_PROMPT and
+          "".join(s.choices[0].text for s in stream) == c.text, "echo streamed: the prompt first")
+    # --- best_of: the candidate of highest cumulative logprob (seeded as n's choices) ---
+    story = dict(model=model, prompt="Once upon a time", max_tokens=8, temperature=1.0, seed=7)
+    three = cc(n=3, logprobs=0, **story)
+    best = max(three.choices, key=lambda x: sum(x.logprobs.token_logprobs))
+    picked = cc(best_of=3, **story)
+    check(len(picked.choices) == 1 and picked.choices[0].text == best.text and
+          picked.choices[0].logprobs is None and picked.usage.completion_tokens ==
+          three.usage.completion_tokens,
+          f"best_of 3: the best of the 3 seeded candidates ({best.text!r}), all counted in usage")
+    two = cc(best_of=3, n=2, logprobs=0, **story)
+    ranked = sorted(three.choices, key=lambda x: -sum(x.logprobs.token_logprobs))
+    check([x.text for x in two.choices] == [x.text for x in ranked[:2]] and
+          [x.index for x in two.choices] == [0, 1], "best_of 3, n 2: the best two, best first")
+    # --- errors name the field ---
+    expect_error(lambda: cc(model=model, prompt="x", logit_bias={"abc": 1}), 400, "logit_bias",
+                 "logit_bias key not a token id")
+    expect_error(lambda: cc(model=model, prompt="x", logit_bias={"1": 101}), 400, "logit_bias",
+                 "logit_bias 101")
+    expect_error(lambda: ch(model=model, messages=messages, logit_bias={"1": -100.5}), 400,
+                 "logit_bias", "chat: logit_bias -100.5")
+    expect_error(lambda: cc(model=model, prompt="x", logit_bias={"99999999": 1}), 400,
+                 "logit_bias", "logit_bias beyond the vocabulary")
+    expect_error(lambda: cc(model=model, prompt="x", logit_bias={str(i): 1 for i in range(1025)}),
+                 400, "logit_bias", "1025 logit_bias entries")
+    expect_error(lambda: cc(model=model, prompt="x", extra_body={"min_tokens": -1}), 400,
+                 "min_tokens", "min_tokens -1")
+    expect_error(lambda: cc(model=model, prompt="x", max_tokens=4, extra_body={"min_tokens": 5}),
+                 400, "min_tokens", "min_tokens > max_tokens")
+    expect_error(lambda: ch(model=model, messages=messages, max_completion_tokens=4,
+                            extra_body={"min_tokens": 5}),
+                 400, "min_tokens", "chat: min_tokens > max_completion_tokens")
+    expect_error(lambda: cc(model=model, prompt="x", n=3, best_of=2), 400, "best_of",
+                 "best_of < n")
+    expect_error(lambda: cc(model=model, prompt="x", best_of=2, stream=True), 400, "best_of",
+                 "best_of with stream")
+    expect_error(lambda: cc(model=model, prompt="x", suffix=" and the end."), 400, "suffix",
+                 "suffix on a model without fill-in-the-middle tokens")
+    expect_error(lambda: cc(model=model, prompt="x", echo=True, logprobs=0, extra_body={
+                     "kv_compression": {"method": "dropkv", "chunk_policy": "every_chunk",
+                                        "chunk_size": 16}}),
+                 400, "echo", "echo logprobs with a compressed cache between chunks")
+    try:
+        stub.GenerateUnary(pb.GenerateRequest(prompt="x", max_new_tokens=2, sampling=pb.SamplingParams(
+            logit_bias={7: 300.0})), metadata=md, timeout=10)
+        fail("gRPC: logit_bias 300 accepted")
+    except grpc_module().RpcError as e:
+        check(e.code() == grpc_module().StatusCode.INVALID_ARGUMENT and
+              e.details().startswith("sampling.logit_bias:"), f"gRPC: {e.details()}")
+    try:
+        stub.GenerateUnary(pb.GenerateRequest(prompt="x", max_new_tokens=2, sampling=pb.SamplingParams(
+            min_tokens=3)), metadata=md, timeout=10)
+        fail("gRPC: min_tokens > max_new_tokens accepted")
+    except grpc_module().RpcError as e:
+        check(e.code() == grpc_module().StatusCode.INVALID_ARGUMENT and
+              e.details().startswith("sampling.min_tokens:"), f"gRPC: {e.details()}")
+
+
+def grpc_module():
+    import grpc
+    return grpc
+
+
 def test_default_model(args, pb, pb_grpc, grpc):
     import openai
+    hf_reference = start_hf_echo_reference(args)
     server = Server(args.server, ["--device", "cpu", "--kv-memory", "256MiB",
                                   "--auth-token-file", args.token_file,
                                   "--max-message-bytes", "64KiB"], args.scratch, "server_a")
@@ -333,7 +528,7 @@ def test_default_model(args, pb, pb_grpc, grpc):
         expect_error(lambda: cc(model=model, prompt=[10**9]), 400, "prompt", "unknown token id")
         expect_error(lambda: cc(model=model, prompt=""), 400, "prompt", "empty prompt")
         expect_error(lambda: cc(model="gpt-4", prompt="x"), 404, "model", "unknown model")
-        expect_error(lambda: cc(model=model, prompt="x", echo=True), 400, "echo", "echo")
+        check_parameters(client, model, stub, pb, md, hf_reference, story_ids)
         headers = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
         status, body = raw(base + "/v1/completions", "POST", b"{not json", headers)
         check(status == 400 and body["error"]["type"] == "invalid_request_error", "invalid JSON: 400")
@@ -351,6 +546,65 @@ def test_default_model(args, pb, pb_grpc, grpc):
     finally:
         code = server.stop()
     check(code == 0, f"server A exit code {code} after SIGTERM")
+
+
+def smollm2_with_fim_tokens(scratch):
+    """SmolLM2 with its unused special tokens 3, 4, 5 renamed <fim_prefix>, <fim_suffix>,
+    <fim_middle> (StarCoder's markers: SmolLM2 took StarCoder's vocabulary but not those)."""
+    src = os.path.join(os.environ["DROPKV_MODELS"], "smollm2-135m-instruct")
+    dst = os.path.join(scratch, "smollm2-fim")
+    os.makedirs(dst, exist_ok=True)
+    for name in os.listdir(src):
+        link = os.path.join(dst, name)
+        if name != "tokenizer.json" and not os.path.lexists(link):
+            os.symlink(os.path.join(src, name), link)
+    with open(os.path.join(src, "tokenizer.json")) as f:
+        tok = json.load(f)
+    names = {3: "<fim_prefix>", 4: "<fim_suffix>", 5: "<fim_middle>"}
+    for added in tok["added_tokens"]:
+        if added["id"] in names:
+            added["content"] = names[added["id"]]
+    vocab = {k: v for k, v in tok["model"]["vocab"].items() if v not in names}
+    vocab.update({name: i for i, name in names.items()})
+    tok["model"]["vocab"] = vocab
+    with open(os.path.join(dst, "tokenizer.json"), "w") as f:
+        json.dump(tok, f)
+    return dst
+
+
+def test_fim(args, pb, pb_grpc, grpc):
+    """suffix on a model whose tokenizer has fill-in-the-middle tokens."""
+    import openai
+    server = Server(args.server, ["--model", smollm2_with_fim_tokens(args.scratch),
+                                  "--served-model-name", "smollm2-fim", "--device", "cpu",
+                                  "--kv-memory", "64MiB"], args.scratch, "server_fim")
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1",
+                               api_key="unused", max_retries=0, timeout=120)
+        stub = pb_grpc.InferenceStub(grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}"))
+        prefix, suffix = "def add(a, b):\n    return", "\n\nprint(add(1, 2))\n"
+        got = client.completions.create(model="smollm2-fim", prompt=prefix, suffix=suffix,
+                                        max_tokens=6, temperature=0,
+                                        extra_body={"return_token_ids": True})
+        fim_prompt = "<fim_prefix>" + prefix + "<fim_suffix>" + suffix + "<fim_middle>"
+        want = stub.GenerateUnary(pb.GenerateRequest(prompt=fim_prompt, max_new_tokens=6),
+                                  timeout=60)
+        def count(text):
+            return len(stub.Tokenize(pb.TokenizeRequest(text=text, add_special_tokens=False),
+                                     timeout=10).token_ids)
+        check(got.choices[0].model_extra["token_ids"] == list(want.token_ids) and
+              got.usage.prompt_tokens == 3 + count(prefix) + count(suffix) == count(fim_prompt),
+              f"suffix: the prefix-suffix-middle prompt ({got.usage.prompt_tokens} tokens), "
+              f"the tokens gRPC gives it: {got.choices[0].text!r}")
+        expect_error(lambda: client.completions.create(model="smollm2-fim", prompt=[504, 3575],
+                                                       suffix="x"),
+                     400, "suffix", "suffix with a token-id prompt")
+        expect_error(lambda: client.completions.create(model="smollm2-fim", prompt="x",
+                                                       suffix="x", echo=True),
+                     400, "suffix", "suffix with echo")
+    finally:
+        code = server.stop()
+    check(code == 0, f"FIM server exit code {code} after SIGTERM")
 
 
 def gemma3_with_published_template(scratch):
@@ -538,6 +792,7 @@ def main():
     from dropkv.v1 import inference_pb2_grpc as pb_grpc
 
     test_default_model(args, pb, pb_grpc, grpc)
+    test_fim(args, pb, pb_grpc, grpc)
     test_chat(args, pb, pb_grpc, grpc)
     test_demo_tls(args)
     print("PASS")

@@ -120,6 +120,20 @@ def main():
     for name in ("dropkv_0.3", "dropkv_0.5_decode", "concurrent_1"):
         ids, kept, prompt = expected[name]
         check(kept < prompt * full_layers, f"{name}: the press acted ({kept} < {prompt} x 30)")
+    import openai
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{tp.http_port}/v1", api_key="none",
+                           timeout=120, max_retries=0)
+    forced = client.completions.create(model="smollm2-135m-instruct", prompt=PROMPTS[0],
+                                       max_tokens=2, temperature=0, logit_bias={"42": 100},
+                                       extra_body={"return_token_ids": True})
+    check(forced.choices[0].model_extra["token_ids"] == [42, 42], "TP 3: logit_bias forces 42")
+    try:
+        client.completions.create(model="smollm2-135m-instruct", prompt=PROMPTS[0], max_tokens=2,
+                                  echo=True, logprobs=0)
+        fail("TP 3: echo with logprobs accepted")
+    except openai.APIStatusError as e:
+        check(e.status_code == 400 and e.param == "echo",
+              f"TP 3: echo with logprobs refused ({e.message[:80]})")
     check(tp.stop() == 0, "tp3 server exits 0 on SIGTERM")
     time.sleep(0.5)
     check(not any(alive(p) for p in ranks), "its rank processes are gone")

@@ -211,6 +211,51 @@ TEST(ModelRunnerTest, MixedStepEqualsEachPartAlone) {
   EXPECT_FALSE(none_done->defined());
 }
 
+// Prompt logprobs over chunks (the second beside a decode row) equal the log-softmax of a
+// cache-free forward over the whole prompt, the chunk boundary's token included.
+TEST(ModelRunnerTest, PromptLogprobsOverChunksMatchFullForward) {
+  auto runner = MakeRunner();
+  ASSERT_TRUE(runner->Prefill(1, Tokens(9, 1), true, {}).ok());
+  const CompressionParams none;
+  const auto prompt = Tokens(19, 3);
+  auto chunk = [&](size_t begin, size_t len, bool last) {
+    return PrefillChunk{.seq = 2,
+                        .tokens = std::span(prompt).subspan(begin, len),
+                        .is_last_chunk = last,
+                        .compression = &none,
+                        .return_prompt_logprobs = true,
+                        .num_top_logprobs = 3};
+  };
+  ASSERT_TRUE(runner->Step({}, {}, std::vector<PrefillChunk>{chunk(0, 7, false)}).ok());
+  const std::vector<SequenceId> decode_seqs = {1};
+  const std::vector<int32_t> decode_tokens = {42};
+  ASSERT_TRUE(
+      runner->Step(decode_seqs, decode_tokens, std::vector<PrefillChunk>{chunk(7, 12, true)}).ok());
+  auto got = runner->TakePromptLogprobs(2);
+  ASSERT_TRUE(got.ok()) << got.status();
+  ASSERT_EQ(got->logprobs.size(), prompt.size() - 1);
+
+  const Model& m = *runner->model();
+  const int64_t n = static_cast<int64_t>(prompt.size());
+  FullAttentionBackend backend(m.config());
+  auto ids = at::tensor(std::vector<int64_t>(prompt.begin(), prompt.end()), at::kLong);
+  auto hidden = m.Forward(ids, at::arange(n, at::kLong), n - 1, backend);
+  ASSERT_TRUE(hidden.ok());
+  const at::Tensor want = m.Logits(*hidden).log_softmax(1);  // [n, vocab]
+  for (int64_t i = 1; i < n; ++i) {
+    EXPECT_NEAR(got->logprobs[i - 1], want[i - 1][prompt[i]].item<float>(), 1e-5) << i;
+    auto [values, top_ids] = want[i - 1].topk(3);
+    ASSERT_EQ(got->top_logprobs[i - 1].size(), 3u);
+    for (int64_t j = 0; j < 3; ++j) {
+      EXPECT_EQ(got->top_logprobs[i - 1][j].first, top_ids[j].item<int64_t>()) << i;
+      EXPECT_NEAR(got->top_logprobs[i - 1][j].second, values[j].item<float>(), 1e-5) << i;
+    }
+  }
+  // Taken once; a sequence that did not ask has none.
+  EXPECT_TRUE(runner->TakePromptLogprobs(2)->logprobs.empty());
+  EXPECT_TRUE(runner->TakePromptLogprobs(1)->logprobs.empty());
+}
+
 // A mixed step is all-or-nothing: a chunk that does not fit the pool, a bad token in a chunk or a
 // sequence named twice leaves every sequence, decode rows included, as it was.
 TEST(ModelRunnerTest, FailedMixedStepChangesNothing) {

@@ -229,6 +229,55 @@ TEST(SamplerTest, StopRules) {
   EXPECT_EQ(CheckStop(t, 1, eos), FinishReason::kLength);
 }
 
+TEST(SamplerTest, LogitBiasIsAddedPerRow) {
+  SamplingParams forced;
+  forced.logit_bias = {{4, 100.0f}, {3, -100.0f}};
+  SamplingParams plain;
+  SamplerState a(forced, {}), b(plain, {});
+  auto got = Values(Sampler::ProcessRow(at::tensor(kRow), a));
+  for (size_t i = 0; i < kRow.size(); ++i) {
+    const float bias = i == 4 ? 100.0f : i == 3 ? -100.0f : 0.0f;
+    EXPECT_FLOAT_EQ(got[i], kRow[i] + bias) << i;
+  }
+  // Each row its own bias: the forced row takes 4, its batch-mate still its argmax, 3 times.
+  auto logits = at::stack({at::tensor(kRow), at::tensor(kRow)});
+  SamplerState* states[] = {&a, &b};
+  for (int step = 0; step < 3; ++step) {
+    auto out = Sampler::Sample(logits, states);
+    ASSERT_TRUE(out.ok());
+    EXPECT_EQ((*out)[0].token_id, 4);
+    EXPECT_EQ((*out)[1].token_id, 3);
+  }
+}
+
+TEST(SamplerTest, MinTokensMasksEosAndStopIdsUntilReached) {
+  SamplingParams p;
+  p.min_tokens = 2;
+  p.max_new_tokens = 8;
+  p.stop_token_ids = {7};
+  const std::vector<int32_t> eos = {3};
+  SamplerState s(p, {}, eos);
+  auto row = Values(Sampler::ProcessRow(at::tensor(kRow), s));
+  EXPECT_TRUE(std::isinf(row[3]) && row[3] < 0);
+  EXPECT_TRUE(std::isinf(row[7]) && row[7] < 0);
+  EXPECT_FLOAT_EQ(row[0], kRow[0]);
+  SamplerState* states[] = {&s};
+  auto first = Sampler::Sample(at::tensor(kRow).unsqueeze(0), states);
+  ASSERT_TRUE(first.ok());
+  EXPECT_EQ((*first)[0].token_id, 0);                    // 3 (EOS) and 7 (2.5, a stop id) masked
+  EXPECT_EQ(CheckStop(s, 3, eos), FinishReason::kNone);  // even a stop token: below min_tokens
+  s.Append(5);
+  row = Values(Sampler::ProcessRow(at::tensor(kRow), s));
+  EXPECT_FLOAT_EQ(row[3], kRow[3]);  // two tokens generated: EOS is back
+  EXPECT_EQ(CheckStop(s, 3, eos), FinishReason::kStop);
+  // ignore_eos: only the stop ids are masked.
+  p.ignore_eos = true;
+  SamplerState t(p, {}, eos);
+  row = Values(Sampler::ProcessRow(at::tensor(kRow), t));
+  EXPECT_FLOAT_EQ(row[3], kRow[3]);
+  EXPECT_TRUE(std::isinf(row[7]));
+}
+
 TEST(SamplerTest, ValidateNamesTheField) {
   SamplingParams p;
   p.top_p = 0.0f;

@@ -3,6 +3,8 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
+
 #include "dropkv/v1/inference.pb.h"
 #include "engine/compression/compression.h"
 #include "engine/tokenizer/chat_template.h"
@@ -295,6 +297,54 @@ TEST_F(ValidationTest, SamplingRanges) {
   r = ok_;
   r.mutable_sampling()->set_num_top_logprobs(21);
   ExpectInvalid(r, "sampling.num_top_logprobs");
+}
+
+TEST_F(ValidationTest, LogitBias) {
+  v1::GenerateRequest r = ok_;
+  (*r.mutable_sampling()->mutable_logit_bias())[5] = -100.0f;
+  (*r.mutable_sampling()->mutable_logit_bias())[2] = 100.0f;
+  auto got = Check(r);
+  ASSERT_TRUE(got.ok()) << got.status();
+  const std::vector<std::pair<int32_t, float>> want = {{2, 100.0f}, {5, -100.0f}};  // sorted
+  EXPECT_EQ(got->sampling.logit_bias, want);
+  (*r.mutable_sampling()->mutable_logit_bias())[64] = 1.0f;  // the vocabulary is 64
+  ExpectInvalid(r, "sampling.logit_bias");
+  r = ok_;
+  (*r.mutable_sampling()->mutable_logit_bias())[-1] = 1.0f;
+  ExpectInvalid(r, "sampling.logit_bias");
+  r = ok_;
+  (*r.mutable_sampling()->mutable_logit_bias())[1] = 100.5f;
+  ExpectInvalid(r, "sampling.logit_bias");
+  r = ok_;
+  (*r.mutable_sampling()->mutable_logit_bias())[1] = std::nanf("");
+  ExpectInvalid(r, "sampling.logit_bias");
+  r = ok_;
+  limits_.max_logit_bias = 3;
+  for (int id = 0; id < 4; ++id) (*r.mutable_sampling()->mutable_logit_bias())[id] = 1.0f;
+  ExpectInvalid(r, "sampling.logit_bias");
+}
+
+TEST_F(ValidationTest, MinTokensAndPromptLogprobs) {
+  v1::GenerateRequest r = ok_;
+  r.mutable_sampling()->set_min_tokens(4);  // = max_new_tokens
+  auto got = Check(r);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->sampling.min_tokens, 4);
+  r.mutable_sampling()->set_min_tokens(5);
+  ExpectInvalid(r, "sampling.min_tokens");
+  r.mutable_sampling()->set_min_tokens(-1);
+  ExpectInvalid(r, "sampling.min_tokens");
+  r = ok_;
+  r.mutable_sampling()->set_return_prompt_logprobs(true);
+  r.mutable_compression()->set_method("dropkv");
+  ASSERT_TRUE(Check(r).ok());  // the default chunk policy compresses after the last chunk
+  EXPECT_TRUE(Check(r)->sampling.return_prompt_logprobs);
+  r.mutable_compression()->set_chunk_policy("every_chunk");
+  ExpectInvalid(r, "sampling.return_prompt_logprobs");
+  r = ok_;
+  r.mutable_sampling()->set_return_prompt_logprobs(true);
+  limits_.prompt_logprobs = false;  // a tensor-parallel server
+  ExpectInvalid(r, "sampling.return_prompt_logprobs");
 }
 
 TEST_F(ValidationTest, UnknownMethodAndAllocator) {
