@@ -631,7 +631,7 @@ std::optional<ApiError> ParseRequest(Endpoint endpoint, std::string_view text,
       return MakeError(400, absl::StrCat("best_of: must be >= n (", n, "), got ", best_of),
                        "best_of");
   }
-  if (best_of > 1 && f.Bool("stream").value_or(false))
+  if (best_of > n && f.Bool("stream").value_or(false))  // the winners are known at the end
     return MakeError(400, "best_of: cannot be used with stream", "best_of");
   if (best_of * static_cast<int64_t>(prompts.size()) > kMaxChoices)
     return MakeError(400,

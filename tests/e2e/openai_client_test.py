@@ -280,6 +280,10 @@ def check_parameters(client, model, stub, pb, md, hf_reference, cached_prompt):
                  "best_of < n")
     expect_error(lambda: cc(model=model, prompt="x", best_of=2, stream=True), 400, "best_of",
                  "best_of with stream")
+    # n > 1 streams as before: best_of defaults to n, which is no choice to make at the end.
+    streamed = {c.index for chunk in cc(model=model, prompt="x", n=2, max_tokens=2, stream=True)
+                for c in chunk.choices}
+    check(streamed == {0, 1}, f"n 2 with stream and no best_of: both choices stream ({streamed})")
     expect_error(lambda: cc(model=model, prompt="x", suffix=" and the end."), 400, "suffix",
                  "suffix on a model without fill-in-the-middle tokens")
     expect_error(lambda: cc(model=model, prompt="x", echo=True, logprobs=0, extra_body={
