@@ -88,10 +88,6 @@ int64_t UnixSeconds() {
       .count();
 }
 
-// One completions / chat request: its choices' channels and trackers, and the answer being built.
-// Events arrive on the engine thread (channel notify); the client may leave on an I/O thread.
-// Lifetime: held by the Exchange until the answer is complete or the client is gone; the channel
-// notifies reach it through a weak_ptr, so a finished job is simply gone for late events.
 // What `echo` puts before a choice's text: the prompt as sent (token ids: decoded) and its first
 // token, whose logprob is null (the prompt logprobs from the engine start at the second).
 struct EchoPrompt {
@@ -99,6 +95,10 @@ struct EchoPrompt {
   int32_t first_token_id = 0;
 };
 
+// One completions / chat request: its choices' channels and trackers, and the answer being built.
+// Events arrive on the engine thread (channel notify); the client may leave on an I/O thread.
+// Lifetime: held by the Exchange until the answer is complete or the client is gone; the channel
+// notifies reach it through a weak_ptr, so a finished job is simply gone for late events.
 class CompletionJob : public std::enable_shared_from_this<CompletionJob> {
  public:
   // `echoes`: one per choice with request.echo, else empty.
