@@ -148,7 +148,8 @@ class Press final : public KvSelector {
                                                 const kernels::SelectParams& sp) {
     absl::StatusOr<at::Tensor> energy = scorer_->OutputEnergy(in);  // [1, Hkv]
     if (!energy.ok()) return energy.status();
-    absl::StatusOr<at::Tensor> ranked = kernels::PoolScores(scores, sp.pool, sp.pool_kernel, sp.pool_lookback);
+    absl::StatusOr<at::Tensor> ranked =
+        kernels::PoolScores(scores, sp.pool, sp.pool_kernel, sp.pool_lookback);
     if (!ranked.ok()) return ranked.status();
     at::Tensor order_by = ranked->is_same(scores) ? ranked->clone() : *ranked;
     if (absl::Status s = kernels::ProtectScores(order_by, sp.window, sp.num_sinks); !s.ok()) {

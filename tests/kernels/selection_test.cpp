@@ -66,6 +66,14 @@ TEST(SelectionTest, LookbackExtendsPooledScoresForward) {
   EXPECT_TRUE(at::equal(one_sided->gt(0).nonzero().select(1, 2), at::arange(3, 8, at::kLong)));
   EXPECT_EQ(PoolScores(spike, PoolType::kPoolTypeMax, 3, -1).status().code(),
             absl::StatusCode::kInvalidArgument);
+  // Selection ranks by the lookback: a budget of 5 keeps the spike and the 4 entries after it.
+  SelectParams params;
+  params.pool = PoolType::kPoolTypeNone;
+  params.window = 0;
+  params.pool_lookback = 4;
+  auto kept = SelectTopK(spike + at::arange(10, at::kFloat).view({1, 1, 10}) * 1e-3f, 5, params);
+  ASSERT_TRUE(kept.ok()) << kept.status();
+  EXPECT_TRUE(at::equal(kept->flatten(), at::arange(3, 8, at::kLong)));
 }
 
 TEST(SelectionTest, ProtectAndKeepCount) {
