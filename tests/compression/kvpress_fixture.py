@@ -12,6 +12,7 @@ inputs. Everything goes to OUT/manifest.json + OUT/*.bin.
 
 Usage: kvpress_fixture.py OUT_DIR
 """
+import itertools
 import json
 import math
 import os
@@ -88,8 +89,9 @@ def run_and_record(model, ids, press):
     return record
 
 
-def dropkv_fp64(q, k, v, keep, window=WINDOW, pool_kernel=11, eps=1e-6):
-    """algorithms.md section 1 in fp64, max pooling, window protected; sorted kept indices."""
+def dropkv_fp64(q, k, v, keep, window=WINDOW, pool_kernel=11, lookback=0, eps=1e-6):
+    """algorithms.md section 1 in fp64, max pooling, then each entry takes the largest pooled
+    score of the `lookback` entries before it, window protected; sorted kept indices."""
     q, k, v = q.double(), k.double(), v.double()
     hq, n, d = q.shape
     hkv = k.shape[0]
@@ -108,6 +110,9 @@ def dropkv_fp64(q, k, v, keep, window=WINDOW, pool_kernel=11, eps=1e-6):
           (a * a).sum(-1)[:, :, None]).clamp_min(0)
     s = (w * d2).sum(1).view(hkv, g, n).sum(1) / g  # [Hkv, n]
     s = torch.nn.functional.max_pool1d(s[:, None, :], pool_kernel, 1, pool_kernel // 2)[:, 0]
+    if lookback > 0:
+        padded = torch.nn.functional.pad(s, (lookback, 0), value=float("-inf"))
+        s = padded.unfold(-1, lookback + 1, 1).amax(-1)
     s[:, n - window:] = s.max(-1, keepdim=True).values + 1
     return s, s.topk(keep, -1).indices.sort(-1).values
 
@@ -155,13 +160,13 @@ def main():
                                         "kept": save_i64(out, tag + "_kept.bin", rec[l]["kept"])})
             manifest["presses"].append(entry)
 
-    for keep_ratio in [0.1, 0.25, 0.5]:
-        entry = {"keep_ratio": keep_ratio, "layers": []}
+    for lookback, keep_ratio in itertools.product([0, 32], [0.1, 0.25, 0.5]):
+        entry = {"keep_ratio": keep_ratio, "pooling_lookback": lookback, "layers": []}
         for l in range(cfg.num_hidden_layers):
             q, k, v = cap.layers[l]
             keep = min(NUM_TOKENS, max(int(math.floor(keep_ratio * NUM_TOKENS)), WINDOW, 1))
-            s, kept = dropkv_fp64(q, k, v, keep)
-            tag = f"dropkv_{keep_ratio}_l{l}"
+            s, kept = dropkv_fp64(q, k, v, keep, lookback=lookback)
+            tag = f"dropkv_{keep_ratio}_lb{lookback}_l{l}"
             entry["layers"].append({"scores": save(out, tag + "_scores.bin", s),
                                     "kept": save_i64(out, tag + "_kept.bin", kept)})
         manifest["dropkv"].append(entry)

@@ -167,13 +167,15 @@ TEST_F(PressParity, DropKvMatchesFp64BruteForce) {
   int num_cases = 0;
   for (const auto& entry : manifest_["dropkv"]) {
     const double keep = entry["keep_ratio"];
-    SCOPED_TRACE("keep=" + std::to_string(keep));
+    const int lookback = entry["pooling_lookback"];
+    SCOPED_TRACE("keep=" + std::to_string(keep) + " lookback=" + std::to_string(lookback));
     CompressionParams p;
     p.method = ScoreMethod::kDropKV;
     p.keep_ratio = keep;
     p.window = manifest_["window"];
     p.pooling = PoolingType::kMax;
     p.pooling_kernel = 11;
+    p.pooling_lookback = lookback;
     auto selector = CreateKvSelector(p, model_);
     ASSERT_TRUE(selector.ok()) << selector.status();
     Diff diff;
@@ -186,6 +188,7 @@ TEST_F(PressParity, DropKvMatchesFp64BruteForce) {
                                               k_[l].unsqueeze(0), v_[l].unsqueeze(0));
       ASSERT_TRUE(ref_scores.ok()) << ref_scores.status();
       kernels::SelectParams sp;  // max pooling 11, window 8
+      sp.pool_lookback = lookback;
       auto ref_idx = kernels::SelectTopK(*ref_scores, (**kept).size(1), sp);
       ASSERT_TRUE(ref_idx.ok());
       EXPECT_TRUE(at::equal((*ref_idx)[0], **kept)) << "layer " << l;
@@ -193,13 +196,13 @@ TEST_F(PressParity, DropKvMatchesFp64BruteForce) {
       CompareKept(**kept, LoadBin(FixtureDir(), ref_layer["kept"], at::kLong),
                   LoadBin(FixtureDir(), ref_layer["scores"], at::kFloat), &diff);
     }
-    std::cout << "dropkv keep=" << keep << ": " << diff.num_kept << " kept, " << diff.num_tie_diffs
+    std::cout << "dropkv keep=" << keep << " lookback " << lookback << ": " << diff.num_kept << " kept, " << diff.num_tie_diffs
               << " tie differences, " << diff.num_other_diffs << " other\n";
     EXPECT_EQ(diff.num_other_diffs, 0);
     EXPECT_LE(diff.num_tie_diffs, 0.005 * diff.num_kept);
     ++num_cases;
   }
-  EXPECT_EQ(num_cases, 3);
+  EXPECT_EQ(num_cases, 6);  // lookback 0 and 32 x 3 keep ratios
 }
 
 }  // namespace
