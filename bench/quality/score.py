@@ -52,7 +52,8 @@ def variant(r):
     if r["engine"] == "dropkv" and r["method"] == "dropkv" and (
             r.get("pooling", "max") != "max" or r.get("pooling_kernel", 11) != 11):
         v.append(f"pooling {r['pooling']}" + (f" {r['pooling_kernel']}" if r["pooling"] != "none" else ""))
-    if r.get("pooling_lookback", 0) > 0 and r["method"] == "dropkv":
+    # The engine's default lookback is 32; results written before the knob existed have none (0).
+    if r.get("pooling_lookback", 0) != 32 and r["method"] == "dropkv":
         v.append(f"lookback {r['pooling_lookback']}")
     if r.get("window", 8) != 8 and r["method"] not in ("full", "none"):
         v.append(f"W {r['window']}")

@@ -69,7 +69,9 @@ CompressionParams AutoParams(double keep_ceiling, double tolerance) {
   p.method = ScoreMethod::kDropKV;
   p.keep_ratio = keep_ceiling;
   p.tolerance = tolerance;
-  p.pooling = PoolingType::kNone;  // the order is the scores' own: the fp64 count below follows it
+  // The order is the scores' own (no pooling, no lookback): the fp64 count below follows it.
+  p.pooling = PoolingType::kNone;
+  p.pooling_lookback = 0;
   return p;
 }
 
