@@ -196,8 +196,9 @@ TEST_F(PressParity, DropKvMatchesFp64BruteForce) {
       CompareKept(**kept, LoadBin(FixtureDir(), ref_layer["kept"], at::kLong),
                   LoadBin(FixtureDir(), ref_layer["scores"], at::kFloat), &diff);
     }
-    std::cout << "dropkv keep=" << keep << " lookback " << lookback << ": " << diff.num_kept << " kept, " << diff.num_tie_diffs
-              << " tie differences, " << diff.num_other_diffs << " other\n";
+    std::cout << "dropkv keep=" << keep << " lookback " << lookback << ": " << diff.num_kept
+              << " kept, " << diff.num_tie_diffs << " tie differences, " << diff.num_other_diffs
+              << " other\n";
     EXPECT_EQ(diff.num_other_diffs, 0);
     EXPECT_LE(diff.num_tie_diffs, 0.005 * diff.num_kept);
     ++num_cases;
