@@ -166,19 +166,27 @@ absl::Status BlockPool::ForkSequence(int64_t src, int64_t dst, std::vector<Block
   if (!HasSequence(src)) return absl::NotFoundError(absl::StrCat("unknown sequence ", src));
   if (HasSequence(dst)) return absl::AlreadyExistsError(absl::StrCat("sequence ", dst, " exists"));
   SequenceBlocks s = sequence(src);
-  int64_t num_partial = 0;
+  // A ring (sliding layer) is rewritten in place: it is copied whole. Other layers share their
+  // full blocks and copy the last partial one.
+  int64_t num_fresh = 0;
   for (int32_t l = 0; l < num_layers(); ++l) {
-    if (capacity(l) > 0) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "fork: layer ", l, " is a ring (rewritten in place): nothing can be shared"));
-    }
-    num_partial += s.layers[l].stored_len % block_size() != 0;
+    const LayerBlockTable& t = s.layers[l];
+    num_fresh += capacity(l) > 0 ? static_cast<int64_t>(t.block_ids.size())
+                                 : t.stored_len % block_size() != 0;
   }
-  auto fresh = AllocateBlocks(num_partial);
+  auto fresh = AllocateBlocks(num_fresh);
   if (!fresh.ok()) return fresh.status();
   copies->clear();
   size_t next = 0;
-  for (auto& t : s.layers) {
+  for (int32_t l = 0; l < num_layers(); ++l) {
+    LayerBlockTable& t = s.layers[l];
+    if (capacity(l) > 0) {
+      for (int32_t& b : t.block_ids) {
+        copies->push_back({b, (*fresh)[next]});
+        b = (*fresh)[next++];
+      }
+      continue;
+    }
     const auto num_full = static_cast<size_t>(t.stored_len / block_size());
     t.block_ids.resize(BlocksFor(t.stored_len));  // (a table may hold an empty block past them)
     RetainBlocks(std::span(t.block_ids).first(num_full));

@@ -119,11 +119,11 @@ class BlockPool {
   struct BlockCopy {
     int32_t from = -1, to = -1;
   };
-  // Registers `dst` holding what `src` holds (same lengths, every layer unbounded): its full blocks
-  // shared (a reference is taken), each layer's last partial block replaced by a fresh one that
-  // the caller fills with `copies` (from -> to) before either sequence writes again, so appends of
-  // either never touch a block the other holds. All-or-nothing (RESOURCE_EXHAUSTED for the fresh
-  // blocks); FAILED_PRECONDITION for a pool with bounded layers.
+  // Registers `dst` holding what `src` holds (same lengths): an unbounded layer's full blocks
+  // shared (a reference is taken) and its last partial block replaced by a fresh one, a bounded
+  // layer's ring (rewritten in place) replaced by fresh blocks whole; the caller fills the fresh
+  // blocks with `copies` (from -> to) before either sequence writes again, so writes of either
+  // never touch a block the other holds. All-or-nothing (RESOURCE_EXHAUSTED for the fresh blocks).
   absl::Status ForkSequence(int64_t src, int64_t dst, std::vector<BlockCopy>* copies);
   // Drops `seq`'s reference to each of its blocks and forgets it; unknown ids are ignored.
   void FreeSequence(int64_t seq);

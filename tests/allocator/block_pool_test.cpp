@@ -219,6 +219,48 @@ TEST(BlockPoolTest, ManySequencesNoLeak) {
   }
 }
 
+// A fork copies a bounded layer's ring whole (it is rewritten in place) and shares the other
+// layers' full blocks: writing either ring never touches the other's.
+TEST(BlockPoolTest, ForkCopiesARingWhole) {
+  BlockPoolOptions o;
+  o.num_blocks = 20;
+  o.block_size = 4;
+  o.num_layers = 2;
+  o.allocate_storage = false;
+  o.layer_capacity = {6, 0};
+  auto created = BlockPool::Create(o);
+  ASSERT_TRUE(created.ok()) << created.status();
+  auto& pool = *created;
+  ASSERT_TRUE(pool->AddSequence(1).ok());
+  ASSERT_TRUE(pool->AppendLayerSlots(1, 0, 9).ok());  // a full ring of 6: 2 blocks
+  ASSERT_TRUE(pool->AppendLayerSlots(1, 1, 9).ok());  // 2 full blocks + 1 partial
+  pool->set_logical_len(1, 9);
+  std::vector<BlockPool::BlockCopy> copies;
+  ASSERT_TRUE(pool->ForkSequence(1, 2, &copies).ok());
+  ASSERT_EQ(copies.size(), 3u);  // the ring's 2 blocks, the partial one
+  const auto& ring1 = pool->table(1, 0).block_ids;
+  const auto& ring2 = pool->table(2, 0).block_ids;
+  ASSERT_EQ(ring2.size(), 2u);
+  for (size_t b = 0; b < 2; ++b) {
+    EXPECT_NE(ring1[b], ring2[b]);
+    EXPECT_EQ(copies[b].from, ring1[b]);
+    EXPECT_EQ(copies[b].to, ring2[b]);
+    EXPECT_EQ(pool->ref_count(ring1[b]), 1);
+  }
+  EXPECT_EQ(pool->table(2, 1).block_ids[0], pool->table(1, 1).block_ids[0]);
+  EXPECT_EQ(pool->stored_len(2, 0), 6);
+  EXPECT_EQ(pool->num_used_blocks(), 5 + 3);
+  // Not enough blocks for the copies: nothing changes.
+  o.num_blocks = 6;
+  auto tight = BlockPool::Create(o);
+  ASSERT_TRUE(tight.ok());
+  ASSERT_TRUE((*tight)->AddSequence(1).ok());
+  ASSERT_TRUE((*tight)->AppendLayerSlots(1, 0, 9).ok());
+  ASSERT_TRUE((*tight)->AppendLayerSlots(1, 1, 9).ok());
+  EXPECT_EQ((*tight)->ForkSequence(1, 2, &copies).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_FALSE((*tight)->HasSequence(2));
+}
+
 // A bounded layer (a sliding window's ring) grows to its capacity, then keeps its blocks; the
 // others grow; the decode undo of a full ring leaves it full.
 TEST(BlockPoolTest, BoundedLayerStopsGrowingAtCapacity) {
