@@ -43,6 +43,22 @@ absl::Status ValidateCompression(const CompressionParams& p, int32_t num_layers)
                      "scores; method ",
                      std::string(ScoreMethodName(p.method)), " has none"));
   }
+  if (p.scoring_queries == ScoringQueries::kReplay) {
+    if (p.method != ScoreMethod::kDropKV) {
+      return Invalid(absl::StrCat("scoring_queries: replay scores with DropKV; method ",
+                                  std::string(ScoreMethodName(p.method)),
+                                  " has no replay scoring"));
+    }
+    if (p.chunk_policy != ChunkPolicy::kLastChunk) {
+      return Invalid(
+          absl::StrCat("scoring_queries: replay scores the whole prompt once, after "
+                       "its last chunk; chunk_policy must be last_chunk, got ",
+                       std::string(ChunkPolicyName(p.chunk_policy))));
+    }
+    if (p.tolerance > 0) {
+      return Invalid("scoring_queries: replay takes a fixed budget; tolerance must be 0");
+    }
+  }
   if (AllocatorNeedsProfile(p.allocator) && p.profile_path.empty()) {
     return Invalid(absl::StrCat("profile_path: required by allocator ",
                                 std::string(BudgetAllocatorName(p.allocator))));

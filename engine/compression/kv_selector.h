@@ -28,6 +28,14 @@ struct LayerKvView {
   at::Tensor values;
   at::Tensor positions;  // int64 [Hkv, n]
   bool is_last_chunk = true;
+  // Replay scoring (CompressionParams::scoring_queries kReplay): the prompt's chunks (kPrompt)
+  // store everything; then the runner feeds the prompt again after itself, a replay chunk at a
+  // time on a scratch copy (kReplay: `queries` are the replay chunk's, keys the prompt's
+  // `replayed_len` entries followed by the replay chunk's, nothing is stored from the selection),
+  // and last asks each layer's selection over the stored prompt (kReplaySelect: no queries).
+  enum class Pass { kPrompt, kReplay, kReplaySelect };
+  Pass pass = Pass::kPrompt;
+  int64_t replayed_len = 0;  // kReplay: the prompt's entries, the first of `keys`
   // Optional, set only when the selector asks for them (KvSelector::num_attention_rows) and the
   // prefill attention produced an LSE (CUDA: cuDNN or FA2): the chunk's last w = min(asked,
   // chunk_len) rows of this layer's attention output, [Hq, w, D] in the model dtype (a view,

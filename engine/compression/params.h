@@ -34,6 +34,12 @@ enum class BudgetAllocator { kUniform, kPyramid, kMLP, kMGA, kMLMA2, kMLMA4, kML
 // When to compress during chunked prefill (algorithms.md section 5).
 enum class ChunkPolicy { kLastChunk, kEveryChunk, kBudget };
 enum class PoolingType { kMax, kAvg, kNone };
+// Which queries score the cache (docs/compression.md, "Question-independent scoring").
+enum class ScoringQueries { kWindow, kReplay };
+
+// Replay scoring feeds the prompt again in chunks of this many tokens, each after the whole
+// prompt (what one chunk adds to the cache bounds the replay's memory).
+inline constexpr int64_t kReplayChunkTokens = 2048;
 
 // Compression settings of one request. One canonical budget form: keep_ratio (fraction kept);
 // compression ratio and absolute token budgets are converted at the edge.
@@ -53,6 +59,11 @@ struct CompressionParams {
   // by its first tokens, read to its end during decode). 0 = symmetric pooling only. 32 won the
   // held-out A/B of docs/quality.md (UUID needles go from none answered to the full cache's).
   int32_t pooling_lookback = 32;
+  // kWindow: the prompt's last `window` queries (the question, when it ends the prompt). kReplay:
+  // the queries of the prompt fed again after itself, each entry scored by what reproducing the
+  // prompt reads of it; it does not depend on a question, for a document or a kept conversation
+  // that later questions read (KVzip's idea). Costs one more prefill of the prompt. DropKV only.
+  ScoringQueries scoring_queries = ScoringQueries::kWindow;
   bool protect_sinks = false;
   int32_t num_sinks = 4;
   ChunkPolicy chunk_policy = ChunkPolicy::kLastChunk;
@@ -104,6 +115,10 @@ inline constexpr std::array<NamedValue<PoolingType>, 3> kPoolingTypeNames{{
     {PoolingType::kMax, "max"},
     {PoolingType::kAvg, "avg"},
     {PoolingType::kNone, "none"},
+}};
+inline constexpr std::array<NamedValue<ScoringQueries>, 2> kScoringQueriesNames{{
+    {ScoringQueries::kWindow, "window"},
+    {ScoringQueries::kReplay, "replay"},
 }};
 
 // MGA and the MLMA hybrids read a per-layer profile (CompressionParams::profile_path).

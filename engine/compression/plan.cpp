@@ -71,6 +71,10 @@ absl::StatusOr<Simulation> Simulate(const CompressionParams& c, int64_t prompt_l
     const bool is_last = end == prompt_len;
     std::vector<int64_t> budgets;
     int64_t blocks_after = 0;
+    // Replay scoring (the last chunk): what the replay's copy and the compaction add.
+    const bool replay = c.scoring_queries == ScoringQueries::kReplay && is_last;
+    const int64_t replay_len = std::min(kReplayChunkTokens, prompt_len - cached);
+    int64_t replay_blocks = 0, kept_blocks = 0;
     for (int64_t l = 0; l < layers; ++l) {
       const int64_t n = sim.stored[l] + t_len;
       int64_t keep = n;
@@ -86,7 +90,14 @@ absl::StatusOr<Simulation> Simulate(const CompressionParams& c, int64_t prompt_l
         }
         keep = std::min(budgets[l], n);
       }
-      if (keep < n) {  // new blocks for the kept entries; the old ones go at commit
+      if (keep < n && replay) {
+        // The chunk is stored in full, the replay chunk added to a copy (its partial block
+        // copied), then the kept entries written into new blocks: both transient until commit.
+        chunk.evicts = true;
+        chunk.new_blocks += g.BlocksFor(n) - g.BlocksFor(sim.stored[l]);
+        replay_blocks += g.BlocksFor(n + replay_len) - g.BlocksFor(n) + (n % g.block_size != 0);
+        kept_blocks += g.BlocksFor(keep);
+      } else if (keep < n) {  // new blocks for the kept entries; the old ones go at commit
         chunk.evicts = true;
         chunk.new_blocks += g.BlocksFor(keep);
       } else {
@@ -98,6 +109,12 @@ absl::StatusOr<Simulation> Simulate(const CompressionParams& c, int64_t prompt_l
     const int64_t ring_before = g.BlocksFor(std::min(begin, g.sliding_capacity));
     const int64_t ring_after = g.BlocksFor(std::min(end, g.sliding_capacity));
     chunk.new_blocks += g.num_sliding_layers * (ring_after - ring_before);
+    // The replay's copy holds its own rings (ModelRunner::ForkSequence copies them whole).
+    if (replay_blocks > 0) {
+      replay_blocks +=
+          g.num_sliding_layers * g.BlocksFor(std::min(end + replay_len, g.sliding_capacity));
+    }
+    chunk.new_blocks += std::max(replay_blocks, kept_blocks);
     blocks_after += g.num_sliding_layers * ring_after;
     sim.peak_blocks = std::max(sim.peak_blocks, held + chunk.new_blocks);
     held = blocks_after;

@@ -102,8 +102,28 @@ class Press final : public KvSelector {
     // Batched views for the kernels: [1, H, ., D].
     const ScorerInput in{v, v.queries.unsqueeze(0), v.keys.unsqueeze(0), v.values.unsqueeze(0),
                          v.queries.size(1)};
-    if (absl::Status s = scorer_->Observe(in); !s.ok()) return s;
-    if (!ShouldCompress(v, n)) return std::optional<at::Tensor>();
+    const bool replay = params_.scoring_queries == ScoringQueries::kReplay;
+    if (replay) {
+      // The prompt's chunks store everything; the replay's sum scores the prompt's entries.
+      replay_scores_.resize(model_.num_layers);
+      if (v.pass == LayerKvView::Pass::kPrompt) {
+        if (v.is_last_chunk) replay_scores_[v.layer_idx] = at::Tensor();  // a new replay follows
+        return std::optional<at::Tensor>();
+      }
+      if (v.pass == LayerKvView::Pass::kReplay) {
+        absl::StatusOr<at::Tensor> part = scorer_->ReplayScore(in, v.replayed_len);
+        if (!part.ok()) return part.status();
+        at::Tensor& sum = replay_scores_[v.layer_idx];
+        sum = sum.defined() ? sum.add_(*part) : *part;
+        return std::optional<at::Tensor>();
+      }
+    } else {
+      if (v.pass != LayerKvView::Pass::kPrompt) {
+        return absl::InvalidArgumentError("LayerKvView: a replay pass for a window press");
+      }
+      if (absl::Status s = scorer_->Observe(in); !s.ok()) return s;
+      if (!ShouldCompress(v, n)) return std::optional<at::Tensor>();
+    }
 
     absl::StatusOr<std::vector<int64_t>> budgets = Budgets(v.logical_len);
     if (!budgets.ok()) return budgets.status();
@@ -112,7 +132,8 @@ class Press final : public KvSelector {
     if (keep >= n && !automatic) return std::optional<at::Tensor>();
     if (keep < 1) return absl::InternalError("layer budget below 1 token");
 
-    absl::StatusOr<at::Tensor> scores = scorer_->Score(in);
+    absl::StatusOr<at::Tensor> scores =
+        replay ? ReplayedScores(v.layer_idx, n) : scorer_->Score(in);
     if (!scores.ok()) return scores.status();
     if (v.reduce_scores) {
       if (absl::Status s = v.reduce_scores(*scores); !s.ok()) return s;
@@ -168,11 +189,23 @@ class Press final : public KvSelector {
     return fewest;
   }
 
+  // A layer's summed replay scores (kReplaySelect), moved out: one selection per replay.
+  absl::StatusOr<at::Tensor> ReplayedScores(int32_t layer_idx, int64_t n) {
+    if (static_cast<size_t>(layer_idx) >= replay_scores_.size() ||
+        !replay_scores_[layer_idx].defined() || replay_scores_[layer_idx].size(2) != n) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("replay scoring: no replay scores for layer ", layer_idx, "'s ", n,
+                       " entries (the runner selects after the prompt's replay)"));
+    }
+    return std::move(replay_scores_[layer_idx]);
+  }
+
   CompressionParams params_;
   PressModelInfo model_;
   std::unique_ptr<Scorer> scorer_;
   BudgetRounding rounding_;
   std::optional<LayerProfile> profile_;
+  std::vector<at::Tensor> replay_scores_;  // [layer] fp32 [1, Hkv, prompt entries]
 };
 
 // Checks `params` against `model` and loads the profile MGA / MLMA need (`profile` when given,

@@ -217,6 +217,11 @@ std::vector<Field> MakeFields() {
                      kMaxPoolingKernel,
                      "entries after a high pooled score that share it (keeps a value's "
                      "continuation); 0 = none"));
+  v.push_back(EnumRow("scoring_queries", "scoring-queries", &P::scoring_queries,
+                      kScoringQueriesNames,
+                      "the queries that score the cache (dropkv): the prompt's last W (window) or "
+                      "the prompt fed again after itself, question-independent (replay: one more "
+                      "prefill of the prompt)"));
   {
     Field f = NewField("protect_sinks", "protect-sinks", FieldKind::kBool,
                        "never evict the first num_sinks tokens (StreamingLLM always keeps them)");

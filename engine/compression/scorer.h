@@ -56,6 +56,13 @@ class Scorer {
   virtual absl::StatusOr<at::Tensor> Score(const ScorerInput& in) = 0;
   // The entries a layer kept after Score (int64 [Hkv, k], ascending): state that follows the cache.
   virtual void Kept(int32_t /*layer_idx*/, const at::Tensor& /*kept*/) {}
+  // Replay scoring: the scores of the first `num_entries` entries (the prompt's) by every query of
+  // a replay chunk (in.view.pass kReplay), fp32 [1, Hkv, num_entries]; the press sums them over
+  // the replay chunks. Only scorers that can score by any queries have it.
+  virtual absl::StatusOr<at::Tensor> ReplayScore(const ScorerInput& /*in*/,
+                                                 int64_t /*num_entries*/) {
+    return absl::UnimplementedError("this scorer has no replay scoring");
+  }
   virtual SelectionRule Selection() const = 0;
   // What an automatic budget (CompressionParams::tolerance) measures removals against: the
   // squared norm of the window queries' attention outputs, in the score's units (summed over the

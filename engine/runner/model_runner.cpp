@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <numeric>
 #include <optional>
@@ -84,12 +85,13 @@ class TorchModelRunner;
 class PrefillBackend : public AttentionBackend {
  public:
   PrefillBackend(TorchModelRunner& runner, SequenceId seq, int64_t start_pos, bool is_last_chunk,
-                 KvSelector* selector)
+                 KvSelector* selector, LayerKvView::Pass pass)
       : runner_(runner),
         seq_(seq),
         start_pos_(start_pos),
         is_last_chunk_(is_last_chunk),
-        selector_(selector) {}
+        selector_(selector),
+        pass_(pass) {}
   absl::StatusOr<at::Tensor> Attend(int32_t layer_idx, const at::Tensor& q, const at::Tensor& k,
                                     const at::Tensor& v) override;
   std::vector<int32_t>& deferred_free() { return deferred_free_; }
@@ -102,6 +104,7 @@ class PrefillBackend : public AttentionBackend {
   int64_t start_pos_;
   bool is_last_chunk_;
   KvSelector* selector_;
+  LayerKvView::Pass pass_;
   std::vector<int32_t> deferred_free_;         // old blocks of compacted layers, freed on commit
   std::unique_ptr<DeviceTimer> device_timer_;  // CUDA: events around each Select, no host sync
   double host_seconds_ = 0;                    // CPU: wall time of each Select
@@ -331,6 +334,10 @@ class TorchModelRunner : public ModelRunner {
       ASSIGN_OR_RETURN(KvSelector * selector, SelectorFor(c.seq, *c.compression));
       work.push_back({c.seq, c.tokens, c.is_last_chunk, selector, c.return_prompt_logprobs,
                       c.num_top_logprobs});
+      if (selector != nullptr && c.compression->scoring_queries == ScoringQueries::kReplay) {
+        const std::vector<int32_t>& fed = RecordReplayTokens(c.seq, c.tokens);
+        if (c.is_last_chunk) work.back().replay_tokens = &fed;
+      }
     }
     const std::vector<int64_t> ids(decode_seqs.begin(), decode_seqs.end());
     auto logits = Forward(ids, decode_tokens, work);
@@ -339,6 +346,7 @@ class TorchModelRunner : public ModelRunner {
       for (const PrefillChunk& c : chunks) {
         if (!c.is_last_chunk) continue;
         selectors_.erase(c.seq);
+        replay_tokens_.erase(c.seq);
         SetDecodeCompression(c.seq, *c.compression);
       }
       CompressDuringDecode(ids);
@@ -430,6 +438,10 @@ class TorchModelRunner : public ModelRunner {
     KvSelector* selector;
     bool return_prompt_logprobs = false;
     int32_t num_top_logprobs = 0;
+    LayerKvView::Pass pass = LayerKvView::Pass::kPrompt;
+    // A last chunk whose press scores by a replay (CompressionParams::scoring_queries): the
+    // tokens to replay, the ones this sequence's prefill fed.
+    const std::vector<int32_t>* replay_tokens = nullptr;
   };
 
   // A prompt's logprobs so far, on the device: per chunk the logprobs of its tokens (from the
@@ -487,6 +499,75 @@ class TorchModelRunner : public ModelRunner {
     return selector.get();
   }
 
+  // --- replay scoring (CompressionParams::scoring_queries kReplay) ------------------------------
+
+  // Appends a chunk to the tokens `seq`'s prefill fed (a chunk fed again after a failed step
+  // replaces what it fed); returns them.
+  const std::vector<int32_t>& RecordReplayTokens(SequenceId seq, std::span<const int32_t> chunk) {
+    const int64_t start = pool_->HasSequence(seq) ? pool_->logical_len(seq) : 0;
+    FedTokens& fed = replay_tokens_[seq];
+    if (fed.tokens.empty() || start < fed.begin) {
+      fed.begin = start;
+      fed.tokens.clear();
+    }
+    fed.tokens.resize(static_cast<size_t>(start - fed.begin));
+    fed.tokens.insert(fed.tokens.end(), chunk.begin(), chunk.end());
+    return fed.tokens;
+  }
+
+  // The press of `seq` scores its stored entries by `tokens` fed again after them (in chunks of
+  // kReplayChunkTokens, each on a scratch copy of the sequence that is dropped after), then each
+  // global layer keeps what the press selects from the summed scores. The old blocks of the
+  // compacted layers go to `old` (freed by the caller on commit). Nothing to do when every layer
+  // is within its budget.
+  absl::Status ReplayAndSelect(SequenceId seq, KvSelector& press,
+                               const std::vector<int32_t>& tokens, std::vector<int32_t>& old) {
+    ASSIGN_OR_RETURN(std::vector<int64_t> budgets, press.Budgets(pool_->logical_len(seq)));
+    bool evicts = false;
+    for (int32_t l = 0; l < config().num_layers; ++l) {
+      const int32_t g = global_index(l);
+      if (g >= 0 && static_cast<size_t>(g) < budgets.size())
+        evicts |= budgets[g] < pool_->stored_len(seq, l);
+    }
+    if (!evicts || tokens.empty()) return absl::OkStatus();
+    constexpr SequenceId kScratch = std::numeric_limits<SequenceId>::min();
+    for (size_t begin = 0; begin < tokens.size(); begin += kReplayChunkTokens) {
+      const size_t len = std::min<size_t>(kReplayChunkTokens, tokens.size() - begin);
+      if (absl::Status st = ForkSequence(seq, kScratch); !st.ok()) {
+        return absl::Status(st.code(), absl::StrCat("scoring_queries replay: ", st.message()));
+      }
+      ChunkWork replay{kScratch, std::span<const int32_t>(tokens).subspan(begin, len),
+                       /*is_last_chunk=*/false, &press};
+      replay.pass = LayerKvView::Pass::kReplay;
+      absl::StatusOr<at::Tensor> done = Forward({}, {}, std::span<const ChunkWork>(&replay, 1));
+      Release(kScratch);
+      RETURN_IF_ERROR(done.status());
+    }
+    const int64_t hq = config().num_heads;
+    for (int32_t l = 0; l < config().num_layers; ++l) {
+      if (config().is_sliding(l)) continue;
+      auto [k, v] = GatherLayer(seq, l);
+      ASSIGN_OR_RETURN(at::Tensor pos, StoredPositions(seq, l));
+      LayerKvView view;
+      view.layer_idx = global_index(l);
+      view.num_layers = config().num_global_layers();
+      view.logical_len = pool_->logical_len(seq);
+      view.queries = at::empty({hq, 0, k.size(2)}, k.options());
+      view.keys = k;
+      view.values = v;
+      view.positions = pos;
+      view.pass = LayerKvView::Pass::kReplaySelect;
+      view.reduce_scores = score_reducer();
+      view.max_over_ranks = rank_max();
+      ASSIGN_OR_RETURN(std::optional<at::Tensor> kept, press.Select(view));
+      if (!kept) continue;
+      std::vector<int32_t> replaced;  // StoreKept hands back this layer's old blocks
+      RETURN_IF_ERROR(StoreKept(seq, l, k, v, pos, *kept, /*in_place=*/false, &replaced));
+      old.insert(old.end(), replaced.begin(), replaced.end());
+    }
+    return absl::OkStatus();
+  }
+
   // --- compression during decode (CompressionParams::decode_margin) ----------------------------
   // The policy (when, which layers) is compression::DecodeCompression's; here: the query ring,
   // gathering a layer and storing what the press keeps.
@@ -502,7 +583,10 @@ class TorchModelRunner : public ModelRunner {
     decode_presses_.erase(seq);
     query_ring_.Remove(seq);
     if (!compression::DecodeCompression::Enabled(compression)) return;
-    auto press = factory_(compression, config());  // SelectorFor made one already: a factory
+    // Decode steps score with their own last W queries: a window press whatever the prefill's.
+    CompressionParams decode_compression = compression;
+    decode_compression.scoring_queries = ScoringQueries::kWindow;
+    auto press = factory_(decode_compression, config());  // SelectorFor made one: a factory
     absl::Status st = press.ok() ? query_ring_.Add(seq, compression.window) : press.status();
     if (!st.ok()) {
       LogWarn(absl::StrCat("sequence ", seq, ": no compression during decode: ", st.ToString()));
@@ -665,8 +749,8 @@ class TorchModelRunner : public ModelRunner {
         positions.push_back(at::arange(start, start + n, long_opts));
         max_pos = std::max(max_pos, start + n - 1);
         starts.push_back(start);
-        prefills.push_back(
-            std::make_unique<PrefillBackend>(*this, c.seq, start, c.is_last_chunk, c.selector));
+        prefills.push_back(std::make_unique<PrefillBackend>(*this, c.seq, start, c.is_last_chunk,
+                                                            c.selector, c.pass));
         segments.push_back({prefills.back().get(), n});
       }
       MixedBackend mixed(segments);
@@ -691,6 +775,16 @@ class TorchModelRunner : public ModelRunner {
         offset += static_cast<size_t>(n);
       }
       for (auto& [seq, parts] : scored) prompt_logprobs_[seq] = std::move(parts);
+      // Replay scoring, over the prompt as stored (its logical length moved on; a failure
+      // restores it with the rest): the old blocks of the layers it compacts go at commit.
+      for (size_t i = 0; i < chunks.size(); ++i) {
+        if (chunks[i].replay_tokens == nullptr) continue;
+        pool_->set_logical_len(chunks[i].seq,
+                               starts[i] + static_cast<int64_t>(chunks[i].tokens.size()));
+        absl::Status st = ReplayAndSelect(chunks[i].seq, *chunks[i].selector,
+                                          *chunks[i].replay_tokens, prefills[i]->deferred_free());
+        if (!st.ok()) return fail(st);
+      }
       // Commit: the old blocks of compacted layers go, lengths move on.
       std::vector<int64_t> rows(decode_ids.size());
       std::iota(rows.begin(), rows.end(), int64_t{0});
@@ -788,6 +882,7 @@ class TorchModelRunner : public ModelRunner {
     pool_->FreeSequence(seq);
     positions_.erase(seq);
     selectors_.erase(seq);
+    replay_tokens_.erase(seq);
     compression_seconds_.erase(seq);
     decode_presses_.erase(seq);
     query_ring_.Remove(seq);
@@ -1173,6 +1268,12 @@ class TorchModelRunner : public ModelRunner {
   std::unique_ptr<BlockPool> pool_;
   KvSelectorFactory factory_;
   std::unordered_map<SequenceId, std::unique_ptr<KvSelector>> selectors_;  // until the last chunk
+  // A replay press's sequence: the position of its first fed token and the tokens fed since.
+  struct FedTokens {
+    int64_t begin = 0;
+    std::vector<int32_t> tokens;
+  };
+  std::unordered_map<SequenceId, FedTokens> replay_tokens_;     // until the last chunk
   std::unordered_map<SequenceId, double> compression_seconds_;  // selector time of committed chunks
   std::unordered_map<SequenceId, PromptLogprobParts> prompt_logprobs_;  // until taken or released
   std::unordered_map<SequenceId, compression::DecodeCompression> decode_presses_;
@@ -1242,6 +1343,8 @@ absl::StatusOr<at::Tensor> PrefillBackend::Attend(int32_t layer_idx, const at::T
     view.values = all_v;
     view.positions = all_pos;
     view.is_last_chunk = is_last_chunk_;
+    view.pass = pass_;
+    if (pass_ == LayerKvView::Pass::kReplay) view.replayed_len = stored;  // the prompt's entries
     view.reduce_scores = runner_.score_reducer();
     view.max_over_ranks = runner_.rank_max();
     if (const int64_t rows = std::min(selector_->num_attention_rows(), t_len);

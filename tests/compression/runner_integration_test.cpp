@@ -5,9 +5,12 @@
 // prefill against one pass also on a Gemma-3-shaped model with sliding layers (random weights).
 #include <ATen/ATen.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iostream>
+#include <limits>
 #include <numeric>
 
 #include <gtest/gtest.h>
@@ -18,6 +21,7 @@
 #include "engine/compression/press.h"
 #include "engine/model/config.h"
 #include "engine/runner/model_runner.h"
+#include "kernels/selection.h"
 #include "tests/common/test_env.h"
 
 namespace dropkv::compression {
@@ -222,7 +226,7 @@ TEST(RunnerIntegration, LastChunkPrefillKeepsWhatOnePassKeeps) {
 // compressed) between global ones, so the presses see the global layers numbered 0..G-1 and H2O's
 // column sums must carry over chunks of the global layers only. Random weights at a small geometry;
 // prompt longer than the window.
-TEST(RunnerIntegration, LastChunkPrefillKeepsWhatOnePassKeepsWithSlidingLayers) {
+std::unique_ptr<ModelRunner> GemmaShapedRunner(int64_t num_blocks) {
   const auto dir = testing::ScratchDir("runner-gemma3-sliding");
   std::ofstream(dir / "config.json") << R"({
     "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 256,
@@ -236,22 +240,27 @@ TEST(RunnerIntegration, LastChunkPrefillKeepsWhatOnePassKeepsWithSlidingLayers) 
     "rms_norm_eps": 1e-6, "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": true,
     "bos_token_id": 2, "eos_token_id": 1, "torch_dtype": "float32"
   })";
+  RunnerOptions o;
+  o.model_dir = dir.string();
+  o.random_weights = true;
+  o.random_seed = 3;
+  o.num_kv_blocks = num_blocks;
+  auto created = ModelRunner::Create(o);
+  EXPECT_TRUE(created.ok()) << created.status();
+  if (!created.ok()) return nullptr;
+  (*created)->SetKvSelectorFactory(&CreateKvSelectorForModel);
+  return std::move(*created);
+}
+
+TEST(RunnerIntegration, LastChunkPrefillKeepsWhatOnePassKeepsWithSlidingLayers) {
   const int64_t n = 300, chunk = 64;
   const auto prompt = Prompt(n, 5);
   for (ScoreMethod m :
        {ScoreMethod::kH2O, ScoreMethod::kKNorm, ScoreMethod::kDropKV, ScoreMethod::kSnapKV}) {
     SCOPED_TRACE(std::string(ScoreMethodName(m)));
-    RunnerOptions o;
-    o.model_dir = dir.string();
-    o.random_weights = true;
-    o.random_seed = 3;
-    o.num_kv_blocks = 1024;
-    auto created = ModelRunner::Create(o);
-    ASSERT_TRUE(created.ok()) << created.status();
-    auto runner = std::move(*created);
-    runner->SetKvSelectorFactory(&CreateKvSelectorForModel);
-    const ModelConfig& config = runner->config();
-    ASSERT_EQ(config.num_global_layers(), 2);
+    auto runner = GemmaShapedRunner(1024);
+    ASSERT_NE(runner, nullptr);
+    ASSERT_EQ(runner->config().num_global_layers(), 2);
     ExpectChunkedPrefillKeepsWhatOnePassKeeps(*runner, m, prompt, chunk);
   }
 }
@@ -400,9 +409,163 @@ TEST(RunnerIntegration, H2oAccumulatesAcrossChunksThroughPrefill) {
 // sequence holds the plan's blocks_after, and a pool of exactly the plan's peak runs the whole
 // prefill while one block less runs out, for one pass, step chunks, every_chunk, budget and an
 // uncompressed prompt.
-TEST(RunnerIntegration, PlanCountsTheRunnersBlocksExactly) {
-  const int64_t n = 300;
+// Records every layer's view of one prefill (queries, keys, values), keeping everything.
+class ViewRecorder final : public KvSelector {
+ public:
+  absl::StatusOr<std::optional<at::Tensor>> Select(const LayerKvView& view) override {
+    if (queries.size() <= static_cast<size_t>(view.layer_idx)) {
+      queries.resize(view.layer_idx + 1);
+      keys.resize(view.layer_idx + 1);
+      values.resize(view.layer_idx + 1);
+    }
+    queries[view.layer_idx] = view.queries.to(at::kDouble);
+    keys[view.layer_idx] = view.keys.to(at::kDouble);
+    values[view.layer_idx] = view.values.to(at::kDouble);
+    return std::optional<at::Tensor>();
+  }
+  std::vector<at::Tensor> queries, keys, values;
+};
+
+// DropKV scores (algorithms.md section 1) of entries [0, num_entries) by the query rows
+// [first_row, end) of one layer's view, in fp64: row r sits at entry r and sees entries <= r.
+at::Tensor Fp64DropKvScores(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            int64_t first_row, int64_t num_entries) {
+  const int64_t hq = q.size(0), hkv = k.size(0), g = hq / hkv, end = q.size(1);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(2)));
+  at::Tensor sum = at::zeros({hkv, num_entries}, k.options());
+  for (int64_t begin = first_row; begin < end; begin += 256) {
+    const int64_t rows = std::min<int64_t>(256, end - begin);
+    const int64_t seen = begin + rows;
+    const at::Tensor kk = k.narrow(1, 0, seen).repeat_interleave(g, 0);  // [Hq, seen, D]
+    const at::Tensor vv = v.narrow(1, 0, seen).repeat_interleave(g, 0);
+    at::Tensor logits = at::matmul(q.narrow(1, begin, rows), kk.transpose(1, 2)) * scale;
+    const at::Tensor row_pos = at::arange(begin, seen, logits.options().dtype(at::kLong));
+    const at::Tensor col = at::arange(seen, logits.options().dtype(at::kLong));
+    logits = logits.masked_fill(col.unsqueeze(0) > row_pos.unsqueeze(1),
+                                -std::numeric_limits<double>::infinity());
+    const at::Tensor prob = at::softmax(logits, -1);  // [Hq, rows, seen]
+    const at::Tensor out = at::matmul(prob, vv);      // [Hq, rows, D]
+    const at::Tensor d2 = (vv.pow(2).sum(-1).unsqueeze(1) -
+                           2 * at::matmul(out, vv.transpose(1, 2)) + out.pow(2).sum(-1, true))
+                              .clamp_min(0);
+    const at::Tensor w = (prob / (1 - prob + 1e-6)).pow(2);
+    const at::Tensor per_head = (w * d2).sum(1).narrow(1, 0, num_entries);  // [Hq, entries]
+    sum += per_head.reshape({hkv, g, num_entries}).mean(1);
+  }
+  return sum;
+}
+
+// Replay scoring keeps, in every layer, what an fp64 brute force of its definition keeps: the
+// prompt fed again after itself in chunks of kReplayChunkTokens (each after the whole prompt, as
+// one forward of prompt + chunk), every replay query's DropKV scores of the prompt's entries
+// summed over the chunks, then the press's selection (pooling, lookback, window, budget). Two
+// chunks here. The same prompt scored by its last W queries keeps other entries.
+TEST(RunnerIntegration, ReplayScoringKeepsWhatAnFp64ReplayKeeps) {
+  const int64_t n = kReplayChunkTokens + 452;
+  const auto prompt = Prompt(n, 21);
+  auto runner = DemoRunner(4096);
+  ASSERT_NE(runner, nullptr);
+  CompressionParams p;
+  p.method = ScoreMethod::kDropKV;
+  p.keep_ratio = 0.1;
+  p.scoring_queries = ScoringQueries::kReplay;
+  ASSERT_TRUE(runner->Prefill(1, prompt, true, p).ok());
+  EXPECT_EQ(runner->CacheInfo(1).logical_len, n);
+  CompressionParams window = p;
+  window.scoring_queries = ScoringQueries::kWindow;
+  ASSERT_TRUE(runner->Prefill(2, prompt, true, window).ok());
+
+  const int32_t num_layers = runner->config().num_layers;
+  std::vector<at::Tensor> reference(num_layers);
+  for (int64_t begin = 0; begin < n; begin += kReplayChunkTokens) {
+    const int64_t len = std::min(kReplayChunkTokens, n - begin);
+    std::vector<int32_t> fed = prompt;
+    fed.insert(fed.end(), prompt.begin() + begin, prompt.begin() + begin + len);
+    ViewRecorder rec;
+    ASSERT_TRUE(runner->PrefillWithSelector(10, fed, true, &rec).ok());
+    runner->Release(10);
+    ASSERT_EQ(rec.queries.size(), static_cast<size_t>(num_layers));
+    for (int32_t l = 0; l < num_layers; ++l) {
+      at::Tensor part = Fp64DropKvScores(rec.queries[l], rec.keys[l], rec.values[l], n, n);
+      reference[l] = reference[l].defined() ? reference[l] + part : part;
+    }
+  }
+  auto press = CreateKvSelectorForModel(p, runner->config());
+  ASSERT_TRUE(press.ok());
+  auto budgets = (*press)->Budgets(n);
+  ASSERT_TRUE(budgets.ok());
+  kernels::SelectParams sp;
+  sp.pool_kernel = p.pooling_kernel;
+  sp.pool_lookback = p.pooling_lookback;
+  sp.window = p.window;
+  int64_t differs_from_window = 0;
+  for (int32_t l = 0; l < num_layers; ++l) {
+    SCOPED_TRACE("layer " + std::to_string(l));
+    auto want = kernels::SelectTopK(reference[l].to(at::kFloat).unsqueeze(0), (*budgets)[l], sp);
+    ASSERT_TRUE(want.ok()) << want.status();
+    auto got = runner->StoredPositions(1, l);
+    ASSERT_TRUE(got.ok());
+    ASSERT_EQ(got->sizes(), (*want)[0].sizes());
+    const double agree = got->eq((*want)[0]).to(at::kDouble).mean().item<double>();
+    EXPECT_EQ(agree, 1.0);
+    auto by_window = runner->StoredPositions(2, l);
+    ASSERT_TRUE(by_window.ok());
+    differs_from_window += !at::equal(*got, *by_window);
+  }
+  EXPECT_EQ(differs_from_window, num_layers);
+  runner->Release(1);
+  runner->Release(2);
+  EXPECT_EQ(runner->pool().num_used_blocks(), 0);
+}
+
+// For each case and step budget: the plan's blocks after every chunk are the runner's, and a pool
+// of exactly the plan's peak runs the prefill while one block less runs out.
+void ExpectPlanCountsTheRunnersBlocksExactly(
+    const std::function<std::unique_ptr<ModelRunner>(int64_t)>& make_runner,
+    const std::vector<std::pair<std::string, CompressionParams>>& cases, int64_t n) {
   const auto prompt = Prompt(n, 9);
+  for (const auto& [name, params] : cases) {
+    for (const int64_t step : {int64_t{64}, int64_t{1000}}) {
+      SCOPED_TRACE(name + ", step " + std::to_string(step) + ", " + std::to_string(n) + " tokens");
+      auto probe = make_runner(8);
+      ASSERT_NE(probe, nullptr);
+      PlanOptions o;
+      o.step_tokens = step;
+      o.pool_blocks = 1 << 20;
+      auto plan = CompressionPlan::Create(params, n, probe->cache_geometry(), nullptr, o);
+      ASSERT_TRUE(plan.ok()) << plan.status();
+      for (const int64_t pool_blocks : {plan->blocks_needed(), plan->blocks_needed() - 1}) {
+        auto runner = make_runner(pool_blocks);
+        ASSERT_NE(runner, nullptr);
+        absl::Status status = absl::OkStatus();
+        for (size_t i = 0; i < plan->chunks().size() && status.ok(); ++i) {
+          const PlannedChunk& c = plan->chunks()[i];
+          std::span<const int32_t> chunk(prompt.data() + c.begin,
+                                         static_cast<size_t>(c.end - c.begin));
+          status =
+              runner->Prefill(1, chunk, i + 1 == plan->chunks().size(), plan->params()).status();
+          if (status.ok()) {
+            EXPECT_EQ(runner->CacheInfo(1).num_blocks, c.blocks_after) << "chunk " << i;
+          }
+        }
+        if (pool_blocks == plan->blocks_needed()) {
+          EXPECT_TRUE(status.ok()) << status;
+          // Nothing else holds blocks: every transient one went back.
+          EXPECT_EQ(runner->pool().num_used_blocks(), runner->CacheInfo(1).num_blocks);
+          std::vector<int64_t> global_stored;
+          const std::vector<int64_t> stored = runner->CacheInfo(1).stored_len_per_layer;
+          for (int32_t l = 0; l < runner->config().num_layers; ++l)
+            if (!runner->config().is_sliding(l)) global_stored.push_back(stored[l]);
+          EXPECT_EQ(global_stored, plan->kept_per_layer());
+        } else {
+          EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted) << status;
+        }
+      }
+    }
+  }
+}
+
+TEST(RunnerIntegration, PlanCountsTheRunnersBlocksExactly) {
   std::vector<std::pair<std::string, CompressionParams>> cases;
   cases.push_back({"none", CompressionParams{}});
   CompressionParams p;
@@ -419,39 +582,15 @@ TEST(RunnerIntegration, PlanCountsTheRunnersBlocksExactly) {
   budget.chunk_policy = ChunkPolicy::kBudget;
   budget.budget_cap_tokens = 100;
   cases.push_back({"budget", budget});
-  for (const auto& [name, params] : cases) {
-    for (const int64_t step : {int64_t{64}, int64_t{1000}}) {
-      SCOPED_TRACE(name + ", step " + std::to_string(step));
-      auto probe = DemoRunner(8);
-      ASSERT_NE(probe, nullptr);
-      PlanOptions o;
-      o.step_tokens = step;
-      o.pool_blocks = 1 << 20;
-      auto plan = CompressionPlan::Create(params, n, probe->cache_geometry(), nullptr, o);
-      ASSERT_TRUE(plan.ok()) << plan.status();
-      for (const int64_t pool_blocks : {plan->blocks_needed(), plan->blocks_needed() - 1}) {
-        auto runner = DemoRunner(pool_blocks);
-        ASSERT_NE(runner, nullptr);
-        absl::Status status = absl::OkStatus();
-        for (size_t i = 0; i < plan->chunks().size() && status.ok(); ++i) {
-          const PlannedChunk& c = plan->chunks()[i];
-          std::span<const int32_t> chunk(prompt.data() + c.begin,
-                                         static_cast<size_t>(c.end - c.begin));
-          status =
-              runner->Prefill(1, chunk, i + 1 == plan->chunks().size(), plan->params()).status();
-          if (status.ok()) {
-            EXPECT_EQ(runner->CacheInfo(1).num_blocks, c.blocks_after) << "chunk " << i;
-          }
-        }
-        if (pool_blocks == plan->blocks_needed()) {
-          EXPECT_TRUE(status.ok()) << status;
-          EXPECT_EQ(runner->CacheInfo(1).stored_len_per_layer, plan->kept_per_layer());
-        } else {
-          EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted) << status;
-        }
-      }
-    }
-  }
+  CompressionParams replay = p;
+  replay.scoring_queries = ScoringQueries::kReplay;
+  cases.push_back({"replay", replay});
+  ExpectPlanCountsTheRunnersBlocksExactly(&DemoRunner, cases, 300);
+  // Replay scoring copies the sliding layers' rings too (ring not yet full, and full).
+  const std::vector<std::pair<std::string, CompressionParams>> sliding = {{"one pass", p},
+                                                                          {"replay", replay}};
+  for (const int64_t n : {int64_t{24}, int64_t{300}})
+    ExpectPlanCountsTheRunnersBlocksExactly(&GemmaShapedRunner, sliding, n);
 }
 
 }  // namespace

@@ -33,6 +33,7 @@ CompressionParams Unusual() {
   p.decode_margin = 32;
   p.tolerance = 0.0625;
   p.pooling_lookback = 24;
+  p.scoring_queries = ScoringQueries::kReplay;
   p.random_seed = 18446744073709551615ull;
   return p;
 }
@@ -101,6 +102,33 @@ TEST(CompressionSchemaTest, ValidatorChecksEveryRowsRange) {
   p.explicit_layer_prune = {2.0};
   EXPECT_THAT(ValidateCompression(p, 4).message(), HasSubstr("explicit_layer_prune: element 0"));
   EXPECT_TRUE(ValidateCompression(CompressionParams{}, 4).ok());
+}
+
+// Replay scoring is DropKV's, over the whole prompt after its last chunk, with a fixed budget:
+// anything else is refused, naming the field.
+TEST(CompressionSchemaTest, ReplayScoringNeedsDropKvLastChunkAndAFixedBudget) {
+  CompressionParams p;
+  p.method = ScoreMethod::kDropKV;
+  p.keep_ratio = 0.25;
+  p.scoring_queries = ScoringQueries::kReplay;
+  EXPECT_TRUE(ValidateCompression(p, 4).ok());
+  ASSERT_TRUE(FindCompressionField("scoring_queries")->set(p, "window").ok());
+  EXPECT_EQ(p.scoring_queries, ScoringQueries::kWindow);
+  EXPECT_THAT(FindCompressionField("scoring_queries")->set(p, "question").message(),
+              HasSubstr("window|replay"));
+  p.scoring_queries = ScoringQueries::kReplay;
+  CompressionParams bad = p;
+  bad.method = ScoreMethod::kSnapKV;
+  EXPECT_EQ(ValidateCompression(bad, 4).message(),
+            "scoring_queries: replay scores with DropKV; method snapkv has no replay scoring");
+  bad = p;
+  bad.chunk_policy = ChunkPolicy::kEveryChunk;
+  bad.chunk_size = 64;
+  EXPECT_THAT(ValidateCompression(bad, 4).message(),
+              HasSubstr("scoring_queries: replay scores the whole prompt once"));
+  bad = p;
+  bad.tolerance = 0.1;
+  EXPECT_THAT(ValidateCompression(bad, 4).message(), HasSubstr("scoring_queries: replay takes"));
 }
 
 TEST(CompressionSchemaTest, NamesAreUnique) {

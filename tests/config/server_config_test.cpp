@@ -142,8 +142,12 @@ TEST(ServerConfigTest, EachKeyReachesItsField) {
        [](const ServerConfig& c) { return c.compression.pooling == PoolingType::kAvg; }},
       {"compression: {pooling_kernel: 7}",
        [](const ServerConfig& c) { return c.compression.pooling_kernel == 7; }},
-      {"compression: {pooling_lookback: 32}",
-       [](const ServerConfig& c) { return c.compression.pooling_lookback == 32; }},
+      {"compression: {pooling_lookback: 24}",
+       [](const ServerConfig& c) { return c.compression.pooling_lookback == 24; }},
+      {"compression: {scoring_queries: replay}",
+       [](const ServerConfig& c) {
+         return c.compression.scoring_queries == ScoringQueries::kReplay;
+       }},
       {"compression: {protect_sinks: yes}",
        [](const ServerConfig& c) { return c.compression.protect_sinks; }},
       {"compression: {num_sinks: 2}",
@@ -240,8 +244,7 @@ TEST(ServerConfigTest, OutOfRangeNamesTheKey) {
 
   c = ParseServerConfigYaml("compression: {keep_ratio: 0}", "f.yaml");
   ASSERT_FALSE(c.ok());
-  EXPECT_THAT(c.status().message(),
-              HasSubstr("compression.keep_ratio: must be in (0, 1], got 0"));
+  EXPECT_THAT(c.status().message(), HasSubstr("compression.keep_ratio: must be in (0, 1], got 0"));
 
   c = ParseServerConfigYaml("compression: {method: dropkvv}", "f.yaml");
   ASSERT_FALSE(c.ok());

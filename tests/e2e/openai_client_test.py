@@ -442,6 +442,18 @@ def test_default_model(args, pb, pb_grpc, grpc):
               turn2.usage.prompt_tokens_details.cached_tokens == len(story_ids) + 5,
               f"keep_conversation: turn 2 continues turn 1's compressed cache "
               f"({turn2.usage.prompt_tokens_details.cached_tokens} tokens)")
+        # The same conversation with turn 1 scored by a replay of itself (question-independent):
+        # as many entries kept, and turn 2 continues it.
+        replayed = dict(keep, kv_compression=dict(compression, scoring_queries="replay"))
+        turn1r = client.completions.create(model=model, prompt=story_ids, max_tokens=6,
+                                           temperature=0, extra_body=replayed)
+        answer_r = turn1r.choices[0].model_extra["token_ids"]
+        turn2r = client.completions.create(model=model, prompt=story_ids + answer_r + more * 2,
+                                           max_tokens=6, temperature=0, extra_body=keep)
+        check(turn1r.usage.model_extra["kv_tokens_kept_per_layer"] ==
+              turn1.usage.model_extra["kv_tokens_kept_per_layer"] and
+              turn2r.usage.prompt_tokens_details.cached_tokens == len(story_ids) + 5,
+              "scoring_queries replay: the window's budgets, and turn 2 continues it")
         # Compression during decode: 48 tokens onto a prompt kept at 25% evict ~4 times.
         decoding = client.completions.create(
             model=model, prompt=story_ids, max_tokens=48, temperature=0,
@@ -497,6 +509,12 @@ def test_default_model(args, pb, pb_grpc, grpc):
         expect_error(lambda: cc(model=model, prompt="x", extra_body={"kv_compression": {
                          "method": "dropkv", "tolerance": 1}}),
                      400, "kv_compression.tolerance", "tolerance 1")
+        expect_error(lambda: cc(model=model, prompt="x", extra_body={"kv_compression": {
+                         "method": "dropkv", "scoring_queries": "question"}}),
+                     400, "kv_compression.scoring_queries", "an unknown scoring_queries")
+        expect_error(lambda: cc(model=model, prompt="x", extra_body={"kv_compression": {
+                         "method": "h2o", "scoring_queries": "replay"}}),
+                     400, "kv_compression.scoring_queries", "replay with h2o")
         expect_error(lambda: cc(model=model, prompt="x", extra_body={"priority": 2**31}), 400,
                      "priority", "priority beyond int32")
         expect_error(lambda: cc(model=model, prompt="x", extra_body={"priority": "high"}), 400,

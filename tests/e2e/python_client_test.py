@@ -112,6 +112,29 @@ def main():
             check(e.code() == grpc.StatusCode.INVALID_ARGUMENT and e.details().startswith("input"),
                   f"two inputs: {e.details()}")
 
+        # Replay scoring: served, and a bad value names its field.
+        replay = pb.CompressionSettings(method="dropkv", keep_ratio=0.25, scoring_queries="replay")
+        long_prompt = "Once upon a time there was a little girl who liked to play. " * 12
+        full = stub.GenerateUnary(pb.GenerateRequest(prompt=long_prompt, max_new_tokens=4),
+                                  timeout=60)
+        replayed = stub.GenerateUnary(pb.GenerateRequest(prompt=long_prompt, max_new_tokens=4,
+                                                         compression=replay), timeout=60)
+        check(replayed.usage.completion_tokens == 4 and
+              0 < replayed.usage.kv_tokens_kept < full.usage.kv_tokens_kept,
+              f"scoring_queries replay: kept {list(replayed.usage.kv_tokens_kept_per_layer)}")
+        for bad, what in ((pb.CompressionSettings(method="dropkv", scoring_queries="question"),
+                           "an unknown name"),
+                          (pb.CompressionSettings(method="snapkv", scoring_queries="replay"),
+                           "replay with snapkv")):
+            try:
+                stub.GenerateUnary(pb.GenerateRequest(prompt="x", max_new_tokens=2,
+                                                      compression=bad), timeout=5)
+                fail(f"scoring_queries {what} accepted")
+            except grpc.RpcError as e:
+                check(e.code() == grpc.StatusCode.INVALID_ARGUMENT and
+                      e.details().startswith("compression.scoring_queries"),
+                      f"scoring_queries {what}: {e.details()}")
+
         # The stats are the pool as of the end of the engine's last step, and a request's last
         # message leaves before the step that finished it ends (its blocks are released after
         # the push): on a loaded machine the first read can still see that step's blocks.

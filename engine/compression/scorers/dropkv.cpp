@@ -25,12 +25,7 @@ class DropKvScorer final : public Scorer {
     const int64_t n = in.keys.size(2);
     const int64_t num_window = std::min<int64_t>({params_.window, in.chunk_len, n});
     const at::Tensor q_window = in.queries.slice(2, in.chunk_len - num_window, in.chunk_len);
-    kernels::DropKvParams dp;
-    dp.scale = scale_;
-    // bf16/fp16 runs round p like the reference (algorithms.md section 1); fp32 does not.
-    if (in.queries.scalar_type() == at::kBFloat16 || in.queries.scalar_type() == at::kHalf) {
-      dp.p_round_dtype = in.queries.scalar_type();
-    }
+    const kernels::DropKvParams dp = KernelParams(in);
     // The runner's window rows cover ours when given (it slices min(W, chunk_len) <= n).
     const at::Tensor& attn = in.view.window_attn_out;
     const at::Tensor& lse = in.view.window_lse;
@@ -41,6 +36,30 @@ class DropKvScorer final : public Scorer {
                                                 lse.narrow(1, skip, num_window).unsqueeze(0), dp);
     }
     return kernels::DropKvScores(q_window, in.keys, in.values, dp);
+  }
+
+  // Every replay query is a window row: in groups of the kernel's largest window, each group
+  // seeing the prompt and the replay up to its last row (causal), their scores of the prompt's
+  // entries summed.
+  absl::StatusOr<at::Tensor> ReplayScore(const ScorerInput& in, int64_t num_entries) override {
+    constexpr int64_t kRowsPerCall = 64;  // the CUDA kernels' largest W
+    const int64_t prompt_end = in.keys.size(2) - in.chunk_len;
+    if (num_entries > prompt_end) {
+      return absl::InvalidArgumentError("replay scoring: more prompt entries than keys");
+    }
+    const kernels::DropKvParams dp = KernelParams(in);
+    at::Tensor sum;
+    for (int64_t begin = 0; begin < in.chunk_len; begin += kRowsPerCall) {
+      const int64_t end = std::min(begin + kRowsPerCall, in.chunk_len);
+      const int64_t seen = prompt_end + end;
+      absl::StatusOr<at::Tensor> part =
+          kernels::DropKvScores(in.queries.slice(2, begin, end), in.keys.narrow(2, 0, seen),
+                                in.values.narrow(2, 0, seen), dp);
+      if (!part.ok()) return part.status();
+      at::Tensor prompt_part = part->narrow(2, 0, num_entries);
+      sum = sum.defined() ? sum.add_(prompt_part) : prompt_part.clone();
+    }
+    return sum;
   }
 
   // sum_t ||a_t||^2 over the window rows, the mean over each KV head's g query heads: the
@@ -77,6 +96,16 @@ class DropKvScorer final : public Scorer {
   }
 
  private:
+  kernels::DropKvParams KernelParams(const ScorerInput& in) const {
+    kernels::DropKvParams dp;
+    dp.scale = scale_;
+    // bf16/fp16 runs round p like the reference (algorithms.md section 1); fp32 does not.
+    if (in.queries.scalar_type() == at::kBFloat16 || in.queries.scalar_type() == at::kHalf) {
+      dp.p_round_dtype = in.queries.scalar_type();
+    }
+    return dp;
+  }
+
   CompressionParams params_;
   double scale_ = 0;
 };
