@@ -94,6 +94,11 @@ absl::StatusOr<std::vector<std::vector<int32_t>>> GreedyUnderEveryPress(
       return absl::InvalidArgumentError(
           "GreedyUnderEveryPress: every_chunk and budget policies need a prefill of their own");
     }
+    if (configs[c].scoring_queries == ScoringQueries::kReplay) {
+      // Its scores come from a second forward (ModelRunner's replay), not from this prefill's.
+      return absl::InvalidArgumentError(
+          "GreedyUnderEveryPress: scoring_queries replay needs a prefill of its own");
+    }
     auto press = CreateKvpressSelector(configs[c], info, options);
     if (!press.ok()) return press.status();
     press_of[c] = static_cast<int>(presses.size());
