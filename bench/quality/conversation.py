@@ -9,9 +9,12 @@ OpenAI HTTP API, token-id prompts, greedy):
              question, the best case for compression;
   continued  turn 1 compressed with keep_conversation (its window is the instruction: the question
              is unknown), turn 2 continues the kept cache and evicts again to the budgets of the
-             whole prompt (docs/compression.md, "Compressed conversations").
-Prints the accuracy (the answer's value in turn 2's output) of each and how many turn-2 prompt
-tokens the server prefilled. Prompts come from tasks.py (niah_number, raw format).
+             whole prompt (docs/compression.md, "Compressed conversations");
+  replay     the same, turn 1 scored by a replay of itself (scoring_queries replay: question-
+             independent), turn 2 as continued.
+Prints the accuracy (the answer's value in turn 2's output) of each, how many turn-2 prompt
+tokens the server prefilled and turn 1's mean latency. Prompts come from tasks.py (niah_number,
+raw format).
 
   python3 bench/quality/conversation.py --model DIR --url http://127.0.0.1:8000 [--num 20]
 """
@@ -20,6 +23,7 @@ import json
 import os
 import random
 import sys
+import time
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -74,25 +78,35 @@ def main():
     ap.add_argument("--keep", type=float, default=0.1)
     ap.add_argument("--turn1-tokens", type=int, default=4, help="turn 1's answer length")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--modes", default="full,fresh,continued,replay")
     args = ap.parse_args()
+    modes = args.modes.split(",")
+    unknown = set(modes) - {"full", "fresh", "continued", "replay"}
+    if unknown:
+        ap.error(f"--modes: unknown {sorted(unknown)}")
     tok = AutoTokenizer.from_pretrained(args.model)
     global MODEL
     MODEL = served_model(args.url)
     dropkv = {"method": "dropkv", "keep_ratio": args.keep}
-    correct = {"full": 0, "fresh": 0, "continued": 0}
-    prefilled = {"full": 0, "fresh": 0, "continued": 0}
+    turn1_compression = {"full": None, "fresh": None, "continued": dropkv,
+                         "replay": dict(dropkv, scoring_queries="replay")}
+    correct = dict.fromkeys(modes, 0)
+    prefilled = dict.fromkeys(modes, 0)
+    turn1_seconds = dict.fromkeys(modes, 0.0)
     for i in range(args.num):
         rng = random.Random(f"{args.seed}-conversation-{args.length}-{i}")
         turn1, tail, value = two_turns(tok, args.length, rng)
         row = []
-        for mode in ("full", "fresh", "continued"):
-            c1 = dropkv if mode == "continued" else None
-            answer1, _, _ = complete(args.url, turn1, args.turn1_tokens, c1,
-                                     keep_conversation=mode == "continued")
+        for mode in modes:
+            kept = mode in ("continued", "replay")
+            start = time.monotonic()
+            answer1, _, _ = complete(args.url, turn1, args.turn1_tokens, turn1_compression[mode],
+                                     keep_conversation=kept)
+            turn1_seconds[mode] += time.monotonic() - start
             turn2 = turn1 + answer1 + tail
             c2 = None if mode == "full" else dropkv
             _, text, usage = complete(args.url, turn2, tasks.MAX_NEW["niah_number"], c2,
-                                      keep_conversation=mode == "continued")
+                                      keep_conversation=kept)
             cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
             prefilled[mode] += len(turn2) - cached
             ok = value in text
@@ -102,10 +116,11 @@ def main():
               flush=True)
     print(f"\nniah_number in two turns, ~{args.length} tokens, DropKV keep {args.keep}, "
           f"{args.num} prompts")
-    print("| mode | accuracy | turn-2 tokens prefilled (mean) |")
-    print("|---|---:|---:|")
-    for mode in ("full", "fresh", "continued"):
-        print(f"| {mode} | {correct[mode] / args.num:.3f} | {prefilled[mode] / args.num:.0f} |")
+    print("| mode | accuracy | turn-2 tokens prefilled (mean) | turn 1 (s, mean) |")
+    print("|---|---:|---:|---:|")
+    for mode in modes:
+        print(f"| {mode} | {correct[mode] / args.num:.3f} | {prefilled[mode] / args.num:.0f} | "
+              f"{turn1_seconds[mode] / args.num:.2f} |")
 
 
 if __name__ == "__main__":
