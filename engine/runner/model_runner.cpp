@@ -543,26 +543,18 @@ class TorchModelRunner : public ModelRunner {
       Release(kScratch);
       RETURN_IF_ERROR(done.status());
     }
-    const int64_t hq = config().num_heads;
+    const at::Tensor no_queries =
+        at::empty({config().num_heads, 0, config().head_dim},
+                  at::TensorOptions().dtype(model_->dtype()).device(model_->device()));
     for (int32_t l = 0; l < config().num_layers; ++l) {
       if (config().is_sliding(l)) continue;
-      auto [k, v] = GatherLayer(seq, l);
-      ASSIGN_OR_RETURN(at::Tensor pos, StoredPositions(seq, l));
-      LayerKvView view;
-      view.layer_idx = global_index(l);
-      view.num_layers = config().num_global_layers();
-      view.logical_len = pool_->logical_len(seq);
-      view.queries = at::empty({hq, 0, k.size(2)}, k.options());
-      view.keys = k;
-      view.values = v;
-      view.positions = pos;
+      ASSIGN_OR_RETURN(LayerKvView view, StoredLayerView(seq, l, no_queries));
       view.pass = LayerKvView::Pass::kReplaySelect;
-      view.reduce_scores = score_reducer();
-      view.max_over_ranks = rank_max();
       ASSIGN_OR_RETURN(std::optional<at::Tensor> kept, press.Select(view));
       if (!kept) continue;
       std::vector<int32_t> replaced;  // StoreKept hands back this layer's old blocks
-      RETURN_IF_ERROR(StoreKept(seq, l, k, v, pos, *kept, /*in_place=*/false, &replaced));
+      RETURN_IF_ERROR(StoreKept(seq, l, view.keys, view.values, view.positions, *kept,
+                                /*in_place=*/false, &replaced));
       old.insert(old.end(), replaced.begin(), replaced.end());
     }
     return absl::OkStatus();
@@ -639,22 +631,33 @@ class TorchModelRunner : public ModelRunner {
     return true;
   }
 
+  // A selector's view of what a layer of `seq` holds after a forward, scored by `queries`
+  // ([Hq, rows, D]): the decode eviction's and the replay's selection read it.
+  absl::StatusOr<LayerKvView> StoredLayerView(SequenceId seq, int32_t layer_idx,
+                                              at::Tensor queries) const {
+    LayerKvView view;
+    view.layer_idx = global_index(layer_idx);
+    view.num_layers = config().num_global_layers();
+    view.logical_len = pool_->logical_len(seq);
+    view.queries = std::move(queries);
+    std::tie(view.keys, view.values) = GatherLayer(seq, layer_idx);
+    ASSIGN_OR_RETURN(view.positions, StoredPositions(seq, layer_idx));
+    view.is_last_chunk = true;
+    view.reduce_scores = score_reducer();
+    view.max_over_ranks = rank_max();
+    return view;
+  }
+
   // One layer of `seq` scored by its press with the last W decode queries and compacted to what
   // the press keeps (in place when it owns its blocks, as a compressed sequence does: no free
   // block is needed); returns the entries dropped.
   absl::StatusOr<int64_t> EvictDuringDecode(SequenceId seq, int32_t layer_idx, KvSelector& press) {
     c10::InferenceMode guard;
     try {
-      LayerKvView view;
-      view.layer_idx = global_index(layer_idx);
-      view.num_layers = config().num_global_layers();
-      view.logical_len = pool_->logical_len(seq);
-      view.queries = query_ring_.Queries(seq, layer_idx, view.logical_len);
-      std::tie(view.keys, view.values) = GatherLayer(seq, layer_idx);
-      ASSIGN_OR_RETURN(view.positions, StoredPositions(seq, layer_idx));
-      view.is_last_chunk = true;
-      view.reduce_scores = score_reducer();
-      view.max_over_ranks = rank_max();
+      ASSIGN_OR_RETURN(
+          LayerKvView view,
+          StoredLayerView(seq, layer_idx,
+                          query_ring_.Queries(seq, layer_idx, pool_->logical_len(seq))));
       ASSIGN_OR_RETURN(std::optional<at::Tensor> kept, press.Select(view));
       if (!kept) return 0;
       const int64_t before = pool_->stored_len(seq, layer_idx);
