@@ -10,7 +10,8 @@ namespace dropkv {
 namespace {
 
 std::unique_ptr<BlockPool> MakePool(int64_t num_blocks, int32_t block_size = 4,
-                                    int32_t num_layers = 3, bool storage = false) {
+                                    int32_t num_layers = 3, bool storage = false,
+                                    std::vector<int64_t> layer_capacity = {}) {
   BlockPoolOptions o;
   o.num_blocks = num_blocks;
   o.block_size = block_size;
@@ -18,6 +19,7 @@ std::unique_ptr<BlockPool> MakePool(int64_t num_blocks, int32_t block_size = 4,
   o.num_kv_heads = 2;
   o.head_dim = 8;
   o.allocate_storage = storage;
+  o.layer_capacity = std::move(layer_capacity);
   auto pool = BlockPool::Create(o);
   EXPECT_TRUE(pool.ok()) << pool.status();
   return std::move(*pool);
@@ -222,15 +224,7 @@ TEST(BlockPoolTest, ManySequencesNoLeak) {
 // A fork copies a bounded layer's ring whole (it is rewritten in place) and shares the other
 // layers' full blocks: writing either ring never touches the other's.
 TEST(BlockPoolTest, ForkCopiesARingWhole) {
-  BlockPoolOptions o;
-  o.num_blocks = 20;
-  o.block_size = 4;
-  o.num_layers = 2;
-  o.allocate_storage = false;
-  o.layer_capacity = {6, 0};
-  auto created = BlockPool::Create(o);
-  ASSERT_TRUE(created.ok()) << created.status();
-  auto& pool = *created;
+  auto pool = MakePool(20, 4, 2, false, {6, 0});
   ASSERT_TRUE(pool->AddSequence(1).ok());
   ASSERT_TRUE(pool->AppendLayerSlots(1, 0, 9).ok());  // a full ring of 6: 2 blocks
   ASSERT_TRUE(pool->AppendLayerSlots(1, 1, 9).ok());  // 2 full blocks + 1 partial
@@ -251,14 +245,12 @@ TEST(BlockPoolTest, ForkCopiesARingWhole) {
   EXPECT_EQ(pool->stored_len(2, 0), 6);
   EXPECT_EQ(pool->num_used_blocks(), 5 + 3);
   // Not enough blocks for the copies: nothing changes.
-  o.num_blocks = 6;
-  auto tight = BlockPool::Create(o);
-  ASSERT_TRUE(tight.ok());
-  ASSERT_TRUE((*tight)->AddSequence(1).ok());
-  ASSERT_TRUE((*tight)->AppendLayerSlots(1, 0, 9).ok());
-  ASSERT_TRUE((*tight)->AppendLayerSlots(1, 1, 9).ok());
-  EXPECT_EQ((*tight)->ForkSequence(1, 2, &copies).code(), absl::StatusCode::kResourceExhausted);
-  EXPECT_FALSE((*tight)->HasSequence(2));
+  auto tight = MakePool(6, 4, 2, false, {6, 0});
+  ASSERT_TRUE(tight->AddSequence(1).ok());
+  ASSERT_TRUE(tight->AppendLayerSlots(1, 0, 9).ok());
+  ASSERT_TRUE(tight->AppendLayerSlots(1, 1, 9).ok());
+  EXPECT_EQ(tight->ForkSequence(1, 2, &copies).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_FALSE(tight->HasSequence(2));
 }
 
 // A bounded layer (a sliding window's ring) grows to its capacity, then keeps its blocks; the
