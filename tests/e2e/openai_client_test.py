@@ -257,16 +257,25 @@ def check_parameters(client, model, stub, pb, md, hf_reference, cached_prompt):
           picked.choices[0].logprobs is None and picked.usage.completion_tokens ==
           three.usage.completion_tokens,
           f"best_of 3: the best of the 3 seeded candidates ({best.text!r}), all counted in usage")
-    two = cc(best_of=3, n=2, logprobs=0, **story)
     # The same candidates, ranked by their own returned logprobs; a batch of another shape may
-    # move a sum by rounding, so near ties (1e-3) may come in either order.
-    sums = {x.text: sum(x.logprobs.token_logprobs) for x in three.choices}
-    got = [sum(x.logprobs.token_logprobs) for x in two.choices]
-    left_out = [v for t, v in sums.items() if t not in {x.text for x in two.choices}]
-    check(all(x.text in sums for x in two.choices) and got[0] >= got[1] - 1e-3 and
-          all(v <= min(got) + 1e-3 for v in left_out) and
-          [x.index for x in two.choices] == [0, 1],
-          f"best_of 3, n 2: the best two, best first ({sums}; got {[(x.text, s) for x, s in zip(two.choices, got)]})")
+    # move a sum by rounding, so near ties (1e-3) may come in either order. The third candidate
+    # is not returned, and a rounding difference can flip one of its temperature-1 draws (CI saw
+    # it once), so a miss is asked again beside a fresh n=3 before it counts.
+    for attempt in range(3):
+        if attempt:
+            three = cc(n=3, logprobs=0, **story)
+        two = cc(best_of=3, n=2, logprobs=0, **story)
+        sums = {x.text: sum(x.logprobs.token_logprobs) for x in three.choices}
+        got = [sum(x.logprobs.token_logprobs) for x in two.choices]
+        left_out = [v for t, v in sums.items() if t not in {x.text for x in two.choices}]
+        ranked = (all(x.text in sums for x in two.choices) and got[0] >= got[1] - 1e-3 and
+                  all(v <= min(got) + 1e-3 for v in left_out) and
+                  [x.index for x in two.choices] == [0, 1])
+        if ranked:
+            break
+    check(ranked,
+          f"best_of 3, n 2: the best two, best first ({sums}; got "
+          f"{[(x.text, s) for x, s in zip(two.choices, got)]}; attempts {attempt + 1})")
     # --- errors name the field ---
     expect_error(lambda: cc(model=model, prompt="x", logit_bias={"abc": 1}), 400, "logit_bias",
                  "logit_bias key not a token id")
