@@ -17,6 +17,7 @@
 #   KEEPS [0.05,0.1,0.25]    DTYPE [bfloat16]   SEED [0]   WINDOW [8] (ours and kvpress's own W)
 #   FORMAT [raw]: tasks.py's prompt format (chat: the model's chat template around the task)
 #   METHODS    ours [full,dropkv,snapkv,h2o,streaming_llm,knorm]
+#   ALLOCATORS ours [uniform], e.g. uniform,adaptive (a method an allocator refuses is skipped)
 #   PRESSES    kvpress, one prefill for all [full,snapkv,snapkv:w64,pyramidkv,pyramidkv:w64,tova,
 #              expected_attention,criticalkv,knorm,streaming_llm] (`:w64`: kvpress's default window)
 #   SEPARATE   kvpress presses that need a prefill each [adakv,critical_adakv]; "" = none
@@ -69,6 +70,7 @@ seed=${SEED:-0}
 format=${FORMAT:-raw}
 window=${WINDOW:-8}
 methods=${METHODS:-full,dropkv,snapkv,h2o,streaming_llm,knorm}
+allocators=${ALLOCATORS:-uniform}
 presses=${PRESSES:-full,snapkv,snapkv:w64,pyramidkv,pyramidkv:w64,tova,expected_attention,criticalkv,knorm,streaming_llm}
 separate=${SEPARATE-adakv,critical_adakv}
 py=${DROPKV_PYTHON:-python3}
@@ -135,8 +137,8 @@ for run in $runs; do
     end=$run_end
     [[ -z "${SKIP_KVPRESS:-}" ]] && run_end=$((SECONDS + (run_end - SECONDS) * 2 / 5))
     step "ours $tag" "$ours_bin" --model "$dir" --prompts "$prompts" --methods "$methods" \
-      --keeps "$keeps" --window "$window" --device "$device" --dtype "$dtype" \
-      --out "$work/ours_$tag.jsonl"
+      --keeps "$keeps" --allocators "$allocators" --window "$window" --device "$device" \
+      --dtype "$dtype" --out "$work/ours_$tag.jsonl"
     run_end=$end
   fi
   if [[ -z "${SKIP_KVPRESS:-}" ]]; then
