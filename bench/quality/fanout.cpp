@@ -16,41 +16,12 @@ FanOutSelector::FanOutSelector(std::vector<std::unique_ptr<KvSelector>> presses,
       kept_(presses_.size(), std::vector<std::optional<at::Tensor>>(num_layers)) {}
 
 absl::StatusOr<std::optional<at::Tensor>> FanOutSelector::Select(const LayerKvView& view) {
-  const bool deferred = std::any_of(presses_.begin(), presses_.end(),
-                                    [](const auto& p) { return p->selects_after_forward(); });
-  if (deferred && view.is_last_chunk && view.pass == LayerKvView::Pass::kPrompt) {
-    // What the layer stores: copies (the forward may reuse its buffers), no queries.
-    if (stored_views_.size() <= static_cast<size_t>(view.layer_idx))
-      stored_views_.resize(view.layer_idx + 1);
-    LayerKvView& v = stored_views_[view.layer_idx];
-    v = view;
-    v.queries = view.queries.narrow(1, 0, 0);
-    v.keys = view.keys.clone();
-    v.values = view.values.clone();
-    if (view.positions.defined()) v.positions = view.positions.clone();
-    v.window_attn_out = at::Tensor();
-    v.window_lse = at::Tensor();
-    v.pass = LayerKvView::Pass::kSelectStored;
-  }
   for (size_t i = 0; i < presses_.size(); ++i) {
     auto kept = presses_[i]->Select(view);
     if (!kept.ok()) return kept.status();
     kept_[i].at(view.layer_idx) = std::move(*kept);
   }
   return std::optional<at::Tensor>();
-}
-
-absl::Status FanOutSelector::SelectStored() {
-  for (size_t i = 0; i < presses_.size(); ++i) {
-    if (!presses_[i]->selects_after_forward()) continue;
-    for (size_t l = 0; l < stored_views_.size(); ++l) {
-      auto kept = presses_[i]->Select(stored_views_[l]);
-      if (!kept.ok()) return kept.status();
-      kept_[i].at(l) = std::move(*kept);
-    }
-  }
-  stored_views_.clear();
-  return absl::OkStatus();
 }
 
 int64_t FanOutSelector::num_attention_rows() const {

@@ -33,10 +33,6 @@ class FanOutSelector final : public KvSelector {
   absl::StatusOr<std::optional<at::Tensor>> Select(const LayerKvView& view) override;
   // The most any child asks for.
   int64_t num_attention_rows() const override;
-  // After the prefill: the children that select after the forward (the adaptive allocator) select
-  // now, each layer from the last chunk's view as it was stored (LayerKvView::Pass
-  // kSelectStored).
-  absl::Status SelectStored();
   // What press `press_idx` kept in (compressed) layer `layer_idx` (0..G-1), int64 [Hkv, k];
   // std::nullopt = everything.
   const std::optional<at::Tensor>& kept(size_t press_idx, int32_t layer_idx) const {
@@ -47,7 +43,6 @@ class FanOutSelector final : public KvSelector {
  private:
   std::vector<std::unique_ptr<KvSelector>> presses_;
   std::vector<std::vector<std::optional<at::Tensor>>> kept_;  // [press][layer]
-  std::vector<LayerKvView> stored_views_;  // [layer], for children that select after the forward
 };
 
 // A new sequence `dst` holding a copy of every layer of `src` (blocks, stored and logical

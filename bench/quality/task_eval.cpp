@@ -114,7 +114,6 @@ absl::StatusOr<std::vector<std::vector<int32_t>>> GreedyUnderEveryPress(
   };
   auto logits = runner.PrefillWithSelector(base, prompt, true, &fan_out);
   if (!logits.ok()) return release_all(), logits.status();
-  if (absl::Status s = fan_out.SelectStored(); !s.ok()) return release_all(), s;
   const int32_t first = static_cast<int32_t>(logits->argmax().item<int64_t>());
   std::vector<SequenceId> seqs(configs.size());
   for (size_t c = 0; c < configs.size(); ++c) {

@@ -250,7 +250,6 @@ absl::StatusOr<std::vector<int64_t>> AllocateLayerBudgets(const BudgetOptions& o
 
   switch (o.allocator) {
     case BudgetAllocator::kUniform:
-    case BudgetAllocator::kAdaptive:  // the uniform budgets; the press moves them once scored
       x.assign(num_layers, static_cast<Real>(total) / num_l);
       break;
     case BudgetAllocator::kExplicit:

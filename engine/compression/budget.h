@@ -57,8 +57,7 @@ std::vector<int32_t> ProtectedLayers(BudgetAllocator allocator, int32_t num_laye
 // Checks options against the model depth without a prompt length (profile/list lengths, ranges).
 absl::Status ValidateBudgetOptions(const BudgetOptions& options, int32_t num_layers);
 
-// Tokens each layer keeps of `num_tokens` seen: [num_layers], each in [min_keep, n]. kAdaptive
-// gives the uniform budgets: their total is what the adaptive press redistributes.
+// Tokens each layer keeps of `num_tokens` seen: [num_layers], each in [min_keep, n].
 // Errors (INVALID_ARGUMENT) name the setting and say why: e.g. MLP whose protected layers need
 // more than the whole budget, a profile of the wrong length, a non-positive InfoNCE value.
 absl::StatusOr<std::vector<int64_t>> AllocateLayerBudgets(const BudgetOptions& options,

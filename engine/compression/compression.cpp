@@ -59,17 +59,6 @@ absl::Status ValidateCompression(const CompressionParams& p, int32_t num_layers)
       return Invalid("scoring_queries: replay takes a fixed budget; tolerance must be 0");
     }
   }
-  if (p.allocator == BudgetAllocator::kAdaptive && p.method != ScoreMethod::kNone) {
-    // It splits the budget by DropKV's scores of every layer, after the prompt's last chunk.
-    const char* refused =
-        p.method != ScoreMethod::kDropKV ? "reads DropKV's scores: method must be dropkv"
-        : p.chunk_policy != ChunkPolicy::kLastChunk
-            ? "selects once, after the last chunk: chunk_policy must be last_chunk"
-        : p.tolerance > 0     ? "splits a fixed budget: tolerance must be 0"
-        : p.decode_margin > 0 ? "splits the prefill's budget: decode_margin must be 0"
-                              : nullptr;
-    if (refused != nullptr) return Invalid(absl::StrCat("allocator: adaptive ", refused));
-  }
   if (AllocatorNeedsProfile(p.allocator) && p.profile_path.empty()) {
     return Invalid(absl::StrCat("profile_path: required by allocator ",
                                 std::string(BudgetAllocatorName(p.allocator))));

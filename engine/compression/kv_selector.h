@@ -28,13 +28,12 @@ struct LayerKvView {
   at::Tensor values;
   at::Tensor positions;  // int64 [Hkv, n]
   bool is_last_chunk = true;
-  // A selector that selects after the forward (KvSelector::selects_after_forward) has the last
-  // chunk stored in full (kPrompt), then the runner asks each global layer's selection over what
-  // it stores (kSelectStored: no queries). Replay scoring (CompressionParams::scoring_queries
-  // kReplay) feeds the prompt again after itself in between, a replay chunk at a time on a
-  // scratch copy (kReplay: `queries` are the replay chunk's, keys the prompt's `replayed_len`
-  // entries followed by the replay chunk's; nothing is stored from the selection).
-  enum class Pass { kPrompt, kReplay, kSelectStored };
+  // Replay scoring (CompressionParams::scoring_queries kReplay): the prompt's chunks (kPrompt)
+  // store everything; then the runner feeds the prompt again after itself, a replay chunk at a
+  // time on a scratch copy (kReplay: `queries` are the replay chunk's, keys the prompt's
+  // `replayed_len` entries followed by the replay chunk's, nothing is stored from the selection),
+  // and last asks each layer's selection over the stored prompt (kReplaySelect: no queries).
+  enum class Pass { kPrompt, kReplay, kReplaySelect };
   Pass pass = Pass::kPrompt;
   int64_t replayed_len = 0;  // kReplay: the prompt's entries, the first of `keys`
   // Optional, set only when the selector asks for them (KvSelector::num_attention_rows) and the
@@ -67,10 +66,6 @@ class KvSelector {
   // prompt queries). The runner gives min(this, chunk_len) rows.
   static constexpr int64_t kAllAttentionRows = INT64_MAX;
   virtual int64_t num_attention_rows() const { return 0; }
-  // Whether the last chunk is stored in full and selected after the forward, every layer scored
-  // first (replay scoring, the adaptive allocator): the runner then asks LayerKvView::Pass
-  // kSelectStored of each global layer.
-  virtual bool selects_after_forward() const { return false; }
   // The entries each layer (LayerKvView::layer_idx numbering) keeps for a sequence that has seen
   // `logical_len` tokens, as Select would keep them; empty = no budget (everything is kept).
   // Compression during decode asks it to know when a layer has grown past its budget.

@@ -29,20 +29,8 @@ enum class ScoreMethod {
   kKNorm,
   kRandom
 };
-// How the global budget is split over layers (algorithms.md section 4). kAdaptive splits the
-// uniform total by the sequence's own DropKV scores once every layer is scored (AdaKV's idea,
-// across layers: docs/compression.md, "Adaptive budgets").
-enum class BudgetAllocator {
-  kUniform,
-  kPyramid,
-  kMLP,
-  kMGA,
-  kMLMA2,
-  kMLMA4,
-  kMLMA6,
-  kExplicit,
-  kAdaptive
-};
+// How the global budget is split over layers (algorithms.md section 4).
+enum class BudgetAllocator { kUniform, kPyramid, kMLP, kMGA, kMLMA2, kMLMA4, kMLMA6, kExplicit };
 // When to compress during chunked prefill (algorithms.md section 5).
 enum class ChunkPolicy { kLastChunk, kEveryChunk, kBudget };
 enum class PoolingType { kMax, kAvg, kNone };
@@ -52,10 +40,6 @@ enum class ScoringQueries { kWindow, kReplay };
 // Replay scoring feeds the prompt again in chunks of this many tokens, each after the whole
 // prompt (what one chunk adds to the cache bounds the replay's memory).
 inline constexpr int64_t kReplayChunkTokens = 2048;
-
-// The adaptive allocator gives each layer at least this share of its uniform budget (AdaKV's
-// safeguard alpha, 0.2 there), so one layer's flat scores cannot starve another.
-inline constexpr double kAdaptiveFloorShare = 0.2;
 
 // Compression settings of one request. One canonical budget form: keep_ratio (fraction kept);
 // compression ratio and absolute token budgets are converted at the edge.
@@ -112,7 +96,7 @@ inline constexpr std::array<NamedValue<ScoreMethod>, 9> kScoreMethodNames{{
     {ScoreMethod::kKNorm, "knorm"},
     {ScoreMethod::kRandom, "random"},
 }};
-inline constexpr std::array<NamedValue<BudgetAllocator>, 9> kBudgetAllocatorNames{{
+inline constexpr std::array<NamedValue<BudgetAllocator>, 8> kBudgetAllocatorNames{{
     {BudgetAllocator::kUniform, "uniform"},
     {BudgetAllocator::kPyramid, "pyramid"},
     {BudgetAllocator::kMLP, "mlp"},
@@ -121,7 +105,6 @@ inline constexpr std::array<NamedValue<BudgetAllocator>, 9> kBudgetAllocatorName
     {BudgetAllocator::kMLMA4, "mlma4"},
     {BudgetAllocator::kMLMA6, "mlma6"},
     {BudgetAllocator::kExplicit, "explicit"},
-    {BudgetAllocator::kAdaptive, "adaptive"},
 }};
 inline constexpr std::array<NamedValue<ChunkPolicy>, 3> kChunkPolicyNames{{
     {ChunkPolicy::kLastChunk, "last_chunk"},

@@ -52,21 +52,7 @@ struct Simulation {
   std::vector<PlannedChunk> chunks;
   std::vector<int64_t> stored;  // per global layer, after the last chunk
   int64_t peak_blocks = 0;
-  // The adaptive allocator moves `stored`'s total between layers (each holds at most its
-  // `adaptive_caps` entries): block counts after the prefill are bounds, not exact.
-  bool adaptive = false;
-  std::vector<int64_t> adaptive_caps;
 };
-
-// The most blocks global layers can hold with `total` entries among them, layer l at most caps[l],
-// each `reserve` entries more: one partial block a layer at most.
-int64_t AdaptiveBlocksBound(const KvCacheGeometry& g, const std::vector<int64_t>& caps,
-                            int64_t total, int64_t reserve) {
-  int64_t whole = 0;
-  for (int64_t cap : caps) whole += g.BlocksFor(cap + reserve);
-  const auto layers = static_cast<int64_t>(caps.size());
-  return std::min(whole, (total + layers * (reserve + g.block_size - 1)) / g.block_size);
-}
 
 absl::StatusOr<Simulation> Simulate(const CompressionParams& c, int64_t prompt_len,
                                     const KvCacheGeometry& g, const LayerProfile* profile,
@@ -85,13 +71,8 @@ absl::StatusOr<Simulation> Simulate(const CompressionParams& c, int64_t prompt_l
     const bool is_last = end == prompt_len;
     std::vector<int64_t> budgets;
     int64_t blocks_after = 0;
-    // Replay scoring (the last chunk): what the replay's copy and the compaction add. It and the
-    // adaptive allocator store the last chunk in full and select after.
+    // Replay scoring (the last chunk): what the replay's copy and the compaction add.
     const bool replay = c.scoring_queries == ScoringQueries::kReplay && is_last;
-    const bool adaptive =
-        c.allocator == BudgetAllocator::kAdaptive && c.method != ScoreMethod::kNone && is_last;
-    std::vector<int64_t> caps;
-    int64_t kept_total = 0;
     const int64_t replay_len = std::min(kReplayChunkTokens, prompt_len - cached);
     int64_t replay_blocks = 0, kept_blocks = 0;
     for (int64_t l = 0; l < layers; ++l) {
@@ -109,15 +90,12 @@ absl::StatusOr<Simulation> Simulate(const CompressionParams& c, int64_t prompt_l
         }
         keep = std::min(budgets[l], n);
       }
-      caps.push_back(n);
-      kept_total += keep;
-      if (keep < n && (replay || adaptive)) {
+      if (keep < n && replay) {
         // The chunk is stored in full, the replay chunk added to a copy (its partial block
         // copied), then the kept entries written into new blocks: both transient until commit.
         chunk.evicts = true;
         chunk.new_blocks += g.BlocksFor(n) - g.BlocksFor(sim.stored[l]);
-        if (replay)
-          replay_blocks += g.BlocksFor(n + replay_len) - g.BlocksFor(n) + (n % g.block_size != 0);
+        replay_blocks += g.BlocksFor(n + replay_len) - g.BlocksFor(n) + (n % g.block_size != 0);
         kept_blocks += g.BlocksFor(keep);
       } else if (keep < n) {  // new blocks for the kept entries; the old ones go at commit
         chunk.evicts = true;
@@ -136,13 +114,6 @@ absl::StatusOr<Simulation> Simulate(const CompressionParams& c, int64_t prompt_l
       replay_blocks +=
           g.num_sliding_layers * g.BlocksFor(std::min(end + replay_len, g.sliding_capacity));
     }
-    if (adaptive && chunk.evicts) {  // any layer may keep more than its uniform budget
-      kept_blocks = AdaptiveBlocksBound(g, caps, kept_total, 0);
-      blocks_after += kept_blocks;
-      for (int64_t l = 0; l < layers; ++l) blocks_after -= g.BlocksFor(sim.stored[l]);
-      sim.adaptive = true;
-      sim.adaptive_caps = caps;
-    }
     chunk.new_blocks += std::max(replay_blocks, kept_blocks);
     blocks_after += g.num_sliding_layers * ring_after;
     sim.peak_blocks = std::max(sim.peak_blocks, held + chunk.new_blocks);
@@ -158,11 +129,6 @@ int64_t BlocksWithDecodeRoom(const Simulation& sim, const KvCacheGeometry& g, in
                              int64_t reserve) {
   int64_t blocks =
       g.num_sliding_layers * g.BlocksFor(std::min(prompt_len + reserve, g.sliding_capacity));
-  if (sim.adaptive) {
-    int64_t total = 0;
-    for (int64_t stored : sim.stored) total += stored;
-    return blocks + AdaptiveBlocksBound(g, sim.adaptive_caps, total, reserve);
-  }
   for (int64_t stored : sim.stored) blocks += g.BlocksFor(stored + reserve);
   return blocks;
 }

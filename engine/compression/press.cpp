@@ -7,7 +7,6 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "engine/compression/adaptive_budget.h"
 #include "engine/compression/compression.h"
 #include "engine/model/config.h"
 #include "kernels/selection.h"
@@ -47,7 +46,6 @@ class Press final : public KvSelector {
         profile_(std::move(profile)) {}
 
   int64_t num_attention_rows() const override { return scorer_->num_attention_rows(); }
-  bool selects_after_forward() const override { return replay() || adaptive(); }
 
   absl::StatusOr<std::vector<int64_t>> Budgets(int64_t logical_len) const override {
     absl::StatusOr<BudgetOptions> bo = ResolveBudgetOptions(params_, model_.num_layers, logical_len,
@@ -98,72 +96,54 @@ class Press final : public KvSelector {
     return true;
   }
 
-  bool replay() const { return params_.scoring_queries == ScoringQueries::kReplay; }
-  bool adaptive() const { return params_.allocator == BudgetAllocator::kAdaptive; }
-
   absl::StatusOr<std::optional<at::Tensor>> SelectImpl(const LayerKvView& v) {
     if (absl::Status s = CheckView(v); !s.ok()) return s;
     const int64_t n = v.keys.size(1);
     // Batched views for the kernels: [1, H, ., D].
     const ScorerInput in{v, v.queries.unsqueeze(0), v.keys.unsqueeze(0), v.values.unsqueeze(0),
                          v.queries.size(1)};
-    stored_scores_.resize(model_.num_layers);
-    if (v.pass == LayerKvView::Pass::kReplay) {
-      if (!replay())
-        return absl::InvalidArgumentError("LayerKvView: a replay pass for a window press");
-      // The replay's sum scores the prompt's entries.
-      absl::StatusOr<at::Tensor> part = scorer_->ReplayScore(in, v.replayed_len);
-      if (!part.ok()) return part.status();
-      at::Tensor& sum = stored_scores_[v.layer_idx];
-      sum = sum.defined() ? sum.add_(*part) : *part;
-      return std::optional<at::Tensor>();
-    }
-    if (v.pass == LayerKvView::Pass::kPrompt) {
-      if (replay()) {  // the prompt's chunks store everything; a replay follows the last
-        if (v.is_last_chunk) stored_scores_[v.layer_idx] = at::Tensor();
+    const bool replay = params_.scoring_queries == ScoringQueries::kReplay;
+    if (replay) {
+      // The prompt's chunks store everything; the replay's sum scores the prompt's entries.
+      replay_scores_.resize(model_.num_layers);
+      if (v.pass == LayerKvView::Pass::kPrompt) {
+        if (v.is_last_chunk) replay_scores_[v.layer_idx] = at::Tensor();  // a new replay follows
         return std::optional<at::Tensor>();
+      }
+      if (v.pass == LayerKvView::Pass::kReplay) {
+        absl::StatusOr<at::Tensor> part = scorer_->ReplayScore(in, v.replayed_len);
+        if (!part.ok()) return part.status();
+        at::Tensor& sum = replay_scores_[v.layer_idx];
+        sum = sum.defined() ? sum.add_(*part) : *part;
+        return std::optional<at::Tensor>();
+      }
+    } else {
+      if (v.pass != LayerKvView::Pass::kPrompt) {
+        return absl::InvalidArgumentError("LayerKvView: a replay pass for a window press");
       }
       if (absl::Status s = scorer_->Observe(in); !s.ok()) return s;
       if (!ShouldCompress(v, n)) return std::optional<at::Tensor>();
-    } else if (!selects_after_forward()) {
-      return absl::InvalidArgumentError(
-          "LayerKvView: a stored layer's selection for a press "
-          "that selects during the forward");
     }
 
     absl::StatusOr<std::vector<int64_t>> budgets = Budgets(v.logical_len);
     if (!budgets.ok()) return budgets.status();
     int64_t keep = std::min<int64_t>((*budgets)[v.layer_idx], n);
     const bool automatic = params_.tolerance > 0;  // the budget is a ceiling
-    if (keep >= n && !automatic && !adaptive()) return std::optional<at::Tensor>();
+    if (keep >= n && !automatic) return std::optional<at::Tensor>();
     if (keep < 1) return absl::InternalError("layer budget below 1 token");
+
+    absl::StatusOr<at::Tensor> scores =
+        replay ? ReplayedScores(v.layer_idx, n) : scorer_->Score(in);
+    if (!scores.ok()) return scores.status();
+    if (v.reduce_scores) {
+      if (absl::Status s = v.reduce_scores(*scores); !s.ok()) return s;
+    }
 
     const SelectionRule rule = scorer_->Selection();
     kernels::SelectParams sp;
     sp.pool = ToKernelPool(rule.pooling);
     if (rule.pooling != PoolingType::kNone) sp.pool_kernel = rule.pooling_kernel;
     sp.pool_lookback = rule.pooling_lookback;
-    const bool stored = v.pass == LayerKvView::Pass::kSelectStored;
-    if (adaptive() && stored) {  // every layer's stored scores split the budget
-      absl::StatusOr<int64_t> moved = AdaptiveBudget(v, *budgets, sp);
-      if (!moved.ok()) return moved.status();
-      keep = *moved;
-      if (keep >= n) {
-        stored_scores_[v.layer_idx] = at::Tensor();
-        return std::optional<at::Tensor>();
-      }
-    }
-    absl::StatusOr<at::Tensor> scores = stored ? StoredScores(v.layer_idx, n) : scorer_->Score(in);
-    if (!scores.ok()) return scores.status();
-    // Replay sums are reduced once summed; a prompt pass's scores as they come.
-    if (v.reduce_scores && (!stored || replay())) {
-      if (absl::Status s = v.reduce_scores(*scores); !s.ok()) return s;
-    }
-    if (adaptive() && !stored) {  // every layer is scored before any selects
-      stored_scores_[v.layer_idx] = std::move(*scores);
-      adaptive_budgets_.clear();
-      return std::optional<at::Tensor>();
-    }
     // Protection cannot cover more than the budget (n <= W is never compressed; keep >= W).
     sp.window = static_cast<int32_t>(std::min<int64_t>(rule.window, keep));
     sp.num_sinks =
@@ -180,36 +160,6 @@ class Press final : public KvSelector {
     at::Tensor kept = (*idx)[0];  // int64 [Hkv, keep], ascending
     scorer_->Kept(v.layer_idx, kept);
     return std::optional<at::Tensor>(kept);
-  }
-
-  // Layer v.layer_idx's adaptive budget: at the first stored layer's selection, the uniform
-  // `budgets` are split over every layer by its stored scores in selection's order.
-  absl::StatusOr<int64_t> AdaptiveBudget(const LayerKvView& v, const std::vector<int64_t>& budgets,
-                                         const kernels::SelectParams& sp) {
-    if (v.max_over_ranks) {
-      // Each rank holds other KV heads, and a layer keeps as many entries on every rank.
-      return absl::UnimplementedError(
-          "allocator adaptive: not supported with tensor parallelism (each rank would split the "
-          "budget by its own KV heads)");
-    }
-    if (adaptive_budgets_.empty()) {
-      std::vector<at::Tensor> pooled(model_.num_layers);
-      for (int32_t l = 0; l < model_.num_layers; ++l) {
-        if (!stored_scores_[l].defined()) {
-          return absl::FailedPreconditionError(absl::StrCat(
-              "allocator adaptive: layer ", l, " was not scored before the selection"));
-        }
-        absl::StatusOr<at::Tensor> p =
-            kernels::PoolScores(stored_scores_[l], sp.pool, sp.pool_kernel, sp.pool_lookback);
-        if (!p.ok()) return p.status();
-        pooled[l] = std::move(*p);
-      }
-      absl::StatusOr<std::vector<int64_t>> split = AdaptiveLayerBudgets(
-          pooled, budgets, scorer_->Selection().window, ProtectedSinks(params_));
-      if (!split.ok()) return split.status();
-      adaptive_budgets_ = std::move(*split);
-    }
-    return adaptive_budgets_[v.layer_idx];
   }
 
   // The automatic budget: the fewest entries a layer keeps, in selection's order (pooled, the
@@ -239,17 +189,15 @@ class Press final : public KvSelector {
     return fewest;
   }
 
-  // A layer's scores for its stored selection (kSelectStored: the replay's sum, or the prompt
-  // pass's when the adaptive allocator waits for every layer), moved out: one selection each.
-  absl::StatusOr<at::Tensor> StoredScores(int32_t layer_idx, int64_t n) {
-    if (static_cast<size_t>(layer_idx) >= stored_scores_.size() ||
-        !stored_scores_[layer_idx].defined() || stored_scores_[layer_idx].size(2) != n) {
+  // A layer's summed replay scores (kReplaySelect), moved out: one selection per replay.
+  absl::StatusOr<at::Tensor> ReplayedScores(int32_t layer_idx, int64_t n) {
+    if (static_cast<size_t>(layer_idx) >= replay_scores_.size() ||
+        !replay_scores_[layer_idx].defined() || replay_scores_[layer_idx].size(2) != n) {
       return absl::FailedPreconditionError(
-          absl::StrCat("no stored scores for layer ", layer_idx, "'s ", n,
-                       " entries (the runner selects after the prompt's last chunk",
-                       replay() ? " and its replay)" : ")"));
+          absl::StrCat("replay scoring: no replay scores for layer ", layer_idx, "'s ", n,
+                       " entries (the runner selects after the prompt's replay)"));
     }
-    return std::move(stored_scores_[layer_idx]);
+    return std::move(replay_scores_[layer_idx]);
   }
 
   CompressionParams params_;
@@ -257,9 +205,7 @@ class Press final : public KvSelector {
   std::unique_ptr<Scorer> scorer_;
   BudgetRounding rounding_;
   std::optional<LayerProfile> profile_;
-  // [layer] fp32 [1, Hkv, n]: what a selection after the forward selects by.
-  std::vector<at::Tensor> stored_scores_;
-  std::vector<int64_t> adaptive_budgets_;  // [layer], set at the first stored selection
+  std::vector<at::Tensor> replay_scores_;  // [layer] fp32 [1, Hkv, prompt entries]
 };
 
 // Checks `params` against `model` and loads the profile MGA / MLMA need (`profile` when given,

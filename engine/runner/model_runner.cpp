@@ -499,7 +499,7 @@ class TorchModelRunner : public ModelRunner {
     return selector.get();
   }
 
-  // --- selection after the forward (replay scoring, the adaptive allocator) ---------------------
+  // --- replay scoring (CompressionParams::scoring_queries kReplay) ------------------------------
 
   // Appends a chunk to the tokens `seq`'s prefill fed (a chunk fed again after a failed step
   // replaces what it fed); returns them.
@@ -515,14 +515,13 @@ class TorchModelRunner : public ModelRunner {
     return fed.tokens;
   }
 
-  // The press of `seq` selects from what every global layer stores after the prompt's last
-  // chunk. A replay press first scores the stored entries by `replay_tokens` fed again after them
-  // (in chunks of kReplayChunkTokens, each on a scratch copy of the sequence that is dropped
-  // after). The old blocks of the compacted layers go to `old` (freed by the caller on commit).
-  // Nothing to do when every layer is within its budget.
-  absl::Status SelectAfterForward(SequenceId seq, KvSelector& press,
-                                  const std::vector<int32_t>* replay_tokens,
-                                  std::vector<int32_t>& old) {
+  // The press of `seq` scores its stored entries by `tokens` fed again after them (in chunks of
+  // kReplayChunkTokens, each on a scratch copy of the sequence that is dropped after), then each
+  // global layer keeps what the press selects from the summed scores. The old blocks of the
+  // compacted layers go to `old` (freed by the caller on commit). Nothing to do when every layer
+  // is within its budget.
+  absl::Status ReplayAndSelect(SequenceId seq, KvSelector& press,
+                               const std::vector<int32_t>& tokens, std::vector<int32_t>& old) {
     ASSIGN_OR_RETURN(std::vector<int64_t> budgets, press.Budgets(pool_->logical_len(seq)));
     bool evicts = false;
     for (int32_t l = 0; l < config().num_layers; ++l) {
@@ -530,10 +529,8 @@ class TorchModelRunner : public ModelRunner {
       if (g >= 0 && static_cast<size_t>(g) < budgets.size())
         evicts |= budgets[g] < pool_->stored_len(seq, l);
     }
-    if (!evicts) return absl::OkStatus();
+    if (!evicts || tokens.empty()) return absl::OkStatus();
     constexpr SequenceId kScratch = std::numeric_limits<SequenceId>::min();
-    const std::vector<int32_t> no_tokens;
-    const std::vector<int32_t>& tokens = replay_tokens != nullptr ? *replay_tokens : no_tokens;
     for (size_t begin = 0; begin < tokens.size(); begin += kReplayChunkTokens) {
       const size_t len = std::min<size_t>(kReplayChunkTokens, tokens.size() - begin);
       if (absl::Status st = ForkSequence(seq, kScratch); !st.ok()) {
@@ -552,7 +549,7 @@ class TorchModelRunner : public ModelRunner {
     for (int32_t l = 0; l < config().num_layers; ++l) {
       if (config().is_sliding(l)) continue;
       ASSIGN_OR_RETURN(LayerKvView view, StoredLayerView(seq, l, no_queries));
-      view.pass = LayerKvView::Pass::kSelectStored;
+      view.pass = LayerKvView::Pass::kReplaySelect;
       ASSIGN_OR_RETURN(std::optional<at::Tensor> kept, press.Select(view));
       if (!kept) continue;
       std::vector<int32_t> replaced;  // StoreKept hands back this layer's old blocks
@@ -781,17 +778,14 @@ class TorchModelRunner : public ModelRunner {
         offset += static_cast<size_t>(n);
       }
       for (auto& [seq, parts] : scored) prompt_logprobs_[seq] = std::move(parts);
-      // A press that selects after the forward (replay scoring, the adaptive allocator), over
-      // the prompt as stored (its logical length moved on; a failure restores it with the rest):
-      // the old blocks of the layers it compacts go at commit.
+      // Replay scoring, over the prompt as stored (its logical length moved on; a failure
+      // restores it with the rest): the old blocks of the layers it compacts go at commit.
       for (size_t i = 0; i < chunks.size(); ++i) {
-        if (!chunks[i].is_last_chunk || chunks[i].selector == nullptr ||
-            !chunks[i].selector->selects_after_forward())
-          continue;
+        if (chunks[i].replay_tokens == nullptr) continue;
         pool_->set_logical_len(chunks[i].seq,
                                starts[i] + static_cast<int64_t>(chunks[i].tokens.size()));
-        absl::Status st = SelectAfterForward(chunks[i].seq, *chunks[i].selector,
-                                             chunks[i].replay_tokens, prefills[i]->deferred_free());
+        absl::Status st = ReplayAndSelect(chunks[i].seq, *chunks[i].selector,
+                                          *chunks[i].replay_tokens, prefills[i]->deferred_free());
         if (!st.ok()) return fail(st);
       }
       // Commit: the old blocks of compacted layers go, lengths move on.

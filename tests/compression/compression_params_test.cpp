@@ -49,7 +49,7 @@ TEST(CompressionNamesTest, RoundTrip) {
       kScoreMethodNames, 9, [](std::string_view s) { return ParseScoreMethod(s); },
       ScoreMethodName);
   ExpectRoundTrip(
-      kBudgetAllocatorNames, 9, [](std::string_view s) { return ParseBudgetAllocator(s); },
+      kBudgetAllocatorNames, 8, [](std::string_view s) { return ParseBudgetAllocator(s); },
       BudgetAllocatorName);
   ExpectRoundTrip(
       kChunkPolicyNames, 3, [](std::string_view s) { return ParseChunkPolicy(s); },
@@ -77,7 +77,7 @@ TEST(CompressionNamesTest, ErrorNamesFieldAndListsValues) {
   ASSERT_FALSE(a.ok());
   EXPECT_EQ(a.status().message(),
             "compression.allocator: expected one of "
-            "uniform|pyramid|mlp|mga|mlma2|mlma4|mlma6|explicit|adaptive, got ''");
+            "uniform|pyramid|mlp|mga|mlma2|mlma4|mlma6|explicit, got ''");
   EXPECT_THAT(std::string(ParseChunkPolicy("each").status().message()),
               HasSubstr("chunk_policy: expected one of last_chunk|every_chunk|budget"));
   EXPECT_THAT(std::string(ParsePoolingType("min").status().message()),

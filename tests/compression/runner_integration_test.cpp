@@ -16,7 +16,6 @@
 #include <gtest/gtest.h>
 
 #include "allocator/block_pool.h"
-#include "engine/compression/adaptive_budget.h"
 #include "engine/compression/compression.h"
 #include "engine/compression/plan.h"
 #include "engine/compression/press.h"
@@ -517,78 +516,6 @@ TEST(RunnerIntegration, ReplayScoringKeepsWhatAnFp64ReplayKeeps) {
   runner->Release(1);
   runner->Release(2);
   EXPECT_EQ(runner->pool().num_used_blocks(), 0);
-}
-
-// The adaptive allocator keeps, in every layer, what the press keeps at that layer's split of the
-// uniform total, the split made from an fp64 brute force of the window's DropKV scores (pooled as
-// the selection pools them): the same total as uniform, other counts per layer. A pool of the
-// plan's blocks runs it, and every block comes back.
-TEST(RunnerIntegration, AdaptiveAllocatorSplitsTheUniformTotalByTheLayersScores) {
-  const int64_t n = 700;
-  const auto prompt = Prompt(n, 33);
-  auto runner = DemoRunner(4096);
-  ASSERT_NE(runner, nullptr);
-  CompressionParams p;
-  p.method = ScoreMethod::kDropKV;
-  p.keep_ratio = 0.1;
-  p.allocator = BudgetAllocator::kAdaptive;
-  ASSERT_TRUE(runner->Prefill(1, prompt, true, p).ok());
-  CompressionParams uniform = p;
-  uniform.allocator = BudgetAllocator::kUniform;
-  ViewRecorder rec;
-  ASSERT_TRUE(runner->PrefillWithSelector(10, prompt, true, &rec).ok());
-  runner->Release(10);
-  auto press = CreateKvSelectorForModel(uniform, runner->config());
-  ASSERT_TRUE(press.ok());
-  auto budgets = (*press)->Budgets(n);
-  ASSERT_TRUE(budgets.ok());
-
-  const int32_t num_layers = runner->config().num_layers;
-  std::vector<at::Tensor> reference(num_layers), pooled(num_layers);
-  for (int32_t l = 0; l < num_layers; ++l) {
-    reference[l] = Fp64DropKvScores(rec.queries[l], rec.keys[l], rec.values[l], n - p.window, n)
-                       .to(at::kFloat)
-                       .unsqueeze(0);
-    auto pool = kernels::PoolScores(reference[l], kernels::PoolType::kPoolTypeMax, p.pooling_kernel,
-                                    p.pooling_lookback);
-    ASSERT_TRUE(pool.ok());
-    pooled[l] = *pool;
-  }
-  auto split = AdaptiveLayerBudgets(pooled, *budgets, p.window, 0);
-  ASSERT_TRUE(split.ok()) << split.status();
-  kernels::SelectParams sp;
-  sp.pool_kernel = p.pooling_kernel;
-  sp.pool_lookback = p.pooling_lookback;
-  sp.window = p.window;
-  int64_t kept_total = 0, moved = 0;
-  for (int32_t l = 0; l < num_layers; ++l) {
-    SCOPED_TRACE("layer " + std::to_string(l));
-    auto got = runner->StoredPositions(1, l);
-    ASSERT_TRUE(got.ok());
-    auto want = kernels::SelectTopK(reference[l], (*split)[l], sp);
-    ASSERT_TRUE(want.ok()) << want.status();
-    ASSERT_EQ(got->sizes(), (*want)[0].sizes());
-    EXPECT_TRUE(at::equal(*got, (*want)[0]));
-    kept_total += got->size(1);
-    moved += got->size(1) != (*budgets)[l];
-  }
-  EXPECT_EQ(kept_total, std::accumulate(budgets->begin(), budgets->end(), int64_t{0}));
-  EXPECT_GT(moved, 0);
-  runner->Release(1);
-  EXPECT_EQ(runner->pool().num_used_blocks(), 0);
-
-  // The plan bounds what any split holds: a pool of its blocks runs the prefill.
-  PlanOptions o;
-  o.step_tokens = 1 << 20;
-  auto plan = CompressionPlan::Create(p, n, runner->cache_geometry(), nullptr, o);
-  ASSERT_TRUE(plan.ok()) << plan.status();
-  auto tight = DemoRunner(plan->blocks_needed());
-  ASSERT_NE(tight, nullptr);
-  ASSERT_TRUE(tight->Prefill(1, prompt, true, p).ok());
-  EXPECT_LE(tight->CacheInfo(1).num_blocks, plan->chunks().back().blocks_after);
-  EXPECT_EQ(tight->pool().num_used_blocks(), tight->CacheInfo(1).num_blocks);
-  tight->Release(1);
-  EXPECT_EQ(tight->pool().num_used_blocks(), 0);
 }
 
 // For each case and step budget: the plan's blocks after every chunk are the runner's, and a pool

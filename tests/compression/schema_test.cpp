@@ -131,38 +131,6 @@ TEST(CompressionSchemaTest, ReplayScoringNeedsDropKvLastChunkAndAFixedBudget) {
   EXPECT_THAT(ValidateCompression(bad, 4).message(), HasSubstr("scoring_queries: replay takes"));
 }
 
-// The adaptive allocator splits a fixed prefill budget by DropKV's scores after the last chunk:
-// anything else is refused, naming the field.
-TEST(CompressionSchemaTest, AdaptiveAllocatorNeedsDropKvLastChunkAndAFixedPrefillBudget) {
-  CompressionParams p;
-  p.method = ScoreMethod::kDropKV;
-  p.keep_ratio = 0.1;
-  ASSERT_TRUE(FindCompressionField("allocator")->set(p, "adaptive").ok());
-  EXPECT_EQ(p.allocator, BudgetAllocator::kAdaptive);
-  EXPECT_TRUE(ValidateCompression(p, 4).ok());
-  p.scoring_queries = ScoringQueries::kReplay;  // a replay's sums split the budget as well
-  EXPECT_TRUE(ValidateCompression(p, 4).ok());
-  p.scoring_queries = ScoringQueries::kWindow;
-  CompressionParams bad = p;
-  bad.method = ScoreMethod::kSnapKV;
-  EXPECT_EQ(ValidateCompression(bad, 4).message(),
-            "allocator: adaptive reads DropKV's scores: method must be dropkv");
-  bad = p;
-  bad.chunk_policy = ChunkPolicy::kEveryChunk;
-  bad.chunk_size = 64;
-  EXPECT_THAT(ValidateCompression(bad, 4).message(), HasSubstr("chunk_policy must be last_chunk"));
-  bad = p;
-  bad.tolerance = 0.1;
-  EXPECT_THAT(ValidateCompression(bad, 4).message(), HasSubstr("tolerance must be 0"));
-  bad = p;
-  bad.decode_margin = 64;
-  EXPECT_THAT(ValidateCompression(bad, 4).message(),
-              HasSubstr("allocator: adaptive splits the prefill's budget"));
-  bad = p;
-  bad.method = ScoreMethod::kNone;  // nothing to split: accepted, as every allocator is
-  EXPECT_TRUE(ValidateCompression(bad, 4).ok());
-}
-
 TEST(CompressionSchemaTest, NamesAreUnique) {
   std::vector<std::string_view> names, flags;
   for (const CompressionField& f : CompressionFields()) {

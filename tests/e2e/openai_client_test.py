@@ -463,14 +463,6 @@ def test_default_model(args, pb, pb_grpc, grpc):
               turn1.usage.model_extra["kv_tokens_kept_per_layer"] and
               turn2r.usage.prompt_tokens_details.cached_tokens == len(story_ids) + 5,
               "scoring_queries replay: the window's budgets, and turn 2 continues it")
-        # The adaptive allocator: uniform's total, split over the layers by their scores.
-        adaptive = client.completions.create(
-            model=model, prompt=story_ids, max_tokens=6, temperature=0,
-            extra_body={"kv_compression": dict(compression, allocator="adaptive")})
-        split = adaptive.usage.model_extra["kv_tokens_kept_per_layer"]
-        check(sum(split) == sum(turn1.usage.model_extra["kv_tokens_kept_per_layer"]) and
-              adaptive.usage.completion_tokens == 6,
-              f"allocator adaptive: uniform's total, split {split}")
         # Compression during decode: 48 tokens onto a prompt kept at 25% evict ~4 times.
         decoding = client.completions.create(
             model=model, prompt=story_ids, max_tokens=48, temperature=0,
@@ -532,12 +524,6 @@ def test_default_model(args, pb, pb_grpc, grpc):
         expect_error(lambda: cc(model=model, prompt="x", extra_body={"kv_compression": {
                          "method": "h2o", "scoring_queries": "replay"}}),
                      400, "kv_compression.scoring_queries", "replay with h2o")
-        expect_error(lambda: cc(model=model, prompt="x", extra_body={"kv_compression": {
-                         "method": "snapkv", "allocator": "adaptive"}}),
-                     400, "kv_compression.allocator", "adaptive with snapkv")
-        expect_error(lambda: cc(model=model, prompt="x", extra_body={"kv_compression": {
-                         "method": "dropkv", "allocator": "adaptive", "decode_margin": 64}}),
-                     400, "kv_compression.allocator", "adaptive with decode_margin")
         expect_error(lambda: cc(model=model, prompt="x", extra_body={"priority": 2**31}), 400,
                      "priority", "priority beyond int32")
         expect_error(lambda: cc(model=model, prompt="x", extra_body={"priority": "high"}), 400,
