@@ -17,7 +17,7 @@
 #   KEEPS [0.05,0.1,0.25]    DTYPE [bfloat16]   SEED [0]   WINDOW [8] (ours and kvpress's own W)
 #   FORMAT [raw]: tasks.py's prompt format (chat: the model's chat template around the task)
 #   METHODS    ours [full,dropkv,snapkv,h2o,streaming_llm,knorm]
-#   ALLOCATORS ours [uniform], e.g. uniform,adaptive (a method an allocator refuses is skipped)
+#   ALLOCATORS ours [uniform], e.g. uniform,pyramid (a method an allocator refuses is skipped)
 #   PRESSES    kvpress, one prefill for all [full,snapkv,snapkv:w64,pyramidkv,pyramidkv:w64,tova,
 #              expected_attention,criticalkv,knorm,streaming_llm] (`:w64`: kvpress's default window)
 #   SEPARATE   kvpress presses that need a prefill each [adakv,critical_adakv]; "" = none
